@@ -1,0 +1,154 @@
+"""Model configuration: one frozen, hashable dataclass for every decoder family.
+
+`ModelConfig` is static under `jax.jit` (it is hashable), so a step compiled for
+one config never silently serves another.  The same dataclass describes Llama 2/3
+(incl. Llama-3.1 rope scaling), Mistral (sliding window), Qwen2 (qkv bias),
+Qwen3 (q/k RMSNorm, free head_dim), DeepSeek-style MLA and hybrid models (the
+ledger counts only full-attention layers), plus kvjax's own byte-level code model
+with MTP draft heads.
+
+Dimension legend used across kvjax (einsum strings and shape comments):
+  B batch rows, T query tokens per row, S kv tokens, N q heads, K kv heads,
+  H head_dim, D model dim, F mlp dim, V vocab, P pages, G page size, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["RopeScaling", "ModelConfig", "PRESETS", "get_preset"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3.1 style frequency-dependent rope scaling (HF rope_type='llama3')."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and variants of a decoder-only transformer.
+
+  Attention variants: `num_kv_heads == num_heads` is MHA, `1` is MQA, anything
+  between is GQA.  `sliding_window` applies to every layer unless
+  `layer_windows` gives one entry per layer (None = full attention), as in
+  models that interleave local and global layers.
+  """
+
+  name: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  max_position_embeddings: int
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # Qwen2: bias on q, k, v projections.
+  qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before rope.
+  sliding_window: Optional[int] = None
+  layer_windows: Optional[tuple] = None  # per-layer window (None entries = full).
+  mtp_num_hidden_layers: int = 0  # DeepSeek-V3 style MTP draft modules.
+  # Multi-head latent attention (DeepSeek-V2/V3); attention_type "mla".
+  attention_type: str = "gqa"
+  kv_lora_rank: int = 0
+  q_lora_rank: Optional[int] = None
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # Hybrid models: layers with no KV cache (linear attention / state space).
+  num_full_attention_layers: Optional[int] = None
+  bos_token_id: Optional[int] = None
+  eos_token_id: Optional[int] = None
+  pad_token_id: Optional[int] = None
+
+  def __post_init__(self):
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.attention_type not in ("gqa", "mla"):
+      raise ValueError(f"unknown attention_type {self.attention_type!r}; use 'gqa' or 'mla'")
+    if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+      raise ValueError(
+          f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+    if self.mtp_num_hidden_layers < 0:
+      raise ValueError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
+
+  @property
+  def num_queries_per_kv(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def num_cache_layers(self) -> int:
+    """Layers that own KV pages: the trunk plus every MTP module's block."""
+    return self.num_layers + self.mtp_num_hidden_layers
+
+  def window_of_layer(self, layer: int) -> Optional[int]:
+    """Sliding window of cache layer `layer` (MTP blocks use the global window)."""
+    if self.layer_windows is not None and layer < self.num_layers:
+      return self.layer_windows[layer]
+    return self.sliding_window
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+_LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)
+
+# Published shapes of the real checkpoints (config.json of each release).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+    "llama2-7b": ModelConfig(
+        name="llama2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2),
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        bos_token_id=128000, eos_token_id=128001),
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001),
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+        bos_token_id=128000, eos_token_id=128001),
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5,
+        sliding_window=4096, bos_token_id=1, eos_token_id=2),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+  return PRESETS[name]

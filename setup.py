@@ -1,0 +1,31 @@
+"""kvjax: functional paged-KV LLM inference in JAX and Pallas."""
+from setuptools import find_packages, setup
+
+setup(
+    name="kvjax",
+    version="0.1.0",
+    description="Functional pure-state paged-KV LLM inference in JAX/Pallas",
+    packages=find_packages(include=["kvjax", "kvjax.*", "pallas_kernels", "pallas_kernels.*"]),
+    package_data={"kvjax": ["assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10.2",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "numpy",
+        "chex",
+        "absl-py",
+        "ml_collections",
+        "tqdm",
+        "safetensors",
+    ],
+    extras_require={
+        "cuda12": ["jax[cuda12]>=0.10.2"],
+        # torch/transformers are test oracles only (HF parity), never runtime deps.
+        "test": ["pytest", "hypothesis", "torch", "transformers", "safetensors"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},
+)
