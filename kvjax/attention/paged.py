@@ -1,0 +1,46 @@
+"""Paged attention in pure jnp: gather each row's pages through its block table.
+
+This is kvjax's reference backend (the default on CPU).  The batch layout is
+padded, not ragged: q is [B, T, N, H] and row i of batch row b sits at position
+`kv_lens[b] - T + i` (every row counted, padding rows included), so the block
+table must cover `kv_lens[b]` tokens.  Pallas backends receive the same call
+flattened into the ragged layout (see kvjax/attention/registry.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention.dense import masked_attention, visibility_mask
+
+__all__ = ["paged_attention", "gather_pages"]
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array,
+                 scales: Optional[jax.Array] = None) -> jax.Array:
+  """pages [K, P, G, H] gathered by block_tables [B, Pmax] -> [B, Pmax*G, K, H] (f32 if scaled)."""
+  gathered = pages[:, block_tables]  # [K, B, Pmax, G, H]
+  if scales is not None:
+    gathered = gathered.astype(jnp.float32) * scales[:, block_tables][..., None]
+  k, b, pmax, g, h = gathered.shape
+  return gathered.transpose(1, 2, 3, 0, 4).reshape(b, pmax * g, k, h)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    kv_lens: jax.Array, block_tables: jax.Array, *, sm_scale: float,
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                    k_scales: Optional[jax.Array] = None,
+                    v_scales: Optional[jax.Array] = None) -> jax.Array:
+  """q [B, T, N, H]; k/v_pages [K, P, G, H]; kv_lens [B]; block_tables [B, Pmax] -> [B, T, N, H]."""
+  b, t = q.shape[:2]
+  keys = gather_pages(k_pages, block_tables, k_scales)  # [B, S, K, H]
+  values = gather_pages(v_pages, block_tables, v_scales)
+  s = keys.shape[1]
+  q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
+  k_positions = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))  # [B, S]
+  visible = visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None],
+                            sliding_window)
+  return masked_attention(q, keys.astype(q.dtype) if k_scales is None else keys,
+                          values, visible, sm_scale=sm_scale, soft_cap=soft_cap)

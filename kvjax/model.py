@@ -1,0 +1,156 @@
+"""The decoder as pure functions of (params, cache).
+
+One block implementation serves every cache kind: the block computes q, k, v
+and hands them to an `attend(cache, layer, q, k, v) -> (cache, out)` callable
+supplied by the caller (dense causal for the no-cache forward, a contiguous
+buffer, or pages through a block table; kvjax/cache.py).  The cache goes in
+and comes out; nothing is mutated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.config import ModelConfig
+from kvjax.params import BlockParams, MTPParams, Params
+
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
+           "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend"]
+
+# attend(cache, layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (cache, out [B,T,N,H])
+Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """[H/2] inverse frequencies, with Llama-3.1 frequency-dependent scaling."""
+  h = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  sc = cfg.rope_scaling
+  if sc is None:
+    return inv_freq
+  low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+  high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+      sc.high_freq_factor - sc.low_freq_factor)
+  smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+  is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """x [B, T, heads, H], positions [B, T]: rotate-half rope (HF convention)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
+           inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
+  """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
+  a = p.attn
+  h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dnh->btnh", h, a.wq)
+  k = jnp.einsum("btd,dkh->btkh", h, a.wk)
+  v = jnp.einsum("btd,dkh->btkh", h, a.wv)
+  if a.bq is not None:
+    q, k, v = q + a.bq, k + a.bk, v + a.bv
+  if a.q_norm is not None:
+    q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+    k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  with jax.named_scope(f"attention_{layer}"):
+    cache, out = attend(cache, layer, q, k, v)
+  x = x + jnp.einsum("btnh,nhd->btd", out, a.wo)
+  h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+  gated = jax.nn.silu(h @ p.w_gate) * (h @ p.w_up)
+  return cache, x + gated @ p.w_down
+
+
+def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: Any, attend: Attend):
+  """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm."""
+  x = params.embed[tokens]
+  inv_freq = rope_inv_freq(cfg)
+  for layer, block in enumerate(params.blocks):
+    cache, x = _block(cfg, block, x, positions, inv_freq, cache, layer, attend)
+  return cache, x
+
+
+def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array,
+              norm: Optional[jax.Array] = None) -> jax.Array:
+  """hidden [..., D] -> float32 logits [..., V] through `norm` (default: final norm)."""
+  h = rms_norm(hidden, params.final_norm if norm is None else norm, cfg.rms_norm_eps)
+  return jnp.einsum("...d,dv->...v", h, params.head(), preferred_element_type=jnp.float32)
+
+
+def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Array,
+              next_tokens: jax.Array, positions: jax.Array, cache: Any, attend: Attend):
+  """MTP module `depth` (0-based): combine h_{k-1} at t with embed(x_{t+k+1}).
+
+  prev_hidden [B, T, D]; next_tokens, positions [B, T] -> (cache, hidden [B, T, D]).
+  Its attention uses cache layer `num_layers + depth`.
+  """
+  m: MTPParams = params.mtp[depth]
+  e = rms_norm(params.embed[next_tokens], m.embed_norm, cfg.rms_norm_eps)
+  h = rms_norm(prev_hidden, m.hidden_norm, cfg.rms_norm_eps)
+  x = jnp.concatenate([e, h], axis=-1) @ m.proj
+  return _block(cfg, m.block, x, positions, rope_inv_freq(cfg), cache,
+                cfg.num_layers + depth, attend)
+
+
+def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
+  """Causal self-attention among the T tokens themselves (no cache)."""
+  valid = jnp.ones(positions.shape, bool)
+
+  def attend(cache, layer, q, k, v):
+    visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
+    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5)
+
+  return attend
+
+
+def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+  """Full causal forward with no cache: tokens [B, T] -> hidden [B, T, D] (pre-norm)."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+  _, hidden = decoder(params, cfg, tokens, positions, None, _dense_attend(cfg, positions))
+  return hidden
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+  """tokens int32 [B, T] -> float32 logits [B, T, V]."""
+  return lm_logits(params, cfg, forward_hidden(params, cfg, tokens))
+
+
+def forward_with_mtp(params: Params, cfg: ModelConfig, tokens: jax.Array):
+  """Trunk logits plus every MTP module's logits, no cache (training and evaluation).
+
+  Returns (logits [B, T, V], mtp_logits tuple of [B, T, V]): `mtp_logits[k-1][:, t]`
+  predicts token t+k+1 from h_{k-1} at t and token t+k; the last k+1 rows have
+  no target.
+  """
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+  attend = _dense_attend(cfg, positions)
+  _, hidden = decoder(params, cfg, tokens, positions, None, attend)
+  logits = lm_logits(params, cfg, hidden)
+  mtp_logits = []
+  for depth in range(len(params.mtp)):
+    shifted = jnp.pad(tokens[:, depth + 1:], ((0, 0), (0, depth + 1)))  # x_{t+k}
+    _, hidden = mtp_block(params, cfg, depth, hidden, shifted, positions, None, attend)
+    mtp_logits.append(lm_logits(params, cfg, hidden, params.mtp[depth].out_norm))
+  return logits, tuple(mtp_logits)

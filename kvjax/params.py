@@ -1,0 +1,114 @@
+"""Parameter pytrees and random initialization.
+
+Weights are stored input-major so every projection is `x @ w` (einsum
+'btd,dnh->btnh'); HF's torch layout ([out, in]) is transposed once at load time
+(kvjax/weights/hf.py).  Optional parts are `None` leaves, so one pytree type
+serves Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+__all__ = ["AttentionParams", "BlockParams", "MTPParams", "Params", "init_params",
+           "count_params"]
+
+
+@struct.dataclass
+class AttentionParams:
+  wq: jax.Array  # [D, N, H]
+  wk: jax.Array  # [D, K, H]
+  wv: jax.Array  # [D, K, H]
+  wo: jax.Array  # [N, H, D]
+  bq: Optional[jax.Array] = None  # [N, H]  (Qwen2)
+  bk: Optional[jax.Array] = None  # [K, H]
+  bv: Optional[jax.Array] = None  # [K, H]
+  q_norm: Optional[jax.Array] = None  # [H]  (Qwen3)
+  k_norm: Optional[jax.Array] = None  # [H]
+
+
+@struct.dataclass
+class BlockParams:
+  attn_norm: jax.Array  # [D]
+  attn: AttentionParams
+  mlp_norm: jax.Array  # [D]
+  w_gate: jax.Array  # [D, F]
+  w_up: jax.Array  # [D, F]
+  w_down: jax.Array  # [F, D]
+
+
+@struct.dataclass
+class MTPParams:
+  """One DeepSeek-V3 MTP module: h_k = Block(proj([norm(embed(x_{t+k})); norm(h_{k-1})]))."""
+  embed_norm: jax.Array  # [D]
+  hidden_norm: jax.Array  # [D]
+  proj: jax.Array  # [2D, D]
+  block: BlockParams
+  out_norm: jax.Array  # [D]  (the head itself is shared with the trunk)
+
+
+@struct.dataclass
+class Params:
+  embed: jax.Array  # [V, D]
+  blocks: tuple  # tuple[BlockParams, ...], one per layer
+  final_norm: jax.Array  # [D]
+  lm_head: Optional[jax.Array] = None  # [D, V]; None when tied to embed
+  mtp: tuple = ()  # tuple[MTPParams, ...], config.mtp_num_hidden_layers of them
+
+  def head(self) -> jax.Array:
+    """Output projection [D, V] (the transposed embedding when tied)."""
+    return self.embed.T if self.lm_head is None else self.lm_head
+
+
+def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> BlockParams:
+  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  keys = jax.random.split(key, 10)
+  normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+  bias = cfg.attention_bias
+  attn = AttentionParams(
+      wq=normal(keys[0], (d, n, h)), wk=normal(keys[1], (d, k, h)),
+      wv=normal(keys[2], (d, k, h)), wo=normal(keys[3], (n, h, d)),
+      bq=normal(keys[4], (n, h)) if bias else None,
+      bk=normal(keys[5], (k, h)) if bias else None,
+      bv=normal(keys[6], (k, h)) if bias else None,
+      q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
+      k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None)
+  return BlockParams(
+      attn_norm=jnp.ones((d,), dtype), attn=attn, mlp_norm=jnp.ones((d,), dtype),
+      w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
+      w_down=normal(keys[9], (f, d)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
+                std: float = 0.02) -> Params:
+  """Random init (HF's normal(0, initializer_range) convention, unit norms)."""
+  if cfg.attention_type != "gqa":
+    raise NotImplementedError(
+        f"init_params supports attention_type 'gqa', got {cfg.attention_type!r}")
+  k_embed, k_head, k_blocks, k_mtp = jax.random.split(key, 4)
+  d = cfg.hidden_size
+  blocks = tuple(_block_init(cfg, kk, dtype, std)
+                 for kk in jax.random.split(k_blocks, cfg.num_layers))
+  mtp = []
+  for kk in jax.random.split(k_mtp, cfg.mtp_num_hidden_layers):
+    k_proj, k_block = jax.random.split(kk)
+    mtp.append(MTPParams(
+        embed_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
+        proj=(std * jax.random.normal(k_proj, (2 * d, d))).astype(dtype),
+        block=_block_init(cfg, k_block, dtype, std), out_norm=jnp.ones((d,), dtype)))
+  return Params(
+      embed=(std * jax.random.normal(k_embed, (cfg.vocab_size, d))).astype(dtype),
+      blocks=blocks, final_norm=jnp.ones((d,), dtype),
+      lm_head=None if cfg.tie_word_embeddings else
+      (std * jax.random.normal(k_head, (d, cfg.vocab_size))).astype(dtype),
+      mtp=tuple(mtp))
+
+
+def count_params(params: Params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
