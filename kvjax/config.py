@@ -69,6 +69,14 @@ class ModelConfig:
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
   pad_token_id: Optional[int] = None
+  # Mixture of experts (DeepSeek-V2 style): layers from `first_k_dense_layers` on
+  # replace the dense MLP with `num_experts` routed plus `num_shared_experts`
+  # always-on experts of width `moe_intermediate_size`; 0 experts = dense model.
+  num_experts: int = 0
+  num_shared_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  first_k_dense_layers: int = 0
 
   def __post_init__(self):
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -145,6 +153,43 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+    # 7B MHA (C4: 512 KiB/token): llama2-7b above.  DeepSeek LLM 67B is the
+    # baseline of DeepSeek-V2's "93.3% less KV cache" (C6).
+    "deepseek-llm-67b": ModelConfig(
+        name="deepseek-llm-67b", vocab_size=102400, hidden_size=8192,
+        intermediate_size=22016, num_layers=95, num_heads=64, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+        bos_token_id=100000, eos_token_id=100001),
+    # MLA: head_dim is the q/k head (qk_nope + qk_rope); YaRN rope scaling (factor 40
+    # over 4096) is not modelled by RopeScaling and is left out.
+    "deepseek-v2": ModelConfig(
+        name="deepseek-v2", vocab_size=102400, hidden_size=5120, intermediate_size=12288,
+        num_layers=60, num_heads=128, num_kv_heads=128, head_dim=192,
+        max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+        attention_type="mla", kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, bos_token_id=100000, eos_token_id=100001,
+        num_experts=160, num_shared_experts=2, num_experts_per_tok=6,
+        moe_intermediate_size=1536, first_k_dense_layers=1),
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192,
+        max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+        attention_type="mla", kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, bos_token_id=100000, eos_token_id=100001,
+        num_experts=64, num_shared_experts=2, num_experts_per_tok=6,
+        moe_intermediate_size=1408, first_k_dense_layers=1),
+    # Qwen3.5-9B text model: 32 layers laid out 8 x (3 Gated DeltaNet + 1 gated
+    # full attention), full attention 16 q / 4 kv heads of head_dim 256.  Only the
+    # 8 full-attention layers cache K/V: 2 x 8 x 4 x 256 x 2 B = 32,768 B = 32 KiB
+    # per token, the formula the seed (C4) matched to its measured 32.3 KB.  The
+    # DeltaNet layers are modelled only for parameter counting (see ledger), and
+    # the output gate, partial rope and vision tower are omitted.
+    "qwen3.5-9b": ModelConfig(
+        name="qwen3.5-9b", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+        num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256,
+        max_position_embeddings=262144, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        qk_norm=True, num_full_attention_layers=8, mtp_num_hidden_layers=1,
+        eos_token_id=248044),
 }
 
 

@@ -1,0 +1,239 @@
+"""Memory ledger: KV-cache, weight and concurrency arithmetic from a ModelConfig.
+
+Claims C4-C6 are arithmetic, so they live here as pure Python over
+`ModelConfig` (no JAX, no allocation): a planner must be able to size a card for
+a 236B model on a laptop.
+
+What a token costs.  GQA/MHA/MQA layers cache K and V, `2 * K * H` values per
+layer; MLA layers cache one latent plus the decoupled rope key,
+`kv_lora_rank + qk_rope_head_dim` values per layer (no factor 2: K and V are both
+decompressed from the same latent).  Hybrid models cache only their
+`num_full_attention_layers`; linear-attention layers keep a fixed-size state
+that does not grow with context and is not counted.  A sliding-window layer
+holds at most `window` tokens, so `kv_bytes_per_request` caps it while
+`kv_bytes_per_token` (the seed's per-token figure) does not.
+
+Quantized KV.  int8 is 1 and int4 1/2 byte per value: the ideal 2x and 4x of
+claim C6.  A real quantized cache also stores scales; `kv_scale_bytes_per_token`
+counts one float32 scale per cached vector (per token, layer, kv head and K or V;
+per layer for an MLA latent), the per-token-per-head layout.  Scales are
+reported separately and enter a plan's per-request bytes only with
+`count_scales=True`, so the default reproduces the seed's ideal ratios.
+
+Units.  Functions return bytes.  KiB/MiB/GiB are binary.  The seeds write "GB"
+loosely, but their KV arithmetic is binary (128 KiB x 4096 = 0.5 GiB exactly;
+60 / 0.5 = 120 requests), so kvjax reads a seed's "GB" of cache or of card
+budget as GiB, and `--gpu-gib 80 --weight-gib 16 --reserve-gib 4` reproduces
+C5 exactly.  The seeds' weight sizes are nominal (parameters in the model's name
+times bytes: 8B x 2 = 16 GB, 70B x 0.5 = 35 GB, 7B x 2 B = 13.04 GiB); the ledger
+counts parameters from the config instead, and the experiment prints both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from kvjax.config import ModelConfig
+
+__all__ = ["KIB", "MIB", "GIB", "DTYPE_BITS", "SCALE_BYTES", "MemoryPlan", "bytes_for",
+           "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
+           "kv_bytes_per_request", "param_count", "weight_bytes", "max_concurrency",
+           "plan"]
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+# Storage width of one value; int4 packs two values per byte.
+DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+_QUANTIZED = ("int8", "int4")
+SCALE_BYTES = 4  # one float32 scale per quantized cached vector.
+
+
+def _check_dtype(dtype: str, what: str) -> int:
+  if dtype not in DTYPE_BITS:
+    raise ValueError(f"unsupported {what} dtype {dtype!r}; use one of {sorted(DTYPE_BITS)}")
+  return DTYPE_BITS[dtype]
+
+
+def _check_positive_int(value, name: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def bytes_for(num_values: int, dtype: str) -> int:
+  """Bytes to store `num_values` values of `dtype` (int4 rounds up to whole bytes)."""
+  return -(-num_values * _check_dtype(dtype, "value") // 8)
+
+
+def _cache_layer_windows(cfg: ModelConfig, include_mtp: bool) -> list:
+  """Window (None = unbounded) of every layer that holds a KV cache."""
+  if cfg.num_full_attention_layers is not None:
+    windows = [None] * cfg.num_full_attention_layers
+  else:
+    windows = [cfg.window_of_layer(i) for i in range(cfg.num_layers)]
+  if include_mtp:
+    windows += [cfg.window_of_layer(cfg.num_layers + j)
+                for j in range(cfg.mtp_num_hidden_layers)]
+  return windows
+
+
+def _values_per_layer_token(cfg: ModelConfig) -> int:
+  if cfg.attention_type == "mla":
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim  # one latent + rope key.
+  return 2 * cfg.num_kv_heads * cfg.head_dim  # K and V.
+
+
+def _vectors_per_layer_token(cfg: ModelConfig) -> int:
+  """Cached vectors per layer and token: what one quantization scale covers."""
+  return 1 if cfg.attention_type == "mla" else 2 * cfg.num_kv_heads
+
+
+def _kv_dtype(kv_dtype: str) -> str:
+  _check_dtype(kv_dtype, "kv")
+  return kv_dtype
+
+
+def kv_values_per_token(cfg: ModelConfig, include_mtp: bool = False) -> int:
+  """Cached values per token of history, over every cache layer (C4's formula)."""
+  return len(_cache_layer_windows(cfg, include_mtp)) * _values_per_layer_token(cfg)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
+                       include_mtp: bool = False) -> int:
+  """Ideal KV bytes per token (values only, no quantization scales)."""
+  return bytes_for(kv_values_per_token(cfg, include_mtp), _kv_dtype(kv_dtype))
+
+
+def kv_scale_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
+                             include_mtp: bool = False) -> int:
+  """Bytes of quantization scales per token; 0 for float caches."""
+  if _kv_dtype(kv_dtype) not in _QUANTIZED:
+    return 0
+  layers = len(_cache_layer_windows(cfg, include_mtp))
+  return layers * _vectors_per_layer_token(cfg) * SCALE_BYTES
+
+
+def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
+                         include_mtp: bool = False, count_scales: bool = False) -> int:
+  """KV bytes one request of `context` tokens holds; windowed layers are capped."""
+  _check_positive_int(context, "context")
+  tokens = sum(context if w is None else min(context, w)
+               for w in _cache_layer_windows(cfg, include_mtp))  # layer-tokens held.
+  total = bytes_for(tokens * _values_per_layer_token(cfg), _kv_dtype(kv_dtype))
+  if count_scales and kv_dtype in _QUANTIZED:
+    total += tokens * _vectors_per_layer_token(cfg) * SCALE_BYTES
+  return total
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+  d, n = cfg.hidden_size, cfg.num_heads
+  if cfg.attention_type == "mla":
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:  # q_a_proj, its norm, q_b_proj.
+      q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * n * qk_dim
+    else:
+      q = d * n * qk_dim
+    kv_a = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank  # + norm.
+    kv_b = cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv_a + kv_b + n * cfg.v_head_dim * d
+  k, h = cfg.num_kv_heads, cfg.head_dim
+  total = d * n * h + 2 * d * k * h + n * h * d
+  if cfg.attention_bias:
+    total += (n + 2 * k) * h
+  if cfg.qk_norm:
+    total += 2 * h
+  return total
+
+
+def _block_params(cfg: ModelConfig, layer: int) -> int:
+  d = cfg.hidden_size
+  if cfg.num_experts and layer >= cfg.first_k_dense_layers:
+    experts = cfg.num_experts + cfg.num_shared_experts
+    mlp = experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts  # + router.
+  else:
+    mlp = 3 * d * cfg.intermediate_size  # gate, up, down.
+  return 2 * d + _attention_params(cfg) + mlp  # two RMSNorms.
+
+
+def param_count(cfg: ModelConfig) -> int:
+  """Parameters of the checkpoint described by `cfg`, MTP modules included.
+
+  Linear-attention layers of hybrid models are counted as attention layers of
+  the configured shape; their real projections (e.g. Gated DeltaNet) differ by
+  a few percent of the total, which the planner accepts.
+  """
+  d, v = cfg.hidden_size, cfg.vocab_size
+  total = v * d * (1 if cfg.tie_word_embeddings else 2) + d  # + final norm.
+  total += sum(_block_params(cfg, i) for i in range(cfg.num_layers))
+  # Each MTP module: two input norms, a [2D, D] projection, one block, an output norm.
+  mtp_block = _block_params(cfg, cfg.num_layers)
+  total += cfg.mtp_num_hidden_layers * (3 * d + 2 * d * d + mtp_block)
+  return total
+
+
+def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bf16") -> int:
+  """Bytes of all parameters stored as `weight_dtype` (quantization scales excluded)."""
+  _check_dtype(weight_dtype, "weight")
+  return bytes_for(param_count(cfg), weight_dtype)
+
+
+def max_concurrency(free_bytes: int, bytes_per_request: int) -> int:
+  """Requests whose caches fit in `free_bytes` at once (0 if none)."""
+  return max(0, free_bytes // bytes_per_request)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """One sizing question answered: what a request costs and how many fit."""
+
+  preset: str
+  context: int
+  batch: int  # target concurrency for `total_bytes`.
+  kv_dtype: str
+  weight_dtype: str
+  kv_bytes_per_token: int  # ideal, values only.
+  kv_scale_bytes_per_token: int  # quantization scales, reported separately.
+  kv_bytes_per_request: int  # scales included only if count_scales.
+  scales_counted: bool
+  param_count: int
+  weight_bytes: int  # computed from param_count, or --weight-gib.
+  gpu_bytes: int
+  reserve_bytes: int
+  free_kv_bytes: int  # gpu - weights - reserve (negative: weights do not fit).
+  max_concurrency: int
+  total_bytes: int  # weights + batch * kv_bytes_per_request + reserve.
+  fits: bool  # total_bytes <= gpu_bytes.
+
+
+def _gib_to_bytes(value: float, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+  return round(value * GIB)
+
+
+def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
+         weight_dtype: str = "bf16", weight_gib: Optional[float] = None,
+         gpu_gib: float = 80.0, reserve_gib: float = 4.0, include_mtp: bool = False,
+         count_scales: bool = False) -> MemoryPlan:
+  """Sizes weights plus `batch` requests of `context` tokens on a `gpu_gib` card."""
+  _check_positive_int(context, "context")
+  _check_positive_int(batch, "batch")
+  _check_dtype(weight_dtype, "weight")
+  per_request = kv_bytes_per_request(cfg, context, kv_dtype, include_mtp, count_scales)
+  weights = (weight_bytes(cfg, weight_dtype) if weight_gib is None
+             else _gib_to_bytes(weight_gib, "weight_gib"))
+  gpu = _gib_to_bytes(gpu_gib, "gpu_gib")
+  if gpu == 0:
+    raise ValueError(f"gpu_gib must be > 0, got {gpu_gib!r}")
+  reserve = _gib_to_bytes(reserve_gib, "reserve_gib")
+  free = gpu - weights - reserve
+  total = weights + batch * per_request + reserve
+  return MemoryPlan(
+      preset=cfg.name, context=context, batch=batch, kv_dtype=kv_dtype,
+      weight_dtype=weight_dtype,
+      kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype, include_mtp),
+      kv_scale_bytes_per_token=kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp),
+      kv_bytes_per_request=per_request, scales_counted=count_scales,
+      param_count=param_count(cfg), weight_bytes=weights, gpu_bytes=gpu,
+      reserve_bytes=reserve, free_kv_bytes=free,
+      max_concurrency=max_concurrency(free, per_request), total_bytes=total,
+      fits=total <= gpu)
