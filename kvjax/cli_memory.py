@@ -1,0 +1,80 @@
+"""`python -m kvjax memory`: size a card for a preset from the shell (claims C4-C5).
+
+A thin argparse face over `kvjax.ledger.plan`; the ledger owns every check, so a
+bad preset, context or dtype gets the same message here as in Python, and exit
+code 2 like any other usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from kvjax import ledger
+from kvjax.config import PRESETS, get_preset
+
+__all__ = ["add_parser", "run"]
+
+_DTYPES = "|".join(ledger.DTYPE_BITS)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+  """Registers the `memory` sub-command on an argparse `subparsers` object."""
+  p = subparsers.add_parser(
+      "memory", help="KV-cache, weight and concurrency ledger for a preset",
+      description="KV bytes per token and per request, weight bytes, max concurrency "
+                  "and total memory for --batch concurrent requests. Sizes in GiB "
+                  "(binary); the seeds' 'GB' are read as GiB.")
+  p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+  p.add_argument("--context", type=int, required=True, help="tokens per request")
+  p.add_argument("--batch", type=int, default=1,
+                 help="target concurrency for the total-memory line (default 1)")
+  p.add_argument("--kv-dtype", default="bf16", help=f"{_DTYPES} (default bf16)")
+  p.add_argument("--weight-dtype", default="bf16", help=f"{_DTYPES} (default bf16)")
+  p.add_argument("--weight-gib", type=float, default=None,
+                 help="weight size in GiB, overriding the size computed from the config")
+  p.add_argument("--gpu-gib", type=float, default=80.0, help="card memory (default 80)")
+  p.add_argument("--reserve-gib", type=float, default=4.0,
+                 help="framework reserve (default 4)")
+  p.add_argument("--include-mtp", action="store_true",
+                 help="count the KV pages of the MTP draft blocks too")
+  p.add_argument("--count-scales", action="store_true",
+                 help="add int8/int4 KV scales to per-request bytes and concurrency")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.set_defaults(func=run)
+  return p
+
+
+def _gib(n: int) -> str:
+  return f"{n / ledger.GIB:.3f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+  """Prints the plan for `args`; returns 0, or 2 with a message on bad input."""
+  try:
+    result = ledger.plan(
+        get_preset(args.preset), args.context, batch=args.batch, kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype, weight_gib=args.weight_gib, gpu_gib=args.gpu_gib,
+        reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
+        count_scales=args.count_scales)
+  except ValueError as e:
+    print(f"kvjax memory: error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(dataclasses.asdict(result), indent=2))
+    return 0
+  r = result
+  scales = (f" (+{r.kv_scale_bytes_per_token / ledger.KIB:g} KiB scales"
+            f"{', counted' if r.scales_counted else ', not counted'})"
+            if r.kv_scale_bytes_per_token else "")
+  print(f"{r.preset}: context {r.context}, kv {r.kv_dtype}, weights {r.weight_dtype}")
+  print(f"  KV per token     {r.kv_bytes_per_token / ledger.KIB:g} KiB{scales}")
+  print(f"  KV per request   {_gib(r.kv_bytes_per_request)}")
+  print(f"  weights          {_gib(r.weight_bytes)} ({r.param_count / 1e9:.2f}B params)")
+  print(f"  free for KV      {_gib(r.free_kv_bytes)} = {_gib(r.gpu_bytes)} card"
+        f" - weights - {_gib(r.reserve_bytes)} reserve")
+  print(f"  max concurrency  {r.max_concurrency}")
+  print(f"  total at batch {r.batch}: {_gib(r.total_bytes)}"
+        f" ({'fits' if r.fits else 'does NOT fit'} in {_gib(r.gpu_bytes)})")
+  return 0
