@@ -1,0 +1,451 @@
+"""Ragged paged attention: decode, speculative verify and chunked prefill in one call.
+
+Three layers in one file: the Pallas kernel (`_rpa_kernel`), the jitted wrapper
+that validates, lays out and merges (`ragged_paged_attention`), and the pure-jnp
+oracle (`ragged_paged_attention_reference`).
+
+Semantics.  Query token i of sequence s (of q_len_s tokens) sits at position
+p = kv_lens[s] - q_len_s + i and sees key j iff j <= p and, with a window W,
+j > p - W.  Scores are sm_scale * q.k, then soft_cap * tanh(score / soft_cap);
+int8 K/V are dequantized as value * scale (per token, per kv head).  Tokens at
+or past cu_q_lens[-1] are padding and come back as zeros; sequences with
+q_len 0 (empty slots) cost nothing.  Preconditions the wrapper cannot check on
+traced values: cu_q_lens is non-decreasing from 0, q_len_s <= kv_lens[s] <=
+pages_per_seq * page_size, and the first cdiv(kv_lens[s], page_size) entries of
+block_tables[s] are valid page ids (others may hold anything, -1 included:
+they are clamped and never contribute).
+
+Kernel design (dimension legend: T query tokens, N q heads, K kv heads, G q
+heads per kv head, H head_dim, P pages, S sequences).
+  * Work tile = (query tile, kv head, kv split).  A query tile holds `block_q`
+    consecutive tokens of ONE sequence times all G query heads of one kv head,
+    so each K/V page is read once per GQA group ([block_q * G, H] rows).  Tiles
+    start at sequence starts, so a sequence's tiling depends on its own q_len
+    only; the static tile count min(T, cdiv(T, block_q) + S) covers any ragged
+    mix and surplus tiles exit at once.
+  * Split-K at fixed absolute kv chunks of `pages_per_split` pages: the split of
+    a sequence never depends on the other sequences or on the batch size (batch
+    invariance).  Partials (unnormalized f32 accumulator, running max, running
+    sum) are merged by log-sum-exp in the wrapper.
+  * Each program loops only over the pages that intersect [first key any of
+    its rows can see, last row's position] within its chunk: causal limits and
+    the sliding window skip whole pages; the mask handles the ragged edges.
+  * Pages are gathered inside the kernel through the block table (vector page
+    index into the per-kv-head page pool), `pages_per_block` pages per step.
+
+Hopper path decision (Pallas-Triton vs Mosaic GPU), measured on the H200 with
+jax 0.11.2 (experiments/run_kernel_device.sh, results/kernel_bench.json):
+  DECISION_PLACEHOLDER
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "default_block_sizes",
+]
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MIN_ROWS = 16  # Triton's tl.dot needs M >= 16.
+_MIN_KEYS = 16  # ... and K >= 16.
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def default_block_sizes(page_size: int, head_dim: int, group: int):
+  """Static tiling for a (page_size, head_dim, q heads per kv head) problem.
+
+  Returns (block_q, pages_per_block, pages_per_split).  Depends on static
+  shapes only, never on the batch, so results are batch invariant.
+  """
+  group_p = _next_pow2(group)
+  block_q = max(1, _MIN_ROWS // group_p)
+  keys_per_block = 64 if head_dim > 128 else 128
+  pages_per_block = max(1, keys_per_block // page_size)
+  pages_per_split = max(pages_per_block, 1024 // page_size)
+  pages_per_split = -(-pages_per_split // pages_per_block) * pages_per_block
+  return block_q, pages_per_block, pages_per_split
+
+
+def _rpa_kernel(
+    meta_ref,  # [4] int32: seq row in block table, q start, q rows, pos of row 0
+    block_tables_ref,  # [S + 1, pages_per_seq + pages_per_block] int32
+    q_ref,  # [T_pad, Gp, H]  (this kv head)
+    k_ref,  # [P, G_page, H]  (this kv head)
+    v_ref,  # [P, G_page, H]
+    *rest,
+    sm_scale: float,
+    soft_cap: Optional[float],
+    sliding_window: Optional[int],
+    block_q: int,
+    pages_per_block: int,
+    pages_per_split: int,
+    quantized: bool,
+):
+  if quantized:
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest  # scales: [P, G_page] f32
+  else:
+    acc_ref, m_ref, l_ref = rest  # [R, H] f32, [R] f32, [R] f32
+  _, group_p, head_dim = q_ref.shape
+  page_size = k_ref.shape[1]
+  rows = block_q * group_p  # R
+  block_k = pages_per_block * page_size  # keys per loop step
+  split = pl.program_id(2)
+
+  seq = meta_ref[0]
+  q_start = meta_ref[1]
+  n_rows = meta_ref[2]
+  pos0 = meta_ref[3]
+
+  q = q_ref[pl.ds(q_start, block_q), :, :].reshape(rows, head_dim)  # [R, H]
+  compute_dtype = q.dtype
+  row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_p  # [R]
+  row_ok = row_q < n_rows  # [R]
+  row_pos = pos0 + row_q  # [R]
+
+  chunk_lo = split * (pages_per_split * page_size)
+  chunk_hi = chunk_lo + pages_per_split * page_size
+  lo = chunk_lo
+  if sliding_window is not None:
+    lo = jnp.maximum(lo, pos0 - sliding_window + 1)
+  hi = jnp.minimum(chunk_hi, pos0 + n_rows)  # exclusive; n_rows 0 -> empty
+  lo_page = lo // page_size
+  n_steps = jnp.where(hi > lo, pl.cdiv(pl.cdiv(hi, page_size) - lo_page,
+                                       pages_per_block), 0)
+  precision = (lax.Precision.HIGHEST if compute_dtype == jnp.float32
+               else lax.Precision.DEFAULT)
+
+  def body(step, carry):
+    acc, m_prev, l_prev = carry  # [R, H], [R], [R]
+    page0 = lo_page + step * pages_per_block
+    pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [ppb]
+    k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [Bk, H]
+    v = v_ref[pages].reshape(block_k, head_dim)  # [Bk, H]
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)  # [R, Bk]
+    if quantized:
+      s = s * ks_ref[pages].reshape(1, block_k)
+    s = s * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    key = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    key_ok = (key >= chunk_lo) & (key < hi)  # [Bk]
+    mask = key_ok[None, :] & row_ok[:, None] & (key[None, :] <= row_pos[:, None])
+    if sliding_window is not None:
+      mask = mask & (key[None, :] > row_pos[:, None] - sliding_window)
+    s = jnp.where(mask, s, MASK_VALUE)  # [R, Bk]
+    m_next = jnp.maximum(m_prev, s.max(axis=1))  # [R]
+    alpha = jnp.exp(m_prev - m_next)  # [R]
+    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, Bk]
+    l_next = alpha * l_prev + p.sum(axis=1)
+    if quantized:
+      p = p * vs_ref[pages].reshape(1, block_k)
+    # Stale slots of partly used pages must not leak NaN/inf through 0 * x.
+    v = jnp.where(key_ok[:, None], v.astype(compute_dtype),
+                  jnp.zeros((), compute_dtype))
+    pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision,
+                         preferred_element_type=jnp.float32)  # [R, H]
+    return alpha[:, None] * acc + pv, m_next, l_next
+
+  init = (jnp.zeros((rows, head_dim), jnp.float32),
+          jnp.full((rows,), MASK_VALUE, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+  acc, m, l = lax.fori_loop(0, n_steps, body, init)
+  acc_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
+  """Per query tile: (seq, q_start, q_rows, pos0); tiles past the work are empty."""
+  num_seqs = kv_lens.shape[0]
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+  tiles_per_seq = (q_lens + block_q - 1) // block_q  # [S]
+  tile_cu = jnp.concatenate(
+      [jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_per_seq, dtype=jnp.int32)])
+  t = jnp.arange(num_tiles, dtype=jnp.int32)  # [nt]
+  seq = jnp.searchsorted(tile_cu[1:], t, side="right").astype(jnp.int32)
+  valid = seq < num_seqs
+  seq_c = jnp.minimum(seq, num_seqs - 1)
+  q_off = (t - tile_cu[seq_c]) * block_q
+  meta = jnp.stack([
+      jnp.where(valid, seq_c, num_seqs),  # row S of the table is all zeros
+      jnp.where(valid, cu_q_lens[seq_c] + q_off, 0),
+      jnp.where(valid, jnp.minimum(block_q, q_lens[seq_c] - q_off), 0),
+      jnp.where(valid, kv_lens[seq_c] - q_lens[seq_c] + q_off, 0),
+  ], axis=1)  # [nt, 4]
+  return meta.astype(jnp.int32), tile_cu
+
+
+def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                  sm_scale, sliding_window, soft_cap, k_scales, v_scales):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [total_q_tokens, num_q_heads, head_dim], got shape {q.shape}")
+  if k_pages.ndim != 4:
+    raise ValueError("k_pages must be [num_kv_heads, num_pages, page_size, head_dim], "
+                     f"got shape {k_pages.shape}")
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(f"k_pages.shape {k_pages.shape} != v_pages.shape {v_pages.shape}")
+  if k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"k_pages.dtype {k_pages.dtype} != v_pages.dtype {v_pages.dtype}")
+  _, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, head_dim_k = k_pages.shape
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q.dtype must be floating, got {q.dtype}")
+  if head_dim_k != head_dim:
+    raise ValueError(f"head_dim of q ({head_dim}) != head_dim of k_pages ({head_dim_k})")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                     f"num_kv_heads={num_kv_heads}")
+  if not 8 <= page_size <= 128:
+    raise ValueError(f"page_size={page_size} must be in [8, 128]")
+  for name, arr, ndim in (("kv_lens", kv_lens, 1), ("block_tables", block_tables, 2),
+                          ("cu_q_lens", cu_q_lens, 1)):
+    if arr.dtype != jnp.int32:
+      raise ValueError(f"{name}.dtype must be int32, got {arr.dtype}")
+    if arr.ndim != ndim:
+      raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
+  num_seqs = kv_lens.shape[0]
+  if num_seqs < 1:
+    raise ValueError(f"kv_lens must hold at least one sequence, got shape {kv_lens.shape}")
+  if block_tables.shape[0] != num_seqs:
+    raise ValueError(f"block_tables.shape[0]={block_tables.shape[0]} != "
+                     f"num_seqs={num_seqs} (kv_lens.shape[0])")
+  if cu_q_lens.shape != (num_seqs + 1,):
+    raise ValueError(f"cu_q_lens.shape {cu_q_lens.shape} != (num_seqs + 1,) = "
+                     f"({num_seqs + 1},)")
+  if not isinstance(sm_scale, (int, float)):
+    raise ValueError(f"sm_scale must be a static Python float, got {sm_scale!r}")
+  if sliding_window is not None and (not isinstance(sliding_window, int)
+                                     or sliding_window < 1):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
+    raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
+  quantized = k_pages.dtype == jnp.int8
+  if quantized:
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+      if s is None:
+        raise ValueError(f"int8 k_pages/v_pages need {name}")
+      if s.shape != (num_kv_heads, num_pages, page_size):
+        raise ValueError(f"{name}.shape {s.shape} != (num_kv_heads, num_pages, page_size) "
+                         f"= {(num_kv_heads, num_pages, page_size)}")
+      if s.dtype != jnp.float32:
+        raise ValueError(f"{name}.dtype must be float32, got {s.dtype}")
+  elif k_scales is not None or v_scales is not None:
+    raise ValueError(f"k_scales/v_scales are only for int8 pages, got pages of {k_pages.dtype}")
+  elif not jnp.issubdtype(k_pages.dtype, jnp.floating):
+    raise ValueError(f"k_pages.dtype must be floating or int8, got {k_pages.dtype}")
+  return quantized
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
+                     "block_q", "pages_per_block", "pages_per_split",
+                     "num_warps", "num_stages"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, P, G_page, H]
+    v_pages: jax.Array,  # [K, P, G_page, H]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    k_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+    v_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+    interpret: bool = False,
+    block_q: Optional[int] = None,
+    pages_per_block: Optional[int] = None,
+    pages_per_split: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:  # [T, N, H], q.dtype
+  """Paged attention over a ragged batch of query chunks; see the module doc.
+
+  The tuning knobs (block_q, pages_per_block, pages_per_split, num_warps,
+  num_stages) default to `default_block_sizes`; results do not depend on them
+  beyond float rounding.
+  """
+  quantized = _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                            sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+  total_q, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_seqs, pages_per_seq = block_tables.shape
+  group = num_q_heads // num_kv_heads
+  if not _is_pow2(head_dim) or head_dim < 16:
+    raise ValueError(f"head_dim={head_dim}: the Pallas-Triton lowering needs a power of "
+                     "two >= 16 (use ragged_paged_attention_reference otherwise)")
+  if not _is_pow2(page_size):
+    raise ValueError(f"page_size={page_size}: the Pallas-Triton lowering needs a power of two")
+  d_bq, d_ppb, d_pps = default_block_sizes(page_size, head_dim, group)
+  group_p = _next_pow2(group)
+  block_q = d_bq if block_q is None else _next_pow2(max(block_q, d_bq))
+  pages_per_block = d_ppb if pages_per_block is None else pages_per_block
+  if not _is_pow2(pages_per_block) or pages_per_block * page_size < _MIN_KEYS:
+    raise ValueError(f"pages_per_block={pages_per_block} must be a power of two with "
+                     f"pages_per_block * page_size >= {_MIN_KEYS}")
+  pages_per_split = d_pps if pages_per_split is None else pages_per_split
+  if pages_per_split < 1:
+    raise ValueError(f"pages_per_split={pages_per_split} must be >= 1")
+  rows = block_q * group_p
+  num_splits = pl.cdiv(pages_per_seq, pages_per_split)
+  num_tiles = max(1, min(total_q, pl.cdiv(total_q, block_q) + num_seqs))
+
+  meta, tile_cu = _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q)  # [nt, 4]
+  # Clamp page ids (unused entries may be -1) and pad so every page-block load
+  # and the all-zero row S used by surplus tiles stay in bounds.
+  tables = jnp.clip(block_tables, 0, num_pages - 1)
+  tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [S+1, pps+ppb]
+  q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, G, H]
+  q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+  q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, Gp, H]
+
+  kernel = functools.partial(
+      _rpa_kernel, sm_scale=float(sm_scale),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      sliding_window=sliding_window, block_q=block_q,
+      pages_per_block=pages_per_block, pages_per_split=pages_per_split,
+      quantized=quantized)
+  pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
+                           lambda t, h, c: (h, 0, 0, 0))
+  in_specs = [
+      pl.BlockSpec((None, 4), lambda t, h, c: (t, 0)),
+      pl.BlockSpec(tables.shape, lambda t, h, c: (0, 0)),
+      pl.BlockSpec((None,) + q_t.shape[1:], lambda t, h, c: (h, 0, 0, 0)),
+      pool_spec, pool_spec,
+  ]
+  operands = [meta, tables, q_t, k_pages, v_pages]
+  if quantized:
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda t, h, c: (h, 0, 0))
+    in_specs += [scale_spec, scale_spec]
+    operands += [k_scales, v_scales]
+  part_shape = (num_tiles, num_kv_heads, num_splits, rows)
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=(num_tiles, num_kv_heads, num_splits),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, head_dim), lambda t, h, c: (t, h, c, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda t, h, c: (t, h, c, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda t, h, c: (t, h, c, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct(part_shape + (head_dim,), jnp.float32),  # acc
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),  # running max
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),  # running sum
+      ],
+      interpret=interpret,
+      compiler_params=compiler_params,
+      name="ragged_paged_attention",
+  )(*operands)
+
+  # Log-sum-exp merge of the kv splits (f32).
+  m_all = m.max(axis=2, keepdims=True)  # [nt, K, 1, R]
+  w = jnp.exp(m - m_all)  # [nt, K, C, R]
+  l_all = (w * l).sum(axis=2)  # [nt, K, R]
+  o = (w[..., None] * acc).sum(axis=2)  # [nt, K, R, H]
+  o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+  o = o.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim)[:, :, :, :group]
+
+  # Scatter tiles back to tokens: token -> (tile, row in tile).
+  tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
+  tseq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+  tvalid = tseq < num_seqs
+  tseq = jnp.minimum(tseq, num_seqs - 1)
+  i = tok - cu_q_lens[tseq]
+  tile = jnp.clip(tile_cu[tseq] + i // block_q, 0, num_tiles - 1)
+  out = o[tile, :, i % block_q]  # [T, K, G, H]
+  out = jnp.where(tvalid[:, None, None, None], out, 0.0)
+  return out.reshape(total_q, num_q_heads, head_dim).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, P, G_page, H]
+    v_pages: jax.Array,  # [K, P, G_page, H]
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    k_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+    v_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+) -> jax.Array:  # [T, N, H], q.dtype
+  """Pure-jnp oracle: per token, gather its sequence's pages and softmax densely.
+
+  Jit-able with traced kv_lens/block_tables/cu_q_lens.  Tokens are processed in
+  chunks (lax.map) so memory stays at chunk * kv_len * K * H; work is linear in
+  T * kv_len (no [T, S] blow-up), which keeps it usable as a CPU backend.
+  Any head_dim and page_size are accepted.
+  """
+  _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+  total_q, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_seqs, pages_per_seq = block_tables.shape
+  group = num_q_heads // num_kv_heads
+  max_kv = pages_per_seq * page_size
+  tables = jnp.clip(block_tables, 0, num_pages - 1)
+  f32 = jnp.float32
+
+  tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
+  tseq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+  tvalid = tseq < num_seqs
+  tseq = jnp.minimum(tseq, num_seqs - 1)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  tpos = kv_lens[tseq] - q_lens[tseq] + tok - cu_q_lens[tseq]  # [T]
+
+  def one_token(args):
+    q_t, seq, pos, ok = args  # [N, H], (), (), ()
+    pages = tables[seq]  # [pages_per_seq]
+    k = k_pages[:, pages].reshape(num_kv_heads, max_kv, head_dim).astype(f32)
+    v = v_pages[:, pages].reshape(num_kv_heads, max_kv, head_dim).astype(f32)
+    if k_scales is not None:
+      k = k * k_scales[:, pages].reshape(num_kv_heads, max_kv, 1)
+      v = v * v_scales[:, pages].reshape(num_kv_heads, max_kv, 1)
+    qg = q_t.reshape(num_kv_heads, group, head_dim).astype(f32)  # [K, G, H]
+    s = jnp.einsum("kgh,ksh->kgs", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    key = jnp.arange(max_kv)  # [S_kv]
+    mask = key <= pos
+    if sliding_window is not None:
+      mask = mask & (key > pos - sliding_window)
+    s = jnp.where(mask, s, -jnp.inf)
+    s = s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s), 0.0)  # [K, G, S_kv]
+    v = jnp.where(mask[None, :, None], v, 0.0)
+    o = jnp.einsum("kgs,ksh->kgh", p, v, precision=lax.Precision.HIGHEST)
+    o = o / p.sum(axis=-1, keepdims=True)
+    return jnp.where(ok, o, 0.0).reshape(num_q_heads, head_dim)
+
+  bytes_per_token = max_kv * num_kv_heads * head_dim * 4 * 2
+  chunk = int(max(1, min(total_q, (256 << 20) // max(1, bytes_per_token))))
+  out = lax.map(one_token, (q, tseq, tpos, tvalid), batch_size=chunk)  # [T, N, H]
+  return out.astype(q.dtype)
