@@ -1,0 +1,504 @@
+"""Iteration-level continuous batching (vLLM v1-like), host policy only.
+
+Each `schedule()` call plans one engine step under a token budget
+(`max_num_batched_tokens`) and a running-request cap (`max_num_seqs`):
+  1. decode rows: running requests in steady decode feed their last token, plus
+     `num_lookahead_slots` draft slots when speculative decoding verifies drafts;
+  2. prefill chunks: running requests still prefilling (chunked prefill), then
+     waiting requests first come first served, using the prefix cache on
+     admission; a waiting request that does not fit blocks those behind it.
+Pages are allocated for exactly the positions a row writes.  When a running
+request cannot get pages, the most recently admitted running request not yet
+scheduled this step (possibly itself) is preempted by recompute: its pages are
+freed and it goes back to the front of the waiting queue with its generated
+tokens, to be prefilled again (cheaply, if its blocks are still cached).
+
+A row's tokens are `request.token_ids[start:start + num_tokens]` (prompt then
+generated ids), the last `num_draft` of which are draft slots the engine fills.
+A row samples when it reaches the end of the known tokens; the engine then
+passes the sampled (for verify rows: accepted + bonus) ids to
+`update_from_output`, which appends them, applies stop conditions, caches newly
+computed full blocks, rolls back pages of rejected drafts and frees finished
+requests.  Blocks enter the prefix cache only after their KV is computed, so a
+hit never reads KV that the same step is still writing.
+
+Protocol: schedule() and update_from_output() alternate; the engine applies
+`SchedulerOutput.copies` before this step's forward (the copy sources are only
+pinned until the next schedule()).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import heapq
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from kvjax.pages import NULL_PAGE, BlockAllocator
+from kvjax.prefix_cache import PrefixCache, PrefixHit, root_hash
+
+__all__ = ["RequestStatus", "Request", "ScheduledRow", "PageCopy",
+           "SchedulerOutput", "Scheduler", "bucket", "bucket_sizes"]
+
+
+def bucket(n: int, maximum: Optional[int] = None, minimum: int = 1) -> int:
+  """Smallest power of two >= n (at least `minimum`), capped at `maximum`.
+
+  Padding row counts and chunk lengths to buckets keeps the number of compiled
+  step shapes at about log2(maximum).
+  """
+  b = max(minimum, 1)
+  while b < n:
+    b *= 2
+  return b if maximum is None else min(b, maximum)
+
+
+def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
+  """Every value `bucket(n, maximum, minimum)` can return: the shapes to warm up."""
+  return sorted({bucket(n, maximum, minimum) for n in range(1, maximum + 1)})
+
+
+class RequestStatus(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  PREEMPTED = "preempted"  # waiting again, to be recomputed
+  FINISHED_STOPPED = "stop"  # eos or a stop token
+  FINISHED_LENGTH = "length"  # max_new_tokens reached
+  FINISHED_ABORTED = "abort"
+
+  @property
+  def is_finished(self) -> bool:
+    return self.name.startswith("FINISHED")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One request's host state; the engine reads it, only the scheduler writes."""
+
+  request_id: str
+  prompt_ids: tuple[int, ...]
+  max_new_tokens: int
+  stop_token_ids: frozenset[int] = frozenset()
+  cache_salt: Optional[str] = None
+  sampling: Any = None  # the engine's sampling params; never read here
+  token_ids: list[int] = dataclasses.field(init=False)  # prompt + generated
+  num_computed_tokens: int = 0  # leading tokens whose KV is in `pages`
+  pages: list[int] = dataclasses.field(default_factory=list)  # block table
+  slot: Optional[int] = None  # row in the engine's per-sequence state
+  status: RequestStatus = RequestStatus.WAITING
+  num_cached_tokens: int = 0  # prefix-hit tokens at the last admission
+  num_preemptions: int = 0
+  is_decoding: bool = False  # last row sampled: the next row may verify drafts
+  block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  num_cached_blocks: int = 0  # leading blocks already offered to the cache
+
+  def __post_init__(self):
+    self.token_ids = list(self.prompt_ids)
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.token_ids)
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_ids)
+
+  @property
+  def output_ids(self) -> list[int]:
+    """Generated ids, including a final stop token if one ended the request."""
+    return self.token_ids[len(self.prompt_ids):]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+  """One sequence's work in a step.
+
+  Attributes:
+    request: the request (read-only for the engine).
+    slot: the request's row in the engine's per-sequence state.
+    start: position of the first token fed (= tokens already in the cache).
+    num_tokens: positions written this step, draft slots included.
+    num_draft: trailing draft slots the engine fills with its own drafts.
+    token_ids: [num_tokens - num_draft] int32 known ids to feed.
+    sample: the last known position yields a token (end of a prefill or a
+      decode/verify row); otherwise it is a mid-prompt chunk.
+    is_decode: a steady-decode row (may carry drafts), not a prefill chunk.
+  """
+
+  request: Request
+  slot: int
+  start: int
+  num_tokens: int
+  num_draft: int
+  token_ids: np.ndarray
+  sample: bool
+  is_decode: bool
+
+  @property
+  def request_id(self) -> str:
+    return self.request.request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCopy:
+  """Token-mode prefix hit: copy page `src` into `dst` before the forward."""
+
+  src: int
+  dst: int
+  num_tokens: int  # leading tokens of `src` that are reused
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+  """A step plan; rows are decode rows first, then prefill chunks.
+
+  Attributes:
+    rows: scheduled rows (B of them).
+    block_tables: [B, max_pages_per_seq] int32 page ids, padded with the null
+      page so every gather stays in bounds and padded writes land nowhere.
+    seq_lens: [B] int32 KV length of each row after this step (start +
+      num_tokens, draft slots included).
+    copies: page copies for token-mode prefix hits, to apply first.
+    preempted_ids: requests preempted this step (their slots are free).
+    num_batched_tokens: sum of num_tokens, <= max_num_batched_tokens.
+  """
+
+  rows: tuple[ScheduledRow, ...]
+  block_tables: np.ndarray
+  seq_lens: np.ndarray
+  copies: tuple[PageCopy, ...]
+  preempted_ids: tuple[str, ...]
+  num_batched_tokens: int
+
+  @property
+  def decode_rows(self) -> tuple[ScheduledRow, ...]:
+    return tuple(r for r in self.rows if r.is_decode)
+
+  @property
+  def prefill_rows(self) -> tuple[ScheduledRow, ...]:
+    return tuple(r for r in self.rows if not r.is_decode)
+
+  @property
+  def is_empty(self) -> bool:
+    return not self.rows
+
+
+class Scheduler:
+  """Continuous-batching policy over a BlockAllocator and a PrefixCache.
+
+  Args:
+    num_pages: KV pages in the device pool, null page 0 included.
+    page_size: tokens per page.
+    max_num_seqs: cap on running requests (and rows per step).
+    max_num_batched_tokens: token budget per step, draft slots included.
+    max_model_len: cap on prompt + max_new_tokens; sets the block-table width.
+    enable_prefix_caching: share computed full blocks across requests.
+    prefix_match: "block" or "token" (see kvjax/prefix_cache.py).
+    min_cacheable_tokens: shorter prefix hits are ignored.
+    num_lookahead_slots: draft slots per decode row (speculative decoding).
+    eos_token_id: ends every request (kept as its last output id).
+  """
+
+  def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
+               max_num_batched_tokens: int, max_model_len: Optional[int] = None,
+               enable_prefix_caching: bool = True, prefix_match: str = "block",
+               min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
+               eos_token_id: Optional[int] = None):
+    for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+      if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_lookahead_slots < 0:
+      raise ValueError(f"num_lookahead_slots must be >= 0, got "
+                       f"{num_lookahead_slots}")
+    self.page_size = page_size
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.max_model_len = max_model_len
+    self.num_lookahead_slots = num_lookahead_slots
+    self.eos_token_id = eos_token_id
+    self.allocator = BlockAllocator(num_pages)
+    self.prefix_cache = (
+        PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
+                    min_cacheable_tokens=min_cacheable_tokens)
+        if enable_prefix_caching else None)
+    self.max_pages_per_seq = (self._pages_for(max_model_len) if max_model_len
+                              else self.allocator.num_usable)
+    self.requests: dict[str, Request] = {}  # unfinished, by id
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []  # admission order, highest priority first
+    self._free_slots = list(range(max_num_seqs))
+    self.num_preemptions = 0
+
+  # -- requests ---------------------------------------------------------------
+
+  def add_request(self, request_id: str, prompt_ids: Sequence[int],
+                  max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
+                  cache_salt: Optional[str] = None,
+                  sampling: Any = None) -> Request:
+    """Queues a request; raises ValueError (state unchanged) if it can never run."""
+    prompt = tuple(int(t) for t in prompt_ids)
+    if request_id in self.requests:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    if not prompt:
+      raise ValueError(f"request {request_id!r}: empty prompt")
+    if min(prompt) < 0:
+      raise ValueError(f"request {request_id!r}: negative token id {min(prompt)}")
+    if max_new_tokens < 1:
+      raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, "
+                       f"got {max_new_tokens}")
+    total = len(prompt) + max_new_tokens
+    if self.max_model_len is not None and total > self.max_model_len:
+      raise ValueError(
+          f"request {request_id!r}: prompt {len(prompt)} + max_new_tokens "
+          f"{max_new_tokens} = {total} exceeds max_model_len {self.max_model_len}")
+    # The last generated token is never fed, so total - 1 positions hold KV.
+    pages = self._pages_for(total - 1)
+    if pages > self.allocator.num_usable:
+      raise ValueError(f"request {request_id!r} needs up to {pages} KV pages but "
+                       f"the pool has {self.allocator.num_usable}")
+    stops = set(stop_token_ids)
+    if self.eos_token_id is not None:
+      stops.add(self.eos_token_id)
+    req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
+                  cache_salt, sampling)
+    self.requests[request_id] = req
+    self.waiting.append(req)
+    return req
+
+  def abort(self, request_id: str) -> bool:
+    """Finishes a waiting or running request and frees its pages."""
+    req = self.requests.get(request_id)
+    if req is None:
+      return False
+    req.status = RequestStatus.FINISHED_ABORTED
+    self._remove(req)
+    return True
+
+  @property
+  def has_unfinished(self) -> bool:
+    return bool(self.requests)
+
+  # -- one step ---------------------------------------------------------------
+
+  def schedule(self) -> SchedulerOutput:
+    """Plans one step: decode rows, then prefill chunks (see module doc)."""
+    budget = self.max_num_batched_tokens
+    rows, copies, preempted, pins = [], [], [], []
+    scheduled: set[str] = set()
+
+    for decoding in (True, False):
+      for req in list(self.running):
+        if (budget == 0 or req.status is not RequestStatus.RUNNING
+            or req.is_decoding != decoding):
+          continue
+        if decoding:
+          left = req.max_new_tokens - len(req.output_ids)
+          num_draft = min(self.num_lookahead_slots, left - 1, budget - 1)
+          n = 1 + num_draft
+        else:
+          num_draft, n = 0, min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self._reserve(req, req.num_computed_tokens + n, scheduled,
+                             preempted):
+          continue
+        rows.append(self._row(req, n, num_draft, decoding))
+        scheduled.add(req.request_id)
+        budget -= n
+
+    # Admitting right after a preemption would only thrash.
+    while (self.waiting and budget and not preempted
+           and len(self.running) < self.max_num_seqs):
+      req = self.waiting[0]
+      hit = (self.prefix_cache.lookup(req.token_ids, req.cache_salt)
+             if self.prefix_cache else PrefixHit(num_queried=req.num_tokens))
+      n = min(req.num_tokens - hit.num_tokens, budget)
+      need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
+      pin = hit.pages + ((hit.copy_src,) if hit.copy_tokens else ())
+      if not self.allocator.can_allocate(need, pinning=pin):
+        break
+      self.waiting.popleft()
+      if self.prefix_cache:
+        self.prefix_cache.acquire(hit)
+      if hit.copy_tokens:
+        self.allocator.incref([hit.copy_src])
+        pins.append(hit.copy_src)
+      new_pages = self.allocator.allocate(need)
+      if hit.copy_tokens:
+        copies.append(PageCopy(hit.copy_src, new_pages[0], hit.copy_tokens))
+      req.pages = list(hit.pages) + new_pages
+      req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+      req.block_hashes = list(hit.block_hashes)
+      req.num_cached_blocks = len(hit.pages)
+      req.slot = heapq.heappop(self._free_slots)
+      req.status = RequestStatus.RUNNING
+      self.running.append(req)
+      rows.append(self._row(req, n, 0, False))
+      budget -= n
+
+    self.allocator.decref(pins)
+    tables = np.full((len(rows), self.max_pages_per_seq), NULL_PAGE, np.int32)
+    for i, row in enumerate(rows):
+      tables[i, :len(row.request.pages)] = row.request.pages
+    return SchedulerOutput(
+        rows=tuple(rows), block_tables=tables,
+        seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
+        copies=tuple(copies), preempted_ids=tuple(preempted),
+        num_batched_tokens=self.max_num_batched_tokens - budget)
+
+  def update_from_output(
+      self, output: SchedulerOutput,
+      new_token_ids: Mapping[str, Sequence[int]]) -> list[Request]:
+    """Applies a step's sampled ids; returns the requests that finished.
+
+    `new_token_ids[request_id]` holds, for every row with `sample`, 1 to
+    1 + num_draft ids: the accepted drafts then the bonus/corrected token.
+    Rows without `sample` must have no entry (or an empty one).  Rows of
+    requests aborted since `schedule()` are ignored.  Validation happens before
+    any change, so a ValueError leaves the scheduler untouched.
+    """
+    by_id = {row.request_id: row for row in output.rows}
+    for rid, ids in new_token_ids.items():
+      row = by_id.get(rid)
+      if row is None:
+        raise ValueError(f"token ids for request {rid!r}, not in this step")
+      if len(ids) and not row.sample:
+        raise ValueError(f"request {rid!r} was a mid-prompt chunk; it samples "
+                         "nothing")
+      if row.sample and not 1 <= len(ids) <= 1 + row.num_draft:
+        raise ValueError(f"request {rid!r} needs 1..{1 + row.num_draft} new ids,"
+                         f" got {len(ids)}")
+    missing = [r.request_id for r in output.rows
+               if r.sample and r.request_id not in new_token_ids
+               and r.request.status is RequestStatus.RUNNING]
+    if missing:
+      raise ValueError(f"no sampled ids for requests {missing}")
+
+    finished = []
+    for row in output.rows:
+      req = row.request
+      if req.status is not RequestStatus.RUNNING:
+        continue
+      computed = row.start + row.num_tokens
+      if row.sample:
+        ids = [int(t) for t in new_token_ids[row.request_id]]
+        # KV is valid for the fed known tokens and the accepted drafts.
+        computed += len(ids) - 1 - row.num_draft
+        req.is_decoding = True
+        for t in ids:
+          req.token_ids.append(t)
+          if t in req.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+          elif len(req.output_ids) >= req.max_new_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+          if req.status.is_finished:
+            break
+      req.num_computed_tokens = min(computed, req.num_tokens)
+      self._cache_blocks(req)
+      if req.status.is_finished:
+        self._remove(req)
+        finished.append(req)
+      else:
+        # Roll back pages reserved for rejected drafts.
+        keep = self._pages_for(req.num_tokens)
+        if len(req.pages) > keep:
+          self.allocator.decref(reversed(req.pages[keep:]))
+          del req.pages[keep:]
+    return finished
+
+  # -- checks -----------------------------------------------------------------
+
+  def check_invariants(self) -> None:
+    """AssertionError unless pages, slots and queues are all consistent."""
+    self.allocator.check_invariants()
+    if self.prefix_cache:
+      self.prefix_cache.check_invariants()
+    held = collections.Counter(p for r in self.running for p in r.pages)
+    for page in range(1, self.allocator.num_pages):
+      assert self.allocator.refcount(page) == held[page], (
+          f"page {page}: refcount {self.allocator.refcount(page)} but held "
+          f"{held[page]} times")
+    assert len(self.running) <= self.max_num_seqs
+    slots = [r.slot for r in self.running]
+    assert len(set(slots)) == len(slots) and None not in slots
+    assert len(slots) + len(self._free_slots) == self.max_num_seqs
+    for r in self.running:
+      assert r.status is RequestStatus.RUNNING
+      assert self._pages_for(r.num_computed_tokens) <= len(r.pages)
+      assert len(r.pages) <= self.max_pages_per_seq
+    for r in self.waiting:
+      assert not r.pages and r.slot is None and r.num_computed_tokens == 0
+    assert len(self.running) + len(self.waiting) == len(self.requests)
+
+  # -- internals --------------------------------------------------------------
+
+  def _pages_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.page_size)
+
+  def _row(self, req: Request, n: int, num_draft: int,
+           decoding: bool) -> ScheduledRow:
+    start = req.num_computed_tokens
+    known = req.token_ids[start:start + n - num_draft]
+    return ScheduledRow(req, req.slot, start, n, num_draft,
+                        np.asarray(known, np.int32),
+                        sample=start + len(known) == req.num_tokens,
+                        is_decode=decoding)
+
+  def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
+               preempted: list[str]) -> bool:
+    """Gives `req` pages for `num_slots` positions, preempting if needed.
+
+    Returns False if `req` itself had to be preempted.
+    """
+    need = max(0, self._pages_for(num_slots) - len(req.pages))
+    while not self.allocator.can_allocate(need):
+      victim = next(r for r in reversed(self.running)
+                    if r.request_id not in scheduled)
+      self._preempt(victim)
+      preempted.append(victim.request_id)
+      if victim is req:
+        return False
+    req.pages += self.allocator.allocate(need)
+    return True
+
+  def _preempt(self, req: Request) -> None:
+    self._release(req)
+    self.running.remove(req)
+    req.status = RequestStatus.PREEMPTED
+    req.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(req)
+
+  def _remove(self, req: Request) -> None:
+    """Drops a finished request from every queue and frees its pages."""
+    if req in self.running:
+      self.running.remove(req)
+    else:
+      self.waiting.remove(req)
+    self._release(req)
+    del self.requests[req.request_id]
+
+  def _release(self, req: Request) -> None:
+    # Deepest first, so the LRU evicts tail blocks before their prefixes.
+    self.allocator.decref(reversed(req.pages))
+    req.pages = []
+    req.num_computed_tokens = 0
+    req.is_decoding = False
+    if req.slot is not None:
+      heapq.heappush(self._free_slots, req.slot)
+      req.slot = None
+
+  def _cache_blocks(self, req: Request) -> None:
+    """Offers newly computed full blocks to the prefix cache."""
+    num_full = req.num_computed_tokens // self.page_size
+    if not self.prefix_cache or num_full <= req.num_cached_blocks:
+      return
+    g = self.page_size
+    req.block_hashes = self.prefix_cache.block_hashes(
+        req.token_ids, num_full, req.cache_salt, known=req.block_hashes)
+    for i in range(req.num_cached_blocks, num_full):
+      parent = req.block_hashes[i - 1] if i else root_hash(req.cache_salt)
+      self.prefix_cache.insert(req.block_hashes[i], parent,
+                               req.token_ids[i * g:(i + 1) * g], req.pages[i])
+    req.num_cached_blocks = num_full
