@@ -1,0 +1,191 @@
+"""Ledger tests: the seeds' memory figures (claims C4-C6), exactly, in binary units.
+
+Every expected number below is the seed's, with its "GB" of cache or card read as
+GiB (see kvjax/ledger.py for why that convention reproduces them exactly).
+"""
+import argparse
+import json
+
+import pytest
+
+from kvjax import cli_memory, ledger
+from kvjax.config import get_preset
+from kvjax.ledger import GIB, KIB
+
+MHA7, GQA8, GQA70 = get_preset("llama2-7b"), get_preset("llama3-8b"), get_preset("llama3-70b")
+
+
+# C4: bytes per token and per request.
+def test_7b_mha_per_token_and_128k():
+  assert ledger.kv_values_per_token(MHA7) == 2 * 32 * 32 * 128 == 262144
+  assert ledger.kv_bytes_per_token(MHA7, "fp16") == 512 * KIB
+  assert ledger.kv_bytes_per_request(MHA7, 131072, "fp16") == 64 * GIB
+  # Batch 8 at 128K is "500+ GiB"; the seed's 13 GiB weights are 7e9 x 2 B.
+  assert 8 * ledger.kv_bytes_per_request(MHA7, 131072, "fp16") == 512 * GIB
+  assert round(7e9 * 2 / GIB) == 13
+  assert ledger.weight_bytes(MHA7, "fp16") == 2 * 6_738_415_616  # published count.
+
+
+@pytest.mark.parametrize("context,gib", [(4096, 0.5), (8192, 1), (32768, 4), (131072, 16)])
+def test_8b_gqa_per_request(context, gib):
+  assert ledger.kv_bytes_per_token(GQA8, "fp16") == 131072 == 128 * KIB
+  assert ledger.kv_bytes_per_request(GQA8, context, "fp16") == gib * GIB
+
+
+@pytest.mark.parametrize("context,gib", [(8192, 2.5), (32768, 10), (131072, 40)])
+def test_70b_gqa_per_request(context, gib):
+  assert ledger.kv_bytes_per_token(GQA70, "fp16") == 327680 == 320 * KIB
+  assert ledger.kv_bytes_per_request(GQA70, context, "fp16") == gib * GIB
+
+
+def test_70b_128k_cache_exceeds_int4_weights():
+  cache = ledger.kv_bytes_per_request(GQA70, 131072, "fp16")
+  int4 = ledger.weight_bytes(GQA70, "int4")
+  assert int4 == ledger.param_count(GQA70) // 2
+  assert abs(int4 / 35e9 - 1) < 0.01  # seed: "about 35 GB".
+  assert cache > int4 and cache > 35e9
+  assert cache < ledger.weight_bytes(GQA70, "fp16") / 3  # "under a third" at fp16.
+
+
+def test_qwen35_hybrid_counts_only_full_attention_layers():
+  cfg = get_preset("qwen3.5-9b")
+  assert ledger.kv_bytes_per_token(cfg) == 2 * 8 * 4 * 256 * 2 == 32 * KIB
+  assert abs(ledger.kv_bytes_per_token(cfg) / KIB / 32.3 - 1) < 0.02  # measured 32.3 KB.
+  every_layer = cfg.replace(num_full_attention_layers=None)
+  assert ledger.kv_bytes_per_token(every_layer) == 4 * ledger.kv_bytes_per_token(cfg)
+  # The MTP draft block's pages count only when asked for.
+  assert ledger.kv_bytes_per_token(cfg, include_mtp=True) == 9 * 4 * KIB
+
+
+def test_mla_caches_one_latent_plus_rope_key():
+  v2 = get_preset("deepseek-v2")
+  assert ledger.kv_values_per_token(v2) == 60 * (512 + 64)
+  assert ledger.kv_bytes_per_token(v2) == 60 * 576 * 2
+  lite = get_preset("deepseek-v2-lite")
+  assert ledger.kv_bytes_per_token(lite) == 27 * 576 * 2
+
+
+def test_param_counts_match_published_totals():
+  for name, billions in (("llama3-8b", 8.03), ("llama3-70b", 70.55),
+                         ("deepseek-v2", 235.74), ("deepseek-v2-lite", 15.71),
+                         ("deepseek-llm-67b", 67.43)):
+    assert round(ledger.param_count(get_preset(name)) / 1e9, 2) == billions, name
+
+
+def test_param_count_matches_initialized_pytree():
+  jax = pytest.importorskip("jax")
+  params = pytest.importorskip("kvjax.params")
+  for cfg in (get_preset("tiny"), get_preset("tiny").replace(
+      mtp_num_hidden_layers=2, qk_norm=True, attention_bias=True, tie_word_embeddings=True)):
+    tree = jax.eval_shape(lambda key: params.init_params(cfg, key), jax.random.PRNGKey(0))
+    assert ledger.param_count(cfg) == params.count_params(tree)
+
+
+def test_sliding_window_caps_request_not_per_token():
+  mistral = get_preset("mistral-7b")  # window 4096 on every layer.
+  assert ledger.kv_bytes_per_token(mistral) == 128 * KIB
+  assert (ledger.kv_bytes_per_request(mistral, 32768)
+          == ledger.kv_bytes_per_request(mistral, 4096) == 0.5 * GIB)
+
+
+# C5: concurrency and sizing with the seed's 80 GB card, 16 GB weights, 4 GB reserve.
+SEED_CARD = dict(gpu_gib=80, weight_gib=16, reserve_gib=4, kv_dtype="fp16")
+
+
+def test_concurrency_120_at_4k_15_at_32k():
+  at4k, at32k = ledger.plan(GQA8, 4096, **SEED_CARD), ledger.plan(GQA8, 32768, **SEED_CARD)
+  assert at4k.free_kv_bytes == 60 * GIB
+  assert (at4k.max_concurrency, at32k.max_concurrency) == (120, 15)
+
+
+@pytest.mark.parametrize("context,total_gib", [(8192, 70), (4096, 45)])
+def test_sizing_50_concurrent(context, total_gib):
+  result = ledger.plan(GQA8, context, batch=50, **SEED_CARD)
+  assert result.total_bytes == total_gib * GIB and result.fits
+
+
+def test_weights_that_do_not_fit_give_zero_concurrency():
+  result = ledger.plan(get_preset("deepseek-v2"), 4096)
+  assert result.free_kv_bytes < 0 and result.max_concurrency == 0 and not result.fits
+
+
+# C6: shrinking the cache.
+def _ratio(a, b, a_dtype="fp16", b_dtype="fp16"):
+  return ledger.kv_bytes_per_token(a, a_dtype) / ledger.kv_bytes_per_token(b, b_dtype)
+
+
+def test_mqa_gqa_ratios_vs_mha():
+  assert _ratio(MHA7.replace(num_kv_heads=1), MHA7) == 1 / 32
+  assert _ratio(GQA8, GQA8.replace(num_kv_heads=32)) == 1 / 4
+  assert _ratio(GQA70, GQA70.replace(num_kv_heads=64)) == 1 / 8
+
+
+def test_mla_93_3_percent_is_6_bit_latent_vs_deepseek_67b():
+  # DeepSeek-V2's baseline is DeepSeek 67B (bf16 GQA); V2's cache is ~6 bits/element.
+  base = ledger.kv_bytes_per_token(get_preset("deepseek-llm-67b"), "bf16")
+  mla = ledger.kv_values_per_token(get_preset("deepseek-v2")) * 6 / 8
+  assert round(1 - mla / base, 3) == 0.933
+  assert round(base / mla) == 15
+  # At bf16 the same comparison is only 1/5.6: the 1/15 needs the quantization.
+  assert round(base / ledger.kv_bytes_per_token(get_preset("deepseek-v2"), "bf16"), 1) == 5.6
+
+
+def test_kv_quantization_ideal_ratios_and_scales():
+  assert _ratio(GQA8, GQA8, "int8") == 1 / 2
+  assert _ratio(GQA8, GQA8, "int4") == 1 / 4
+  assert _ratio(GQA8, MHA7, "int8") == 1 / 8  # GQA 4x times int8 2x.
+  # One fp32 scale per (layer, kv head, K|V) vector: 32 x 16 x 4 B per token.
+  assert ledger.kv_scale_bytes_per_token(GQA8, "int8") == 32 * 16 * 4
+  assert ledger.kv_scale_bytes_per_token(GQA8, "bf16") == 0
+  plain = ledger.kv_bytes_per_request(GQA8, 1024, "int4")
+  scaled = ledger.kv_bytes_per_request(GQA8, 1024, "int4", count_scales=True)
+  assert scaled - plain == 1024 * 32 * 16 * 4
+
+
+# Bad input.
+@pytest.mark.parametrize("call,needle", [
+    (lambda: get_preset("llama9-1t"), "llama9-1t"),
+    (lambda: ledger.kv_bytes_per_request(GQA8, 0), "0"),
+    (lambda: ledger.plan(GQA8, -5), "-5"),
+    (lambda: ledger.kv_bytes_per_token(GQA8, "fp8"), "fp8"),
+    (lambda: ledger.plan(GQA8, 10, weight_dtype="int3"), "int3"),
+    (lambda: ledger.plan(GQA8, 10, batch=0), "batch"),
+    (lambda: ledger.plan(GQA8, 10, gpu_gib=0), "gpu_gib"),
+])
+def test_bad_input_names_the_value(call, needle):
+  with pytest.raises(ValueError, match=needle):
+    call()
+
+
+# CLI.
+def _cli(argv):
+  parser = argparse.ArgumentParser()
+  cli_memory.add_parser(parser.add_subparsers(dest="command"))
+  args = parser.parse_args(["memory", *argv])
+  return args.func(args)
+
+
+def test_cli_json(capsys):
+  rc = _cli(["--preset", "llama3-8b", "--context", "4096", "--kv-dtype", "fp16",
+             "--weight-gib", "16", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert rc == 0
+  assert out["kv_bytes_per_token"] == 128 * KIB
+  assert out["kv_bytes_per_request"] == GIB // 2
+  assert out["weight_bytes"] == 16 * GIB
+  assert out["max_concurrency"] == 120
+
+
+def test_cli_text(capsys):
+  assert _cli(["--preset", "llama3-70b", "--context", "131072", "--weight-dtype", "int4"]) == 0
+  assert "max concurrency" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--preset", "nope", "--context", "8"], "'nope'"),
+    (["--preset", "tiny", "--context", "0"], "got 0"),
+    (["--preset", "tiny", "--context", "8", "--kv-dtype", "fp8"], "'fp8'"),
+])
+def test_cli_bad_input_exits_2(capsys, argv, needle):
+  assert _cli(argv) == 2
+  assert needle in capsys.readouterr().err
