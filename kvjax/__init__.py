@@ -1,4 +1,8 @@
 """kvjax: functional pure-state paged-KV LLM inference in JAX and Pallas."""
-from kvjax.config import ModelConfig, PRESETS, get_preset
+from kvjax.api import Model, forward, generate, load_checkpoint
+from kvjax.config import PRESETS, ModelConfig, get_preset
+from kvjax.generate import GenerateResult
+from kvjax.tokenizer import ByteTokenizer
 
-__all__ = ["ModelConfig", "PRESETS", "get_preset"]
+__all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
+           "generate", "GenerateResult", "ByteTokenizer"]

@@ -1,0 +1,109 @@
+"""The public surface: load a model, run a full forward, generate.
+
+`Model` bundles a static `ModelConfig` with its `Params` pytree; every function
+here is a thin, validating wrapper over the pure functions in model.py and
+generate.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import generate as generation
+from kvjax.config import ModelConfig, PRESETS, get_preset
+from kvjax.model import forward as model_forward
+from kvjax.params import Params, init_params
+from kvjax.sampling import SamplingParams
+
+__all__ = ["Model", "load_checkpoint", "forward", "generate", "resolve_dtype", "DTYPES"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  config: ModelConfig
+  params: Params
+  dtype: jnp.dtype = jnp.float32
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+  """'float32' | 'bfloat16' | 'float16' (or the jnp dtype) -> jnp dtype."""
+  for name, value in DTYPES.items():
+    if dtype == name or dtype is value or (not isinstance(dtype, str) and
+                                           np.dtype(dtype) == np.dtype(value)):
+      return value
+  raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+
+
+def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
+                    seed: int = 0) -> Model:
+  """Load the built-in default model (no argument), a preset (random init from
+  `seed`), an HF checkpoint directory or a kvjax-native checkpoint directory."""
+  dtype = resolve_dtype(dtype)
+  if path_or_preset in PRESETS:
+    cfg = get_preset(path_or_preset)
+    return Model(cfg, init_params(cfg, jax.random.PRNGKey(seed), dtype), dtype)
+  from kvjax.weights import checkpoint as native
+  from kvjax.weights import hf
+
+  if path_or_preset is None:
+    path_or_preset = native.DEFAULT_MODEL_DIR
+    if not os.path.isdir(path_or_preset):
+      raise FileNotFoundError(
+          f"the built-in default model is missing at {path_or_preset}; train it with "
+          "experiments/train.py or pass a preset name such as 'tiny'")
+  if os.path.isdir(path_or_preset):
+    if hf.is_hf_checkpoint(path_or_preset):
+      cfg, params = hf.load_hf(path_or_preset, dtype)
+    else:
+      cfg, params = native.restore(path_or_preset, dtype)
+    return Model(cfg, params, dtype)
+  raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
+                   "checkpoint directory")
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:
+  return model_forward(params, config, tokens)
+
+
+def forward(model: Model, tokens) -> jax.Array:
+  """int32 tokens [B, T] -> float32 logits [B, T, V]: full causal forward, no cache."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be an integer array [B, T], got shape {tokens.shape} "
+                     f"dtype {tokens.dtype}")
+  bad = tokens[(tokens < 0) | (tokens >= model.config.vocab_size)]
+  if bad.size:
+    raise ValueError(f"token id {int(bad[0])} outside [0, vocab_size={model.config.vocab_size})")
+  if tokens.shape[1] > model.config.max_position_embeddings:
+    raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model context "
+                     f"{model.config.max_position_embeddings}")
+  return _forward(model.params, jnp.asarray(tokens, jnp.int32), config=model.config)
+
+
+def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
+             cache: str = "paged", page_size: int = 16,
+             backend: str = "reference") -> generation.GenerateResult:
+  """Generate `max_new_tokens` per prompt (fewer if EOS comes first).
+
+  `seed` is one int for every prompt or one per prompt; a prompt's samples depend
+  only on its own seed and tokens, never on the rest of the batch.
+  """
+  prompts = generation.validate_prompts(model.config, prompts, max_new_tokens)
+  if cache not in generation.CACHE_KINDS:
+    raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")
+  sampling = SamplingParams.make(len(prompts), temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seeds=seed)
+  return generation.generate_static(model.params, model.config, prompts, max_new_tokens,
+                                    sampling, cache=cache, page_size=page_size,
+                                    backend=backend, dtype=model.dtype)

@@ -1,0 +1,212 @@
+"""Static-batch generation: prefill every prompt, then a jitted decode loop.
+
+The decode loop is one `lax.while_loop` inside one jit (the JAX analog of a
+replayed CUDA graph, claim C13): no Python between tokens.  Shapes are
+bucketed to powers of two (batch rows, prompt length, total length, decode
+steps), so a run compiles a small, known number of programs.  Three caches,
+one contract: "paged" (pages + block tables), "contiguous" (one max-length
+buffer per row, claim C7's baseline) and "none" (recompute the whole prefix
+every token, claims C2/C17's baseline).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.model import forward_hidden, lm_logits
+from kvjax.params import Params
+from kvjax.sampling import SamplingParams, sample
+from kvjax.steps import (DecodeState, init_contiguous_state, init_paged_state, model_step,
+                         prefill)
+
+__all__ = ["GenerateResult", "generate_static", "validate_prompts", "next_pow2", "CACHE_KINDS"]
+
+CACHE_KINDS = ("paged", "contiguous", "none")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  tokens: list  # list[list[int]]: new tokens only, per prompt (EOS included, then stop)
+  stats: dict
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def validate_prompts(cfg: ModelConfig, prompts, max_new_tokens) -> list[list[int]]:
+  """Normalize prompts to lists of ints; raise ValueError naming any bad value."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not (
+      isinstance(prompts, np.ndarray)):
+    raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+  if len(prompts) == 0:
+    raise ValueError("prompts is empty: give at least one prompt")
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+  normalized = []
+  for i, prompt in enumerate(prompts):
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0:
+      raise ValueError(f"prompt {i} is empty or not 1-D (shape {ids.shape})")
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt {i} has non-integer token ids (dtype {ids.dtype})")
+    bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {i} has token id {int(bad[0])} outside [0, "
+                       f"vocab_size={cfg.vocab_size})")
+    if ids.size + max_new_tokens > cfg.max_position_embeddings:
+      raise ValueError(
+          f"prompt {i}: length {ids.size} + max_new_tokens {max_new_tokens} exceeds the "
+          f"model context {cfg.max_position_embeddings}")
+    normalized.append([int(t) for t in ids])
+  return normalized
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_steps", "use_filter"),
+                   donate_argnames=("state",))
+def _decode_loop(params: Params, state: DecodeState, tokens: jax.Array,
+                 sampling: SamplingParams, num_steps: jax.Array, eos_id: jax.Array,
+                 live: jax.Array, *, config: ModelConfig, backend: str, max_steps: int,
+                 use_filter: bool):
+  """Feed tokens [B] and sample up to num_steps more -> (state, out [B, max_steps]).
+
+  Stops early once every live row has emitted eos_id (-1: never).
+  """
+  b = tokens.shape[0]
+  slot_ids = jnp.arange(b, dtype=jnp.int32)
+  q_lens = live.astype(jnp.int32)
+
+  def cond(carry):
+    _, _, _, step, done = carry
+    return (step < num_steps) & ~jnp.all(done)
+
+  def body(carry):
+    state, tokens, out, step, done = carry
+    state, hidden = model_step(params, state, tokens[:, None], q_lens, slot_ids,
+                               config=config, backend=backend)
+    logits = lm_logits(params, config, hidden[:, 0])
+    new = sample(logits, sampling, state.seq_lens, use_filter=use_filter)
+    out = out.at[:, step].set(new)
+    return state, new, out, step + 1, done | (new == eos_id)
+
+  out = jnp.full((b, max_steps), -1, jnp.int32)
+  done = (tokens == eos_id) | ~live
+  state, _, out, _, _ = jax.lax.while_loop(cond, body, (state, tokens, out, 0, done))
+  return state, out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "use_filter"))
+def _recompute_next(params: Params, tokens: jax.Array, lens: jax.Array,
+                    sampling: SamplingParams, *, config: ModelConfig, use_filter: bool):
+  """No cache: run the whole prefix tokens [B, S] again and sample at lens - 1."""
+  hidden = forward_hidden(params, config, tokens)
+  last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+  return sample(lm_logits(params, config, last), sampling, lens, use_filter=use_filter)
+
+
+def _trim(row: np.ndarray, n: int, eos_id: Optional[int]) -> list[int]:
+  out = [int(t) for t in row[:n]]
+  if eos_id is not None and eos_id in out:
+    out = out[:out.index(eos_id) + 1]
+  return out
+
+
+def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
+                    max_new_tokens: int, sampling: SamplingParams, *, cache: str,
+                    page_size: int, backend: str, dtype) -> GenerateResult:
+  """Generate for validated prompts; see kvjax.generate for the public contract."""
+  if cache not in CACHE_KINDS:
+    raise ValueError(f"unknown cache {cache!r}; use one of {CACHE_KINDS}")
+  if page_size <= 0:
+    raise ValueError(f"page_size must be positive, got {page_size}")
+  num_prompts = len(prompts)
+  rows = next_pow2(num_prompts)
+  lens = np.zeros(rows, np.int32)
+  lens[:num_prompts] = [len(p) for p in prompts]
+  prompt_bucket = next_pow2(int(lens.max()), 8)
+  tokens = np.zeros((rows, prompt_bucket), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  live = np.arange(rows) < num_prompts
+  pad = rows - num_prompts
+  sampling = jax.tree_util.tree_map(lambda x: jnp.pad(x, (0, pad), mode="edge"), sampling)
+  use_filter = sampling.needs_filter
+  eos_id = -1 if cfg.eos_token_id is None else cfg.eos_token_id
+  total_bucket = next_pow2(int(lens.max()) + max_new_tokens, prompt_bucket)
+  step_bucket = next_pow2(max_new_tokens - 1)
+
+  start = time.perf_counter()
+  if cache == "none":
+    out, ttft = _generate_without_cache(params, cfg, tokens, lens, sampling, max_new_tokens,
+                                        eos_id, use_filter, start)
+    pages_used = 0
+  else:
+    if cache == "paged":
+      pages_per_seq = -(-total_bucket // page_size)
+      state = init_paged_state(cfg, rows, 1 + rows * pages_per_seq, page_size, pages_per_seq,
+                               dtype)
+      tables = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
+      state = state.replace(block_tables=jnp.asarray(tables))
+    else:
+      state = init_contiguous_state(cfg, rows, total_bucket, dtype)
+    slot_ids = jnp.arange(rows, dtype=jnp.int32)
+    state, logits, _ = prefill(params, state, jnp.asarray(tokens), jnp.asarray(lens * live),
+                               slot_ids, config=cfg, backend=backend)
+    first = sample(logits, sampling, jnp.asarray(lens), use_filter=use_filter)
+    first.block_until_ready()
+    ttft = time.perf_counter() - start
+    state, rest = _decode_loop(params, state, first, sampling, jnp.int32(max_new_tokens - 1),
+                               jnp.int32(eos_id), jnp.asarray(live), config=cfg,
+                               backend=backend, max_steps=step_bucket, use_filter=use_filter)
+    out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+    pages_used = None
+  elapsed = time.perf_counter() - start
+  new_tokens = [_trim(out[i], max_new_tokens, cfg.eos_token_id) for i in range(num_prompts)]
+  if pages_used is None:
+    pages_used = sum(-(-(len(p) + len(n)) // page_size) for p, n in zip(prompts, new_tokens))
+  total_new = sum(len(n) for n in new_tokens)
+  longest = max(len(n) for n in new_tokens)
+  stats = {
+      "ttft_s": ttft,
+      "tpot_s": (elapsed - ttft) / (longest - 1) if longest > 1 else 0.0,
+      "tokens_per_s": total_new / elapsed,
+      "latency_s": elapsed,
+      "kv_pages_used": pages_used if cache == "paged" else 0,
+      "num_generated_tokens": total_new,
+      "cache": cache,
+  }
+  return GenerateResult(tokens=new_tokens, stats=stats)
+
+
+def _generate_without_cache(params, cfg, tokens, lens, sampling, max_new_tokens, eos_id,
+                            use_filter, start):
+  """Recompute the whole prefix for every token: the quadratic baseline."""
+  rows = tokens.shape[0]
+  buffer = np.zeros((rows, next_pow2(int(lens.max()) + max_new_tokens, 8)), np.int32)
+  buffer[:, :tokens.shape[1]] = tokens
+  lens = lens.copy()
+  lens[lens == 0] = 1  # padding rows: keep the gather in range
+  out = np.full((rows, max_new_tokens), -1, np.int32)
+  done = np.zeros(rows, bool)
+  ttft = 0.0
+  for step in range(max_new_tokens):
+    width = next_pow2(int(lens.max()), 8)
+    new = np.asarray(_recompute_next(params, jnp.asarray(buffer[:, :width]), jnp.asarray(lens),
+                                     sampling, config=cfg, use_filter=use_filter))
+    if step == 0:
+      ttft = time.perf_counter() - start
+    out[:, step] = new
+    buffer[np.arange(rows), lens] = new
+    lens += 1
+    done |= new == eos_id
+    if done.all():
+      break
+  return out, ttft

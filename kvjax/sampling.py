@@ -1,0 +1,73 @@
+"""Token sampling: greedy, temperature, top-k, top-p; seeded per request.
+
+Each request's randomness is `fold_in(PRNGKey(seed), position)`, so a request
+samples the same tokens whatever batch it shares and whichever slot it sits in.
+All parameters are per-row arrays, so changing them never recompiles.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = ["SamplingParams", "sample", "filtered_logits"]
+
+
+@struct.dataclass
+class SamplingParams:
+  temperature: jax.Array  # [B] f32; 0 = greedy
+  top_k: jax.Array  # [B] int32; 0 = off
+  top_p: jax.Array  # [B] f32; 1 = off
+  seeds: jax.Array  # [B] uint32
+
+  @classmethod
+  def make(cls, batch: int, temperature=0.0, top_k=None, top_p=None, seeds=0):
+    """Broadcast scalars or per-row sequences to [batch] arrays, validating values."""
+    def per_row(value, dtype):
+      return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+    if jnp.any(jnp.asarray(temperature) < 0):
+      raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and jnp.any(jnp.asarray(top_k) < 0):
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
+    if top_p is not None and (jnp.any(jnp.asarray(top_p) <= 0) or
+                              jnp.any(jnp.asarray(top_p) > 1)):
+      raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return cls(temperature=per_row(temperature, jnp.float32),
+               top_k=per_row(0 if top_k is None else top_k, jnp.int32),
+               top_p=per_row(1.0 if top_p is None else top_p, jnp.float32),
+               seeds=per_row(seeds, jnp.uint32))
+
+  @property
+  def needs_filter(self) -> bool:
+    """Host-side check (concrete arrays only): is any top-k/top-p active?"""
+    return bool(jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0))
+
+
+def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Mask logits [B, V] outside each row's top-k and nucleus (top-p) sets with -inf."""
+  vocab = logits.shape[-1]
+  sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
+  sorted_logits = jnp.where(jnp.arange(vocab)[None] < k[:, None], sorted_logits, -jnp.inf)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p (the first token always).
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = mass_before < top_p[:, None]
+  cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+  threshold = jnp.maximum(kth, cutoff)
+  return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
+           use_filter: bool) -> jax.Array:
+  """logits [B, V] float32, positions [B] (index of the token being sampled) -> [B] int32."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+  scaled = logits / temperature[:, None]
+  if use_filter:
+    scaled = filtered_logits(scaled, params.top_k, params.top_p)
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+      params.seeds, positions)
+  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+  return jnp.where(params.temperature > 0, drawn, greedy)

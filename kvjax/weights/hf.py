@@ -1,0 +1,146 @@
+"""Load HF transformers checkpoints (config.json + safetensors) into kvjax params.
+
+Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
+window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm).
+Torch stores projections as [out, in]; kvjax keeps them input-major with heads
+split out ([D, N, H] etc.), so each tensor is transposed once here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig, RopeScaling
+from kvjax.params import AttentionParams, BlockParams, Params
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "config_from_hf", "load_hf"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def is_hf_checkpoint(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = hf.get("rope_scaling") or params
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+  if rope_type == "default":
+    return theta, None
+  if rope_type != "llama3":
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+  return theta, RopeScaling(
+      factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+      high_freq_factor=float(scaling["high_freq_factor"]),
+      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
+  """Translate an HF config.json dict; unknown architectures raise naming them."""
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"unsupported model_type {model_type!r} "
+                     f"(architectures {hf.get('architectures')}); "
+                     f"supported: {SUPPORTED_MODEL_TYPES}")
+  theta, scaling = _rope(hf)
+  num_heads = hf["num_attention_heads"]
+  num_layers = hf["num_hidden_layers"]
+  window = hf.get("sliding_window")
+  layer_windows = None
+  layer_types = hf.get("layer_types")
+  if model_type in ("qwen2", "qwen3"):
+    # Qwen's window applies only to layers HF marks "sliding_attention".
+    if layer_types is None and hf.get("use_sliding_window"):
+      start = hf.get("max_window_layers", num_layers)
+      layer_types = ["sliding_attention" if i >= start else "full_attention"
+                     for i in range(num_layers)]
+    layer_windows = tuple(window if t == "sliding_attention" else None
+                          for t in (layer_types or ["full_attention"] * num_layers))
+    window = None
+    if not any(layer_windows):
+      layer_windows = None
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, (list, tuple)):
+    eos = eos[0] if eos else None
+  return ModelConfig(
+      name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      max_position_embeddings=hf["max_position_embeddings"], rope_theta=theta,
+      rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+      qk_norm=model_type == "qwen3", sliding_window=window, layer_windows=layer_windows,
+      bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"))
+
+
+def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
+  """name -> array over model.safetensors or a sharded model.safetensors.index.json."""
+  from safetensors import safe_open
+
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    with open(index) as f:
+      files = json.load(f)["weight_map"]
+  else:
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+      raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    files = None
+  handles = {}
+
+  def read(name: str):
+    file = files.get(name) if files is not None else "model.safetensors"
+    if file is None:
+      raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
+    if file not in handles:
+      handles[file] = safe_open(os.path.join(path, file), framework="flax")
+    if name not in handles[file].keys():
+      raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
+    return handles[file].get_tensor(name)
+
+  return read
+
+
+def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+  read = _tensor_reader(path)
+  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+  def get(name):
+    return jnp.asarray(read(name), dtype)
+
+  def proj(name, heads):  # torch [heads*H, D] -> [D, heads, H]
+    return get(name).T.reshape(d, heads, h)
+
+  blocks = []
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+    bias = cfg.attention_bias
+    attn = AttentionParams(
+        wq=proj(pre + "self_attn.q_proj.weight", n), wk=proj(pre + "self_attn.k_proj.weight", k),
+        wv=proj(pre + "self_attn.v_proj.weight", k),
+        wo=get(pre + "self_attn.o_proj.weight").T.reshape(n, h, d),
+        bq=get(pre + "self_attn.q_proj.bias").reshape(n, h) if bias else None,
+        bk=get(pre + "self_attn.k_proj.bias").reshape(k, h) if bias else None,
+        bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
+        q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+        k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
+    blocks.append(BlockParams(
+        attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
+        mlp_norm=get(pre + "post_attention_layernorm.weight"),
+        w_gate=get(pre + "mlp.gate_proj.weight").T, w_up=get(pre + "mlp.up_proj.weight").T,
+        w_down=get(pre + "mlp.down_proj.weight").T))
+  params = Params(
+      embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
+      final_norm=get("model.norm.weight"),
+      lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
+  return cfg, params
