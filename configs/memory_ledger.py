@@ -21,4 +21,5 @@ def get_config(arg=None):
   config.name = "memory_ledger"
   if arg == "runlocal":
     config.plot_log2_contexts = (12, 15, 17)
+    config.name = "memory_ledger_runlocal"  # never overwrite the committed results.
   return config
