@@ -189,7 +189,7 @@ class BlockAllocator:
     """Raises AssertionError unless every page is in exactly one state."""
     free, evictable = set(self._free), set(self._evictable)
     assert len(free) == len(self._free), "duplicate page in free list"
-    assert not free & evictable, f"pages both free and evictable: {free & evictable}"
+    assert not free & evictable, f"free and evictable: {free & evictable}"
     assert NULL_PAGE not in free | evictable, "null page handed out"
     assert self._refcount[NULL_PAGE] == 0 and not self._cached[NULL_PAGE]
     used = 0

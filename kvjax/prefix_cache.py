@@ -5,8 +5,8 @@ A block of `page_size` tokens is named by a hash chain:
 with hash_{-1} a root derived from the request's `cache_salt`, and the salt also
 in every block's extra keys, so differently-salted tenants never share a block.
 Only FULL blocks are hashed and shared, so by default (prefix_match="block") a
-30-token prompt at page_size 64 hits nothing, while at page_size 16 it shares one
-block.  The prefix must be token-identical: one changed token in block i breaks
+30-token prompt at page_size 64 hits nothing, while at page_size 16 it shares
+one block.  The prefix must be token-identical: one changed token in block i breaks
 every hit from block i on.
 
 prefix_match="token" (beyond vLLM) also reuses a partial block: after the full
@@ -128,7 +128,7 @@ class PrefixCache:
 
   def lookup(self, token_ids: Sequence[int],
              cache_salt: Optional[str] = None) -> PrefixHit:
-    """Longest cached prefix of `token_ids`, leaving the last token uncovered."""
+    """Longest cached prefix of `token_ids`; never covers the last token."""
     g = self.page_size
     max_hit = len(token_ids) - 1
     pages, hashes = [], []

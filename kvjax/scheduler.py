@@ -3,7 +3,7 @@
 Each `schedule()` call plans one engine step under a token budget
 (`max_num_batched_tokens`) and a running-request cap (`max_num_seqs`):
   1. decode rows: running requests in steady decode feed their last token, plus
-     `num_lookahead_slots` draft slots when speculative decoding verifies drafts;
+     `num_lookahead_slots` draft slots when speculative decoding verifies;
   2. prefill chunks: running requests still prefilling (chunked prefill), then
      waiting requests first come first served, using the prefix cache on
      admission; a waiting request that does not fit blocks those behind it.
@@ -56,7 +56,7 @@ def bucket(n: int, maximum: Optional[int] = None, minimum: int = 1) -> int:
 
 
 def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
-  """Every value `bucket(n, maximum, minimum)` can return: the shapes to warm up."""
+  """Every value `bucket(n, maximum, minimum)` can return: shapes to warm up."""
   return sorted({bucket(n, maximum, minimum) for n in range(1, maximum + 1)})
 
 
@@ -75,7 +75,7 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-  """One request's host state; the engine reads it, only the scheduler writes."""
+  """A request's host state; the engine reads it, only the scheduler writes."""
 
   request_id: str
   prompt_ids: tuple[int, ...]
@@ -102,8 +102,8 @@ class Request:
     return len(self.token_ids)
 
   @property
-  def num_prompt_tokens(self) -> int:
-    return len(self.prompt_ids)
+  def num_output_tokens(self) -> int:
+    return len(self.token_ids) - len(self.prompt_ids)
 
   @property
   def output_ids(self) -> list[int]:
@@ -206,7 +206,8 @@ class Scheduler:
                enable_prefix_caching: bool = True, prefix_match: str = "block",
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
                eos_token_id: Optional[int] = None):
-    for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+    for name, value in (("page_size", page_size),
+                        ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
       if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
@@ -238,14 +239,15 @@ class Scheduler:
                   max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
                   cache_salt: Optional[str] = None,
                   sampling: Any = None) -> Request:
-    """Queues a request; raises ValueError (state unchanged) if it can never run."""
+    """Queues a request; ValueError (nothing queued) if it can never run."""
     prompt = tuple(int(t) for t in prompt_ids)
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} is already in use")
     if not prompt:
       raise ValueError(f"request {request_id!r}: empty prompt")
     if min(prompt) < 0:
-      raise ValueError(f"request {request_id!r}: negative token id {min(prompt)}")
+      raise ValueError(
+          f"request {request_id!r}: negative token id {min(prompt)}")
     if max_new_tokens < 1:
       raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, "
                        f"got {max_new_tokens}")
@@ -253,12 +255,13 @@ class Scheduler:
     if self.max_model_len is not None and total > self.max_model_len:
       raise ValueError(
           f"request {request_id!r}: prompt {len(prompt)} + max_new_tokens "
-          f"{max_new_tokens} = {total} exceeds max_model_len {self.max_model_len}")
+          f"{max_new_tokens} = {total} exceeds max_model_len "
+          f"{self.max_model_len}")
     # The last generated token is never fed, so total - 1 positions hold KV.
     pages = self._pages_for(total - 1)
     if pages > self.allocator.num_usable:
-      raise ValueError(f"request {request_id!r} needs up to {pages} KV pages but "
-                       f"the pool has {self.allocator.num_usable}")
+      raise ValueError(f"request {request_id!r} needs up to {pages} KV pages "
+                       f"but the pool has {self.allocator.num_usable}")
     stops = set(stop_token_ids)
     if self.eos_token_id is not None:
       stops.add(self.eos_token_id)
@@ -295,11 +298,12 @@ class Scheduler:
             or req.is_decoding != decoding):
           continue
         if decoding:
-          left = req.max_new_tokens - len(req.output_ids)
+          left = req.max_new_tokens - req.num_output_tokens
           num_draft = min(self.num_lookahead_slots, left - 1, budget - 1)
           n = 1 + num_draft
         else:
-          num_draft, n = 0, min(req.num_tokens - req.num_computed_tokens, budget)
+          num_draft = 0
+          n = min(req.num_tokens - req.num_computed_tokens, budget)
         if not self._reserve(req, req.num_computed_tokens + n, scheduled,
                              preempted):
           continue
@@ -367,8 +371,8 @@ class Scheduler:
         raise ValueError(f"request {rid!r} was a mid-prompt chunk; it samples "
                          "nothing")
       if row.sample and not 1 <= len(ids) <= 1 + row.num_draft:
-        raise ValueError(f"request {rid!r} needs 1..{1 + row.num_draft} new ids,"
-                         f" got {len(ids)}")
+        raise ValueError(f"request {rid!r} needs 1..{1 + row.num_draft} new "
+                         f"ids, got {len(ids)}")
     missing = [r.request_id for r in output.rows
                if r.sample and r.request_id not in new_token_ids
                and r.request.status is RequestStatus.RUNNING]
@@ -390,7 +394,7 @@ class Scheduler:
           req.token_ids.append(t)
           if t in req.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
-          elif len(req.output_ids) >= req.max_new_tokens:
+          elif req.num_output_tokens >= req.max_new_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
           if req.status.is_finished:
             break
