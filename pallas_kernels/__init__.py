@@ -1,0 +1,19 @@
+"""Pallas GPU kernels for kvjax, standalone (no import of kvjax).
+
+Each module holds a kernel, its jitted wrapper and a pure-jnp reference:
+  paged_attention  ragged paged attention (decode, speculative verify, chunked
+                   prefill in one call; GQA packing, int8 KV, sliding window,
+                   soft cap, batch-invariant split-K)
+  spec_verify      fused rejection-sampling verification (claim C10)
+"""
+from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.paged_attention import ragged_paged_attention_reference
+from pallas_kernels.spec_verify import rejection_sample
+from pallas_kernels.spec_verify import rejection_sample_reference
+
+__all__ = [
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "rejection_sample",
+    "rejection_sample_reference",
+]
