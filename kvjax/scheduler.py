@@ -7,20 +7,19 @@ Each `schedule()` call plans one engine step under a token budget
   2. prefill chunks: running requests still prefilling (chunked prefill), then
      waiting requests first come first served, using the prefix cache on
      admission; a waiting request that does not fit blocks those behind it.
-Pages are allocated for exactly the positions a row writes.  When a running
-request cannot get pages, the most recently admitted running request not yet
-scheduled this step (possibly itself) is preempted by recompute: its pages are
-freed and it goes back to the front of the waiting queue with its generated
-tokens, to be prefilled again (cheaply, if its blocks are still cached).
+Pages are allocated for exactly the positions a row writes.  A running request
+short of pages preempts, by recompute, the latest-admitted running request not
+yet scheduled this step (possibly itself): its pages are freed and it returns
+to the front of the waiting queue, to be prefilled again with its generated
+tokens (cheaply, if its blocks are still cached).
 
-A row's tokens are `request.token_ids[start:start + num_tokens]` (prompt then
-generated ids), the last `num_draft` of which are draft slots the engine fills.
-A row samples when it reaches the end of the known tokens; the engine then
-passes the sampled (for verify rows: accepted + bonus) ids to
-`update_from_output`, which appends them, applies stop conditions, caches newly
-computed full blocks, rolls back pages of rejected drafts and frees finished
-requests.  Blocks enter the prefix cache only after their KV is computed, so a
-hit never reads KV that the same step is still writing.
+A row feeds `request.token_ids[start:]` (prompt then generated ids) plus
+`num_draft` draft slots the engine fills.  A row that reaches the end of the
+known tokens samples; `update_from_output` appends the sampled (for verify
+rows: accepted + bonus) ids, applies stop conditions, caches newly computed
+full blocks, rolls back pages of rejected drafts and frees finished requests.
+Blocks are cached only once their KV is computed, so a hit never reads KV that
+the same step is still writing.
 
 Protocol: schedule() and update_from_output() alternate; the engine applies
 `SchedulerOutput.copies` before this step's forward (the copy sources are only
@@ -179,10 +178,6 @@ class SchedulerOutput:
   @property
   def prefill_rows(self) -> tuple[ScheduledRow, ...]:
     return tuple(r for r in self.rows if not r.is_decode)
-
-  @property
-  def is_empty(self) -> bool:
-    return not self.rows
 
 
 class Scheduler:
@@ -419,20 +414,17 @@ class Scheduler:
     if self.prefix_cache:
       self.prefix_cache.check_invariants()
     held = collections.Counter(p for r in self.running for p in r.pages)
-    for page in range(1, self.allocator.num_pages):
-      assert self.allocator.refcount(page) == held[page], (
-          f"page {page}: refcount {self.allocator.refcount(page)} but held "
-          f"{held[page]} times")
-    assert len(self.running) <= self.max_num_seqs
-    slots = [r.slot for r in self.running]
-    assert len(set(slots)) == len(slots) and None not in slots
-    assert len(slots) + len(self._free_slots) == self.max_num_seqs
+    pages = range(1, self.allocator.num_pages)
+    assert [self.allocator.refcount(p) for p in pages] == [
+        held[p] for p in pages], "refcounts differ from the pages requests hold"
     for r in self.running:
-      assert r.status is RequestStatus.RUNNING
+      assert r.status is RequestStatus.RUNNING and r.slot is not None
       assert self._pages_for(r.num_computed_tokens) <= len(r.pages)
       assert len(r.pages) <= self.max_pages_per_seq
     for r in self.waiting:
       assert not r.pages and r.slot is None and r.num_computed_tokens == 0
+    slots = sorted([r.slot for r in self.running] + self._free_slots)
+    assert slots == list(range(self.max_num_seqs)), f"slots leaked: {slots}"
     assert len(self.running) + len(self.waiting) == len(self.requests)
 
   # -- internals --------------------------------------------------------------

@@ -50,6 +50,10 @@ class FakeDevice:
 
   def step(self):
     out = self.sched.schedule()
+    assert len(out.rows) <= self.sched.max_num_seqs
+    assert out.num_batched_tokens == sum(r.num_tokens for r in out.rows)
+    assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
+    assert not {r.request_id for r in out.rows} & set(out.preempted_ids)
     for copy in out.copies:
       self.kv[copy.dst] = self.kv[copy.src]
     new = {}
@@ -164,6 +168,10 @@ def test_max_num_seqs_and_fcfs():
   assert [r.request_id for r in out.rows] == ["a", "b"]
   assert [r.slot for r in out.rows] == [0, 1]
   assert [r.request_id for r in sched.waiting] == ["c"]
+  sched.update_from_output(out, {"a": [1], "b": [1]})
+  sched.abort("a")
+  [row] = sched.schedule().rows[1:]
+  assert (row.request_id, row.slot) == ("c", 0)  # lowest free slot reused
 
 
 def test_head_of_line_blocks_later_requests():
