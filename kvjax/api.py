@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import generate as generation
+from kvjax import generation
 from kvjax.config import ModelConfig, PRESETS, get_preset
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params
@@ -50,11 +50,11 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   if path_or_preset in PRESETS:
     cfg = get_preset(path_or_preset)
     return Model(cfg, init_params(cfg, jax.random.PRNGKey(seed), dtype), dtype)
-  from kvjax.weights import checkpoint as native
   from kvjax.weights import hf
 
   if path_or_preset is None:
-    path_or_preset = native.DEFAULT_MODEL_DIR
+    from kvjax.weights.checkpoint import DEFAULT_MODEL_DIR
+    path_or_preset = DEFAULT_MODEL_DIR
     if not os.path.isdir(path_or_preset):
       raise FileNotFoundError(
           f"the built-in default model is missing at {path_or_preset}; train it with "
@@ -63,7 +63,8 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
     if hf.is_hf_checkpoint(path_or_preset):
       cfg, params = hf.load_hf(path_or_preset, dtype)
     else:
-      cfg, params = native.restore(path_or_preset, dtype)
+      from kvjax.weights.checkpoint import restore
+      cfg, params = restore(path_or_preset, dtype)
     return Model(cfg, params, dtype)
   raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
                    "checkpoint directory")

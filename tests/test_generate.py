@@ -1,0 +1,146 @@
+"""generate(): batch independence, compile counts, bad input, sampling statistics."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import generation
+from kvjax import steps
+from kvjax.sampling import SamplingParams, filtered_logits, sample
+
+PROMPTS = [[5, 9, 11], [7] * 13, [100, 3, 200, 4, 300, 5, 400, 6, 1]]
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous", "none"])
+def test_mixed_batch_equals_each_prompt_alone(tiny_model, cache):
+  together = kvjax.generate(tiny_model, PROMPTS, 12, cache=cache).tokens
+  alone = [kvjax.generate(tiny_model, [p], 12, cache=cache).tokens[0] for p in PROMPTS]
+  assert together == alone
+  assert all(len(t) == 12 for t in together)
+
+
+def test_sampled_batch_equals_each_prompt_alone(tiny_model):
+  kwargs = dict(temperature=0.8, top_k=50, top_p=0.95, seed=[11, 12, 13])
+  together = kvjax.generate(tiny_model, PROMPTS, 10, **kwargs).tokens
+  for i, p in enumerate(PROMPTS):
+    alone = kvjax.generate(tiny_model, [p], 10, temperature=0.8, top_k=50, top_p=0.95,
+                           seed=11 + i).tokens[0]
+    assert together[i] == alone
+  again = kvjax.generate(tiny_model, PROMPTS, 10, **kwargs).tokens
+  assert again == together  # seeded: reproducible
+  other = kvjax.generate(tiny_model, PROMPTS, 10, **{**kwargs, "seed": [1, 2, 3]}).tokens
+  assert other != together
+
+
+def test_generation_compiles_a_bounded_number_of_times(tiny_model, monkeypatch):
+  # A fresh (equal-shaped, differently named) config, so no earlier test's compile counts.
+  model = kvjax.Model(tiny_model.config.replace(name="trace-count"), tiny_model.params)
+  # One prefill and one decode loop trace the model step; nothing else may.
+  counted = chex.assert_max_traces(steps.model_step, n=2)
+  monkeypatch.setattr(steps, "model_step", counted)
+  monkeypatch.setattr(generation, "model_step", counted)
+  before = (steps.prefill._cache_size(), generation._decode_loop._cache_size())
+  # Rows bucket 1, prompt bucket 8, total bucket 16, decode-steps bucket 8 throughout.
+  for prompt in ([4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]):
+    for new in (6, 8, 9):
+      assert len(kvjax.generate(model, [prompt], new).tokens[0]) == new
+  after = (steps.prefill._cache_size(), generation._decode_loop._cache_size())
+  assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+def test_eos_stops_generation(tiny_model):
+  cfg = tiny_model.config
+  free = kvjax.generate(tiny_model, [PROMPTS[0]], 12).tokens[0]
+  eos = free[4]
+  model = kvjax.Model(cfg.replace(eos_token_id=eos), tiny_model.params)
+  for cache in ("paged", "none"):
+    stopped = kvjax.generate(model, [PROMPTS[0]], 12, cache=cache).tokens[0]
+    assert stopped == free[:free.index(eos) + 1]
+
+
+BAD_INPUTS = {
+    "empty prompt": (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    "no prompts": (dict(prompts=[]), "prompts is empty"),
+    "id >= vocab": (dict(prompts=[[1, 512]]), "token id 512"),
+    "negative id": (dict(prompts=[[-3, 1]]), "token id -3"),
+    "too long": (dict(prompts=[[1] * 1000], max_new_tokens=100), "exceeds the model context 1024"),
+    "zero new tokens": (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+    "unknown cache": (dict(cache="ring"), "unknown cache 'ring'"),
+    "bad top_p": (dict(top_p=1.5), "top_p must be in"),
+    "bad temperature": (dict(temperature=-1.0), "temperature must be >= 0"),
+    "unknown backend": (dict(backend="cuda-magic"), "unknown attention backend 'cuda-magic'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_names_the_value_and_changes_nothing(tiny_model, case):
+  overrides, message = BAD_INPUTS[case]
+  args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
+  args.update(overrides)
+  before = jax.tree_util.tree_map(np.asarray, tiny_model.params)
+  reference = kvjax.generate(tiny_model, [[1, 2, 3]], 4).tokens
+  with pytest.raises(ValueError, match=message):
+    kvjax.generate(tiny_model, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+  after = jax.tree_util.tree_map(np.asarray, tiny_model.params)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
+                                                   jax.tree_util.tree_leaves(after)))
+  assert kvjax.generate(tiny_model, [[1, 2, 3]], 4).tokens == reference
+
+
+def test_load_checkpoint_errors_name_the_value():
+  with pytest.raises(ValueError, match="'not-a-model'"):
+    kvjax.load_checkpoint("not-a-model")
+  with pytest.raises(ValueError, match="unsupported dtype 'int3'"):
+    kvjax.load_checkpoint("tiny", dtype="int3")
+
+
+def test_forward_rejects_bad_tokens(tiny_model):
+  with pytest.raises(ValueError, match="token id 9999"):
+    kvjax.forward(tiny_model, np.array([[1, 9999]]))
+  with pytest.raises(ValueError, match=r"shape \(3,\)"):
+    kvjax.forward(tiny_model, np.array([1, 2, 3]))
+
+
+def _brute_force_filter(logits, k, p):
+  """Keep the k largest, then the smallest prefix with mass >= p (numpy, float64)."""
+  order = np.argsort(-logits, kind="stable")
+  keep = np.zeros(logits.size, bool)
+  kept = order[:k] if k > 0 else order
+  probs = np.exp(logits[kept] - logits[kept].max())
+  probs /= probs.sum()
+  mass = 0.0
+  for idx, prob in zip(kept, probs):
+    keep[idx] = True
+    mass += prob
+    if mass >= p:
+      break
+  return keep
+
+
+@pytest.mark.parametrize("k,p", [(0, 1.0), (5, 1.0), (0, 0.5), (10, 0.8), (1, 0.3)])
+def test_top_k_top_p_filter_matches_brute_force(k, p):
+  rng = np.random.default_rng(k * 100 + int(p * 10))
+  logits = rng.normal(size=(4, 64)).astype(np.float32) * 2
+  got = np.asarray(filtered_logits(jnp.asarray(logits), jnp.full((4,), k, jnp.int32),
+                                   jnp.full((4,), p, jnp.float32)))
+  for row in range(4):
+    np.testing.assert_array_equal(np.isfinite(got[row]), _brute_force_filter(logits[row], k, p))
+
+
+def test_temperature_sampling_follows_softmax():
+  logits = jnp.asarray([2.0, 1.0, 0.0, -1.0, -30.0, 0.5], jnp.float32)
+  n, temperature = 40_000, 0.7
+  params = SamplingParams.make(n, temperature=temperature, seeds=jnp.arange(n))
+  drawn = np.asarray(sample(jnp.broadcast_to(logits, (n, 6)), params, jnp.zeros(n, jnp.int32),
+                            use_filter=False))
+  probs = np.asarray(jax.nn.softmax(logits / temperature))
+  counts = np.bincount(drawn, minlength=6)
+  bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
+  assert np.all(np.abs(counts - n * probs) <= bound), (counts, n * probs)
+  greedy = sample(jnp.broadcast_to(logits, (3, 6)), SamplingParams.make(3), jnp.zeros(3, jnp.int32),
+                  use_filter=False)
+  assert np.asarray(greedy).tolist() == [0, 0, 0]
