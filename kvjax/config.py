@@ -190,6 +190,15 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=262144, rope_theta=10000000.0, rms_norm_eps=1e-6,
         qk_norm=True, num_full_attention_layers=8, mtp_num_hidden_layers=1,
         eos_token_id=248044),
+    # kvjax's built-in default model (kvjax/assets/default_model, MODEL_CARD.md):
+    # byte-level stdlib Python LM with 2 MTP draft modules, trained by
+    # `python -m experiments.train --config=configs/tiny_code.py`.  Sized for about
+    # an hour of training on 2 CPU cores; head_dim 64 as the Pallas kernels require.
+    "tiny-code": ModelConfig(
+        name="tiny-code", vocab_size=259, hidden_size=192, intermediate_size=512,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+        mtp_num_hidden_layers=2, bos_token_id=256, eos_token_id=257, pad_token_id=258),
 }
 
 

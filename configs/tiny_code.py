@@ -1,0 +1,79 @@
+# python -m experiments.train --config=configs/tiny_code.py --workdir=runs/tiny_code
+r"""Trains kvjax's built-in default model: byte-level stdlib Python LM with 2 MTP heads.
+
+Full run (2 CPU cores, about an hour; resumes from runs/tiny_code/ckpt if present):
+  nohup python -m experiments.train --config=configs/tiny_code.py \
+      --workdir runs/tiny_code > runs/train.log 2>&1 &
+
+Smoke run (seconds):
+  python -m experiments.train --config=configs/tiny_code.py:runlocal \
+      --workdir /tmp/tiny_code_smoke
+
+Add --config.export_dir=kvjax/assets/default_model to write the shipped model and
+its card at the end (the full config does by default).
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  config.preset = "tiny-code"  # kvjax.config.PRESETS entry
+  config.model_overrides = ml_collections.ConfigDict()  # ModelConfig fields to replace
+  config.seed = 0
+
+  config.batch_size = 8
+  config.seq_len = 256
+  config.total_steps = 4000
+  config.learning_rate = 3e-3
+  config.warmup_steps = 200
+  config.end_lr_fraction = 0.1
+  config.weight_decay = 0.1
+  config.grad_clip = 1.0
+  config.mtp_weight = 0.5  # per MTP module, added to the trunk's LM loss
+
+  config.heldout_fraction = 0.05
+  config.max_corpus_files = ml_collections.config_dict.placeholder(int)  # None: all files
+  config.log_every = 25
+  config.eval_every = 250
+  config.eval_windows = 64  # periodic held-out eval: windows of seq_len + 1
+  config.checkpoint_every = 100
+  # Stop early (checkpointed; exported if export_dir is set) after this many
+  # cumulative training seconds, or at this step: splits a run across sessions.
+  config.max_train_seconds = ml_collections.config_dict.placeholder(float)
+  config.stop_at_step = ml_collections.config_dict.placeholder(int)
+
+  # End of training: the shipped model, its card and the numbers on it.
+  config.export_dir = ml_collections.config_dict.placeholder(str)
+  config.export_dir = "kvjax/assets/default_model"
+  config.final_eval_windows = 512  # launcher's held-out bits/byte
+  config.acceptance_prompts = 32  # held-out prompts greedily continued for MTP acceptance
+  config.acceptance_prompt_len = 64
+  config.acceptance_new_tokens = 96
+  # The fixed held-out slice tests/test_default_model.py recomputes: bits/byte on
+  # slice_windows windows of seq_len + 1, MTP acceptance on slice_prompts prompts.
+  config.slice_windows = 16
+  config.slice_prompts = 4
+
+  if arg == "runlocal":
+    config.model_overrides = ml_collections.ConfigDict(dict(
+        name="tiny-code-smoke", hidden_size=64, intermediate_size=128, num_layers=1,
+        num_heads=2, num_kv_heads=1, max_position_embeddings=64))
+    config.batch_size = 4
+    config.seq_len = 32
+    config.total_steps = 30
+    config.warmup_steps = 5
+    config.learning_rate = 3e-3
+    config.max_corpus_files = 40
+    config.heldout_fraction = 0.25
+    config.log_every = 5
+    config.eval_every = 15
+    config.eval_windows = 4
+    config.checkpoint_every = 10
+    config.export_dir = None
+    config.final_eval_windows = 8
+    config.acceptance_prompts = 2
+    config.acceptance_prompt_len = 8
+    config.acceptance_new_tokens = 8
+    config.slice_windows = 2
+    config.slice_prompts = 1
+  return config

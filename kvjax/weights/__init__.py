@@ -1,0 +1,1 @@
+"""Checkpoint formats: kvjax-native orbax checkpoints, HF safetensors import."""

@@ -1,0 +1,114 @@
+"""kvjax-native checkpoints with orbax.
+
+A model directory holds
+  config.json     the ModelConfig fields (JSON; rope_scaling as an object)
+  metadata.json   free-form JSON (the default model keeps its model card here)
+  params/         the Params pytree, orbax StandardCheckpointer format
+
+`restore` needs nothing but the directory: the config rebuilds the abstract
+Params tree that orbax restores into, so a fresh process can load it.
+Training runs keep a separate orbax CheckpointManager of the whole TrainState
+(`save_train_state` / `restore_train_state`) so a launcher can resume exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from kvjax.config import ModelConfig, RopeScaling
+from kvjax.params import Params, init_params
+
+__all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "restore",
+           "read_metadata", "train_state_manager", "save_train_state", "restore_train_state"]
+
+# The built-in byte-level code model shipped with the package (see its MODEL_CARD.md).
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "assets", "default_model")
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+  out = dataclasses.asdict(cfg)
+  if cfg.layer_windows is not None:
+    out["layer_windows"] = list(cfg.layer_windows)
+  return out
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+  d = dict(d)
+  if d.get("rope_scaling") is not None:
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  if d.get("layer_windows") is not None:
+    d["layer_windows"] = tuple(d["layer_windows"])
+  return ModelConfig(**d)
+
+
+def _abstract_params(cfg: ModelConfig, dtype) -> Params:
+  return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+
+
+def save(path: str, config: ModelConfig, params: Params,
+         metadata: Optional[dict] = None) -> None:
+  """Writes config.json, metadata.json and params/ under `path` (replacing params/)."""
+  path = os.path.abspath(path)
+  os.makedirs(path, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(path, "params"), params, force=True)
+    ckptr.wait_until_finished()
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config_to_dict(config), f, indent=2)
+  with open(os.path.join(path, "metadata.json"), "w") as f:
+    json.dump(metadata or {}, f, indent=2)
+
+
+def read_metadata(path: str) -> dict:
+  with open(os.path.join(path, "metadata.json")) as f:
+    return json.load(f)
+
+
+def restore(path: str = DEFAULT_MODEL_DIR, dtype=None) -> tuple[ModelConfig, Params]:
+  """-> (config, params); params cast to `dtype` (default: as stored)."""
+  path = os.path.abspath(path)
+  config_path = os.path.join(path, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{path} is not a kvjax checkpoint: no config.json")
+  with open(config_path) as f:
+    cfg = config_from_dict(json.load(f))
+  with ocp.StandardCheckpointer() as ckptr:
+    stored = ckptr.metadata(os.path.join(path, "params"))
+    stored_dtype = jax.tree_util.tree_leaves(stored.item_metadata.tree)[0].dtype
+    params = ckptr.restore(os.path.join(path, "params"), _abstract_params(cfg, stored_dtype))
+  if dtype is not None:
+    params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+  return cfg, params
+
+
+def train_state_manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
+  """Orbax manager of TrainState checkpoints (plus a JSON of launcher progress)."""
+  return ocp.CheckpointManager(
+      os.path.abspath(directory), item_names=("state", "progress"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+
+def save_train_state(manager: ocp.CheckpointManager, step: int, state: Any,
+                     progress: dict) -> None:
+  """Blocks until written: the caller donates `state` to its next step."""
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)))
+  manager.wait_until_finished()
+
+
+def restore_train_state(manager: ocp.CheckpointManager, target: Any):
+  """-> (state, progress) of the latest step, or (target, None) when there is none."""
+  step = manager.latest_step()
+  if step is None:
+    return target, None
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore()))
+  return restored.state, restored.progress
