@@ -70,11 +70,13 @@ def _rs_kernel(
   inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temp))
   num_draft = nd_ref[0]
 
-  def load_tile(ref_row, tile, fill):
+  def load_tile(ref, row, tile, fill):
+    """Tile `tile` of ref[row] (or of the 1-D ref when row is None), masked past V."""
     v = tile * block_v + lane
     ok = v < vocab
-    x = pltriton.load(ref_row.at[pl.ds(tile * block_v, block_v)], mask=ok,
-                      other=fill).astype(jnp.float32)  # [Tv]
+    idx = pl.ds(tile * block_v, block_v)
+    view = ref.at[idx] if row is None else ref.at[row, idx]  # one indexer (Triton)
+    x = pltriton.load(view, mask=ok, other=fill).astype(jnp.float32)  # [Tv]
     return v, ok, x
 
   def argmax_update(best, idx, v, ok, score):
@@ -88,7 +90,7 @@ def _rs_kernel(
     """(logsumexp(logits[row] * inv_t), argmax(logits[row])) over n tiles."""
     def body(tile, carry):
       m, s, best, idx = carry
-      v, ok, x = load_tile(logits_ref.at[row], tile, _NEG_INF)
+      v, ok, x = load_tile(logits_ref, row, tile, _NEG_INF)
       z = jnp.where(ok, x * inv_t, _NEG_INF)
       m_new = jnp.maximum(m, z.max())
       m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
@@ -122,11 +124,11 @@ def _rs_kernel(
 
   def emit_body(tile, carry):
     best, idx = carry
-    v, ok, x = load_tile(logits_ref.at[row], tile, 0.0)
-    _, _, g = load_tile(gumbel_ref, tile, 0.0)
+    v, ok, x = load_tile(logits_ref, row, tile, 0.0)
+    _, _, g = load_tile(gumbel_ref, None, tile, 0.0)
     p_t = jnp.exp(x * inv_t - stop_lse)
     if has_draft_probs:
-      _, _, p_d = load_tile(dprobs_ref.at[dp_row], tile, 0.0)
+      _, _, p_d = load_tile(dprobs_ref, dp_row, tile, 0.0)
     else:
       p_d = (v == d_stop).astype(jnp.float32)
     residual = jnp.log(jnp.maximum(p_t - p_d, 0.0))

@@ -252,7 +252,7 @@ def test_default_block_sizes_are_batch_free():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(kv_lens=np.zeros(10, np.int64)), "kv_lens.dtype"),
+    (dict(kv_lens=np.zeros(10, np.float32)), "kv_lens.dtype"),
     (dict(cu=np.zeros(10, np.int32)), "cu_q_lens.shape"),
     (dict(tables=np.zeros((9, 3), np.int32)), "block_tables.shape"),
     (dict(q=np.zeros((3, 7, 64), np.float32)), "num_q_heads=7"),
