@@ -1,0 +1,86 @@
+"""`python -m kvjax generate | memory` (also the `kvjax` console script).
+
+Each sub-command registers itself with `add_parser(subparsers)` and runs with
+`run(args) -> exit code`; this file only dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from kvjax import cli_memory
+
+__all__ = ["main"]
+
+
+def _add_generate(subparsers) -> None:
+  p = subparsers.add_parser("generate", help="generate a continuation of one prompt")
+  p.add_argument("--checkpoint", default=None,
+                 help="preset name, HF checkpoint dir or kvjax checkpoint dir "
+                      "(default: the built-in byte-level code model)")
+  source = p.add_mutually_exclusive_group()
+  source.add_argument("--prompt", default=None, help="prompt text (byte-level models)")
+  source.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=None)
+  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--cache", default="paged", choices=("paged", "contiguous", "none"))
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--backend", default="reference", help="attention backend name")
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+  import kvjax
+  from kvjax.tokenizer import ByteTokenizer
+
+  model = kvjax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+  tokenizer = ByteTokenizer()
+  byte_level = model.config.vocab_size == tokenizer.vocab_size
+  if args.prompt_ids is not None:
+    try:
+      prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+      raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+  else:
+    text = "def fibonacci(n):" if args.prompt is None else args.prompt
+    prompt = tokenizer.encode(text)
+    if model.config.bos_token_id is not None and byte_level:
+      prompt = [tokenizer.bos_id] + prompt
+  result = kvjax.generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
+                          page_size=args.page_size, backend=args.backend)
+  tokens = result.tokens[0]
+  text = tokenizer.decode(tokens) if byte_level else None
+  if args.json:
+    print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text,
+                      "stats": result.stats}))
+  else:
+    if byte_level:
+      print(tokenizer.decode(prompt) + text)
+    else:
+      print(" ".join(map(str, tokens)))
+    stats = result.stats
+    print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
+          f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "
+          f"{stats['kv_pages_used']} KV pages]", file=sys.stderr)
+  return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.splitlines()[0])
+  subparsers = parser.add_subparsers(dest="command", required=True)
+  _add_generate(subparsers)
+  cli_memory.add_parser(subparsers)
+  args = parser.parse_args(argv)
+  try:
+    return args.func(args)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"kvjax {args.command}: error: {error}", file=sys.stderr)
+    return 2
