@@ -1,0 +1,22 @@
+"""`python -m kvjax generate` agrees with the library and fails cleanly on bad input."""
+from __future__ import annotations
+
+import json
+
+import kvjax
+from kvjax.cli import main
+
+
+def test_generate_json_matches_library(tiny_model, capsys):
+  assert main(["generate", "--checkpoint", "tiny", "--prompt-ids", "1,2,3",
+               "--max-new-tokens", "6", "--json"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["tokens"] == kvjax.generate(tiny_model, [[1, 2, 3]], 6).tokens[0]
+  assert {"ttft_s", "tpot_s", "tokens_per_s", "kv_pages_used"} <= set(printed["stats"])
+
+
+def test_generate_bad_input_exits_2_with_the_value(capsys):
+  assert main(["generate", "--checkpoint", "tiny", "--prompt-ids", "1,999"]) == 2
+  assert "token id 999" in capsys.readouterr().err
+  assert main(["generate", "--checkpoint", "nope"]) == 2
+  assert "'nope'" in capsys.readouterr().err
