@@ -1,7 +1,8 @@
 """Load HF transformers checkpoints (config.json + safetensors) into kvjax params.
 
 Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
-window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm).
+window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
+deepseek_v2 / deepseek_v3 with MLA and dense MLPs only (MoE layers raise).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
 split out ([D, N, H] etc.), so each tensor is transposed once here.
 """
@@ -15,15 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
-from kvjax.params import AttentionParams, BlockParams, Params
+from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "config_from_hf", "load_hf"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 def is_hf_checkpoint(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, "config.json"))
+  """An HF directory's config.json names its `model_type` (kvjax's own never does)."""
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config):
+    return False
+  with open(config) as f:
+    return "model_type" in json.load(f)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -49,6 +56,8 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
                      f"(architectures {hf.get('architectures')}); "
                      f"supported: {SUPPORTED_MODEL_TYPES}")
   theta, scaling = _rope(hf)
+  if model_type in _DEEPSEEK:
+    return _deepseek_config(hf, name, theta, scaling)
   num_heads = hf["num_attention_heads"]
   num_layers = hf["num_hidden_layers"]
   window = hf.get("sliding_window")
@@ -81,6 +90,62 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
       bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"))
 
 
+def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
+                     scaling: RopeScaling | None) -> ModelConfig:
+  """DeepSeek-V2/V3 with MLA; layers from first_k_dense_replace on are MoE (unsupported)."""
+  num_layers = hf["num_hidden_layers"]
+  first_dense = hf.get("first_k_dense_replace") or 0
+  if first_dense < num_layers and hf.get("n_routed_experts"):
+    raise ValueError(
+        f"{hf['model_type']} checkpoint has MoE layers (first_k_dense_replace={first_dense} < "
+        f"num_hidden_layers={num_layers}, n_routed_experts={hf['n_routed_experts']}); "
+        "kvjax loads only dense DeepSeek MLA models")
+  if scaling is not None or hf.get("attention_bias"):
+    raise ValueError("DeepSeek checkpoints with rope scaling or attention_bias are unsupported")
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, (list, tuple)):
+    eos = eos[0] if eos else None
+  num_heads = hf["num_attention_heads"]
+  return ModelConfig(
+      name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=num_heads,
+      num_kv_heads=num_heads, head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+      max_position_embeddings=hf["max_position_embeddings"], rope_theta=theta,
+      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_type="mla", kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"),
+      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+      v_head_dim=hf["v_head_dim"], bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+      pad_token_id=hf.get("pad_token_id"))
+
+
+def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
+                interleaved_rope: bool) -> MLAParams:
+  """HF MLA tensors -> MLAParams; interleaved rope columns become evens-then-odds
+  (kvjax/attention/mla.py explains why that equals HF's interleaved rope)."""
+  d, n, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+  hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  rope_perm = np.concatenate([np.arange(0, hr, 2), np.arange(1, hr, 2)])
+  if not interleaved_rope:
+    rope_perm = np.arange(hr)
+  q_perm = np.concatenate([np.arange(hn), hn + rope_perm])
+  kv_perm = np.concatenate([np.arange(r), r + rope_perm])
+
+  def q_proj(name, rows):  # torch [N*(Hn+Hr), rows] -> [rows, N, Hn+Hr], rope permuted
+    return get(name).T.reshape(rows, n, hn + hr)[..., q_perm]
+
+  kv_b = get(pre + "kv_b_proj.weight").T.reshape(r, n, hn + hv)
+  if cfg.q_lora_rank is None:
+    q = dict(wq=q_proj(pre + "q_proj.weight", d))
+  else:
+    q = dict(wq_a=get(pre + "q_a_proj.weight").T, q_norm=get(pre + "q_a_layernorm.weight"),
+             wq_b=q_proj(pre + "q_b_proj.weight", cfg.q_lora_rank))
+  return MLAParams(
+      wkv_a=get(pre + "kv_a_proj_with_mqa.weight").T[:, kv_perm],
+      kv_norm=get(pre + "kv_a_layernorm.weight"), wk_b=kv_b[..., :hn], wv_b=kv_b[..., hn:],
+      wo=get(pre + "o_proj.weight").T.reshape(n, hv, d), **q)
+
+
 def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
   """name -> array over model.safetensors or a sharded model.safetensors.index.json."""
   from safetensors import safe_open
@@ -111,7 +176,11 @@ def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
 
 def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
   with open(os.path.join(path, "config.json")) as f:
-    cfg = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    hf_config = json.load(f)
+  cfg = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
+  # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
+  interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
+      hf_config.get("rope_interleave", True))
   read = _tensor_reader(path)
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -125,15 +194,18 @@ def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
     bias = cfg.attention_bias
-    attn = AttentionParams(
-        wq=proj(pre + "self_attn.q_proj.weight", n), wk=proj(pre + "self_attn.k_proj.weight", k),
-        wv=proj(pre + "self_attn.v_proj.weight", k),
-        wo=get(pre + "self_attn.o_proj.weight").T.reshape(n, h, d),
-        bq=get(pre + "self_attn.q_proj.bias").reshape(n, h) if bias else None,
-        bk=get(pre + "self_attn.k_proj.bias").reshape(k, h) if bias else None,
-        bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
-        q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-        k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
+    if cfg.attention_type == "mla":
+      attn = _mla_params(cfg, get, pre + "self_attn.", interleaved_rope)
+    else:
+      attn = AttentionParams(
+          wq=proj(pre + "self_attn.q_proj.weight", n),
+          wk=proj(pre + "self_attn.k_proj.weight", k), wv=proj(pre + "self_attn.v_proj.weight", k),
+          wo=get(pre + "self_attn.o_proj.weight").T.reshape(n, h, d),
+          bq=get(pre + "self_attn.q_proj.bias").reshape(n, h) if bias else None,
+          bk=get(pre + "self_attn.k_proj.bias").reshape(k, h) if bias else None,
+          bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
+          q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+          k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
     blocks.append(BlockParams(
         attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
         mlp_norm=get(pre + "post_attention_layernorm.weight"),
