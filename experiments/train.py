@@ -46,7 +46,7 @@ def hardware() -> str:
 def train_and_evaluate(config, workdir: str) -> list:
   """Runs (or resumes) training; returns this call's per-log-step metrics."""
   cfg = model_config(config)
-  corpus = corpus_lib.load_corpus(heldout_fraction=config.heldout_fraction,
+  corpus = corpus_lib.load_corpus(config.corpus_root, config.heldout_fraction,
                                   max_files=config.max_corpus_files)
   train_tokens = corpus_lib.split_tokens(corpus, "train")
   heldout_tokens = corpus_lib.split_tokens(corpus, "heldout")
@@ -69,7 +69,8 @@ def train_and_evaluate(config, workdir: str) -> list:
   last_step = min(config.total_steps, config.stop_at_step or config.total_steps)
   tokens_per_step = config.batch_size * config.seq_len
   segment = {"hardware": hardware(), "first_step": step, "last_step": step, "seconds": 0.0}
-  progress["segments"].append(segment)
+  if step < last_step:
+    progress["segments"].append(segment)
   history = []
   os.makedirs(workdir, exist_ok=True)
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")

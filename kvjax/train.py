@@ -93,7 +93,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
         state.params, cfg, batch, mtp_weight)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return jax.jit(train_step, donate_argnums=0)
