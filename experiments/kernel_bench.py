@@ -21,6 +21,9 @@ import time
 from absl import app
 from ml_collections import config_flags
 import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
@@ -75,6 +78,146 @@ def xla_gather_decode(q, k_pages, v_pages, kv_lens, tables, *, sm_scale):
   return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
+def mgpu_paged_decode(q, k_pages, v_pages, tables, *, sm_scale, slots=4, interpret=None):
+  """Mosaic GPU (plgpu) probe: full-context paged decode, bf16, no split-K.
+
+  One CTA (one warpgroup) per (sequence, kv head); each step gathers 64 keys
+  (64 / page_size pages) of K and V with TMA into a `slots`-deep SMEM ring that
+  completes on one mbarrier per slot, then two wgmmas (q padded to 64 rows).
+  With `interpret` (InterpretGPUParams) the wgmmas are replaced by jnp dots,
+  which the GPU interpreter supports.
+  """
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_seq = tables.shape[1]
+  rows, block_k = 64, 64
+  pages_per_step = block_k // page_size
+  steps = pages_per_seq // pages_per_step
+  slots = min(slots, steps)
+  qp = q.reshape(batch, num_kv_heads, group, head_dim)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+  emulate = interpret is not None
+  cast = (lambda x, layout: x) if emulate else plgpu.layout_cast
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(tables_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, k_smem, v_smem, o_smem,
+           q_bar, kv_bar):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
+
+    def issue(step, slot):
+      for j in range(pages_per_step):
+        page = tables_gmem[b, step * pages_per_step + j]
+        dst = pl.ds(j * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_smem.at[slot, dst], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_smem.at[slot, dst], kv_bar.at[slot])
+
+    for s in range(slots):
+      issue(s, s)
+    plgpu.barrier_wait(q_bar)
+
+    def loop(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, slots)
+      plgpu.barrier_wait(kv_bar.at[slot])
+      if emulate:
+        s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+      else:
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk_scope, plgpu.ACC((rows, block_k), jnp.float32))
+      s = s * sm_scale
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp(m_i - m_new)
+      p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(q_smem.dtype)
+      if emulate:
+        pv = jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+      else:
+        def pv_scope(pv_ref):
+          plgpu.wgmma(pv_ref, p16, v_smem.at[slot])
+          return pv_ref[...]
+        pv = pl.run_scoped(pv_scope, plgpu.ACC((rows, head_dim), jnp.float32))
+      acc = acc + pv
+      nxt = step + slots
+      @pl.when(nxt < steps)
+      def _():
+        issue(nxt, slot)
+      return acc, m_new, l_i
+
+    acc0 = cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l0 = cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc, m_i, l_i = lax.fori_loop(0, steps, loop, (acc0, m0, l0))
+    o_smem[...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  kern = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), jnp.float32),
+      grid=(batch, num_kv_heads), grid_names=("b", "h"),
+      scratch_types=[plgpu.SMEM((rows, head_dim), q.dtype, transforms=transforms),
+                     plgpu.SMEM((slots, block_k, head_dim), k_pages.dtype, transforms=transforms),
+                     plgpu.SMEM((slots, block_k, head_dim), v_pages.dtype, transforms=transforms),
+                     plgpu.SMEM((rows, head_dim), jnp.float32),
+                     plgpu.Barrier(),
+                     plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=slots)],
+      **({} if interpret is None else dict(interpret=interpret)))
+  o = kern(tables, qp, k_pages, v_pages)
+  return o[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def mosaic_probe(cfg):
+  """Correctness and bandwidth of `mgpu_paged_decode` beside our Triton kernel."""
+  out = {}
+  dtype = jnp.dtype(cfg.dtype)
+  n, kh, hd, ps = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+  sm_scale = hd ** -0.5
+  try:
+    b, pps = 4, 64
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((b, n, hd)), dtype)
+    k = jnp.asarray(rng.standard_normal((kh, b * pps, ps, hd)), dtype)
+    v = jnp.asarray(rng.standard_normal((kh, b * pps, ps, hd)), dtype)
+    tables = jnp.asarray(rng.permutation(b * pps).reshape(b, pps), jnp.int32)
+    lens, cu = jnp.full((b,), pps * ps, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
+    got = jax.jit(functools.partial(mgpu_paged_decode, sm_scale=sm_scale))(q, k, v, tables)
+    want = rpa_lib.ragged_paged_attention_reference(q, k, v, lens, tables, cu,
+                                                    sm_scale=sm_scale)
+    out["max_err_vs_reference"] = _err(got, want)
+  except Exception as e:  # pylint: disable=broad-except
+    out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    return out
+  rows = []
+  for batch, context in ((64, 8192), (64, 32768), (8, 32768)):
+    pages = batch * context // ps
+    shape = (kh, pages, ps, hd)
+    k = jax.random.normal(jax.random.key(20), shape, dtype)
+    v = jax.random.normal(jax.random.key(21), shape, dtype)
+    q, lens, tables, cu = _decode_problem(cfg, (k, v), batch, context, 1, jax.random.key(22))
+    nbytes = 2 * k.size * dtype.itemsize + q.size * dtype.itemsize
+    for slots in (2, 4):
+      fn = jax.jit(functools.partial(mgpu_paged_decode, sm_scale=sm_scale, slots=slots))
+      try:
+        sec = _timeit(cfg, fn, q, k, v, tables)
+        rows.append(dict(batch=batch, context=context, slots=slots, ms=sec * 1e3,
+                         tb_s=nbytes / sec / 1e12))
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(batch=batch, context=context, slots=slots,
+                         error=f"{type(e).__name__}: {str(e)[:300]}"))
+      print("mosaic", rows[-1], flush=True)
+    del k, v
+  out["rows"] = rows
+  return out
+
+
 def _backend_fn(cfg, name, sm_scale, tune):
   if name == "ours":
     return functools.partial(rpa_lib.ragged_paged_attention, sm_scale=sm_scale,
@@ -98,11 +241,23 @@ def _err(a, b):
   return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
+def _guarded(out, name, fn):
+  """Runs one check; an exception is recorded under `name` instead of ending the run."""
+  try:
+    out.update(fn())
+  except Exception as e:  # pylint: disable=broad-except
+    out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+  print(name, {k: v for k, v in out.items() if k.startswith(name)}, flush=True)
+
+
 def run_checks(cfg, sm_scale):
   """Compiled kernels vs references on the device; returns a dict of max errors."""
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(cfg.dtype)
   n, kh, hd, ps = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+  rpa = functools.partial(rpa_lib.ragged_paged_attention, sm_scale=sm_scale,
+                          interpret=cfg.interpret)
+  ref = functools.partial(rpa_lib.ragged_paged_attention_reference, sm_scale=sm_scale)
   q_lens = np.array([1, 4, 0, 7, 1, 1, 16, 1, 0, 3, 130, 1], np.int32)
   kv_lens = np.array([17, 16, 5, 40, 1, 15, 16, 33, 0, 31, 300, 1000], np.int32)
   pps = -(-kv_lens.max() // ps)
@@ -115,64 +270,66 @@ def run_checks(cfg, sm_scale):
   v = jnp.asarray(rng.standard_normal((kh, num_pages, ps, hd)), dtype)
   meta = (jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu))
   out = {}
-  for label, kw in (("mixed", {}), ("window40_cap20", dict(sliding_window=40, soft_cap=20.0))):
-    got = rpa_lib.ragged_paged_attention(q, k, v, *meta, sm_scale=sm_scale,
-                                         interpret=cfg.interpret, **kw)
-    want = rpa_lib.ragged_paged_attention_reference(q, k, v, *meta, sm_scale=sm_scale, **kw)
-    out[f"rpa_{label}_max_err"] = _err(got, want)
-  swapped = rpa_lib.ragged_paged_attention(q, v, k, *meta, sm_scale=sm_scale,
-                                           interpret=cfg.interpret)
-  out["rpa_kv_swapped_max_err"] = _err(swapped, want)  # must be large
-  k8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
-  v8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
-  ks = jnp.asarray(rng.uniform(0.002, 0.02, k.shape[:3]), jnp.float32)
-  vs = jnp.asarray(rng.uniform(0.002, 0.02, k.shape[:3]), jnp.float32)
-  got = rpa_lib.ragged_paged_attention(q, k8, v8, *meta, sm_scale=sm_scale, k_scales=ks,
-                                       v_scales=vs, interpret=cfg.interpret)
-  want = rpa_lib.ragged_paged_attention_reference(q, k8, v8, *meta, sm_scale=sm_scale,
-                                                  k_scales=ks, v_scales=vs)
-  out["rpa_int8_max_err"] = _err(got, want)
-  # Batch invariance: sequence 10 alone vs inside the batch (bitwise on device?).
-  s = 10
-  full = rpa_lib.ragged_paged_attention(q, k, v, *meta, sm_scale=sm_scale,
-                                        interpret=cfg.interpret)
-  alone = rpa_lib.ragged_paged_attention(
-      q[cu[s]:cu[s + 1]], k, v, meta[0][s:s + 1], meta[1][s:s + 1],
-      jnp.array([0, q_lens[s]], jnp.int32), sm_scale=sm_scale, interpret=cfg.interpret)
-  out["rpa_batch_invariance_max_diff"] = _err(alone, full[cu[s]:cu[s + 1]])
-  # Decode vs jax's paged_attention (pages_per_seq must split 16 ways).
-  if "jax" in cfg.backends:
+
+  def mixed():
+    want = ref(q, k, v, *meta)
+    s = 10  # batch invariance: sequence 10 alone vs inside the batch
+    alone = rpa(q[cu[s]:cu[s + 1]], k, v, meta[0][s:s + 1], meta[1][s:s + 1],
+                jnp.array([0, q_lens[s]], jnp.int32))
+    full = rpa(q, k, v, *meta)
+    return dict(rpa_mixed_max_err=_err(full, want),
+                rpa_kv_swapped_max_err=_err(rpa(q, v, k, *meta), want),  # must be large
+                rpa_batch_invariance_max_diff=_err(alone, full[cu[s]:cu[s + 1]]))
+
+  def window_cap():
+    kw = dict(sliding_window=40, soft_cap=20.0)
+    return dict(rpa_window40_cap20_max_err=_err(rpa(q, k, v, *meta, **kw),
+                                                ref(q, k, v, *meta, **kw)))
+
+  def int8():
+    k8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
+    v8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
+    kw = dict(k_scales=jnp.asarray(rng.uniform(0.002, 0.02, k.shape[:3]), jnp.float32),
+              v_scales=jnp.asarray(rng.uniform(0.002, 0.02, k.shape[:3]), jnp.float32))
+    return dict(rpa_int8_max_err=_err(rpa(q, k8, v8, *meta, **kw),
+                                      ref(q, k8, v8, *meta, **kw)))
+
+  def decode_vs_jax():
     b, ctx = 8, 1024
     kp = jnp.asarray(rng.standard_normal((kh, b * ctx // ps, ps, hd)), dtype)
     vp = jnp.asarray(rng.standard_normal((kh, b * ctx // ps, ps, hd)), dtype)
-    qd, lens, tb, cud = _decode_problem(cfg, (kp, vp), b, ctx, 1, jax.random.key(1))
+    qd, _, tb, cud = _decode_problem(cfg, (kp, vp), b, ctx, 1, jax.random.key(1))
     lens = jnp.asarray(rng.integers(1, ctx + 1, b), jnp.int32)
-    ours = rpa_lib.ragged_paged_attention(qd, kp, vp, lens, tb, cud, sm_scale=sm_scale)
+    want = ref(qd, kp, vp, lens, tb, cud)
     theirs = _backend_fn(cfg, "jax", sm_scale, {})(qd, kp, vp, lens, tb, cud)
-    want = rpa_lib.ragged_paged_attention_reference(qd, kp, vp, lens, tb, cud,
-                                                    sm_scale=sm_scale)
-    out["decode_ours_vs_ref_max_err"] = _err(ours, want)
-    out["decode_jax_vs_ref_max_err"] = _err(theirs, want)
-  # Rejection sampler at a real vocab: kernel vs reference on identical noise.
-  bsz, nk, vocab = cfg.rs_batch, cfg.rs_num_draft, cfg.check_rs_vocab
-  logits = jnp.asarray(rng.standard_normal((bsz, nk + 1, vocab)) * 3, jnp.float32)
-  dprobs = jax.nn.softmax(logits[:, :nk] + jnp.asarray(
-      rng.standard_normal((bsz, nk, vocab)), jnp.float32), axis=-1)
-  drafts = jax.random.categorical(jax.random.key(2), jnp.log(dprobs)).astype(jnp.int32)
-  nd = jnp.asarray(rng.integers(0, nk + 1, bsz), jnp.int32)
-  temp = jnp.asarray(rng.choice([0.0, 1.0], bsz), jnp.float32)
-  args = (drafts, dprobs, logits.astype(jnp.bfloat16), nd, jax.random.key(3))
-  got = spec_verify.rejection_sample(*args, temperature=temp, interpret=cfg.interpret)
-  want = spec_verify.rejection_sample_reference(*args, temperature=temp)
-  out["rs_tokens_equal_frac"] = float(jnp.mean(got[0] == want[0]))
-  out["rs_num_accepted_equal_frac"] = float(jnp.mean(got[1] == want[1]))
-  out["rs_max_id"] = int(got[0].max())
-  out["rs_vocab"] = vocab
-  out["rs_kernel_ms"] = 1e3 * _timeit(
-      cfg, functools.partial(spec_verify.rejection_sample, temperature=temp,
-                             interpret=cfg.interpret), *args)
-  out["rs_reference_ms"] = 1e3 * _timeit(
-      cfg, functools.partial(spec_verify.rejection_sample_reference, temperature=temp), *args)
+    return dict(decode_ours_vs_ref_max_err=_err(rpa(qd, kp, vp, lens, tb, cud), want),
+                decode_jax_vs_ref_max_err=_err(theirs, want))
+
+  def sampler():  # at a real vocab: kernel vs reference on identical noise
+    bsz, nk, vocab = cfg.rs_batch, cfg.rs_num_draft, cfg.check_rs_vocab
+    logits = jnp.asarray(rng.standard_normal((bsz, nk + 1, vocab)) * 3, jnp.float32)
+    dprobs = jax.nn.softmax(logits[:, :nk] + jnp.asarray(
+        rng.standard_normal((bsz, nk, vocab)), jnp.float32), axis=-1)
+    drafts = jax.random.categorical(jax.random.key(2), jnp.log(dprobs)).astype(jnp.int32)
+    nd = jnp.asarray(rng.integers(0, nk + 1, bsz), jnp.int32)
+    temp = jnp.asarray(rng.choice([0.0, 1.0], bsz), jnp.float32)
+    args = (drafts, dprobs, logits.astype(jnp.bfloat16), nd, jax.random.key(3))
+    kernel = functools.partial(spec_verify.rejection_sample, temperature=temp,
+                               interpret=cfg.interpret)
+    reference = functools.partial(spec_verify.rejection_sample_reference, temperature=temp)
+    got, want = kernel(*args), reference(*args)
+    return dict(rs_tokens_equal_frac=float(jnp.mean(got[0] == want[0])),
+                rs_num_accepted_equal_frac=float(jnp.mean(got[1] == want[1])),
+                rs_max_id=int(got[0].max()), rs_vocab=vocab,
+                rs_kernel_ms=1e3 * _timeit(cfg, kernel, *args),
+                rs_reference_ms=1e3 * _timeit(cfg, reference, *args))
+
+  _guarded(out, "rpa_mixed", mixed)
+  _guarded(out, "rpa_window", window_cap)
+  _guarded(out, "rpa_int8", int8)
+  if "jax" in cfg.backends:
+    _guarded(out, "decode", decode_vs_jax)
+  _guarded(out, "rs", sampler)
   return out
 
 
