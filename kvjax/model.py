@@ -8,15 +8,16 @@ and comes out; nothing is mutated.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.attention.mla import mla_attention
 from kvjax.config import ModelConfig
-from kvjax.params import BlockParams, MTPParams, Params
+from kvjax.layers import apply_rope, rms_norm, rope_inv_freq
+from kvjax.params import AttentionParams, BlockParams, MTPParams, Params
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
            "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend"]
@@ -25,45 +26,9 @@ __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
 Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """[H/2] inverse frequencies, with Llama-3.1 frequency-dependent scaling."""
-  h = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-  sc = cfg.rope_scaling
-  if sc is None:
-    return inv_freq
-  low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
-  high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
-  wavelen = 2 * math.pi / inv_freq
-  smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
-      sc.high_freq_factor - sc.low_freq_factor)
-  smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
-  scaled = jnp.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
-  is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-  return jnp.where(is_medium, smoothed, scaled)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """x [B, T, heads, H], positions [B, T]: rotate-half rope (HF convention)."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
-           inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
-  """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
-  a = p.attn
-  h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
+                   inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
+  """MHA / GQA / MQA: h [B, T, D] -> (cache, out [B, T, D])."""
   q = jnp.einsum("btd,dnh->btnh", h, a.wq)
   k = jnp.einsum("btd,dkh->btkh", h, a.wk)
   v = jnp.einsum("btd,dkh->btkh", h, a.wv)
@@ -76,7 +41,16 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
   k = apply_rope(k, positions, inv_freq)
   with jax.named_scope(f"attention_{layer}"):
     cache, out = attend(cache, layer, q, k, v)
-  x = x + jnp.einsum("btnh,nhd->btd", out, a.wo)
+  return cache, jnp.einsum("btnh,nhd->btd", out, a.wo)
+
+
+def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
+           inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
+  """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
+  h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+  attention = mla_attention if cfg.attention_type == "mla" else _gqa_attention
+  cache, out = attention(cfg, p.attn, h, positions, inv_freq, cache, layer, attend)
+  x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
   gated = jax.nn.silu(h @ p.w_gate) * (h @ p.w_up)
   return cache, x + gated @ p.w_down

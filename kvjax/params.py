@@ -15,7 +15,7 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 
-__all__ = ["AttentionParams", "BlockParams", "MTPParams", "Params", "init_params",
+__all__ = ["AttentionParams", "MLAParams", "BlockParams", "MTPParams", "Params", "init_params",
            "count_params"]
 
 
@@ -33,9 +33,27 @@ class AttentionParams:
 
 
 @struct.dataclass
+class MLAParams:
+  """Multi-head latent attention (DeepSeek-V2/V3; kvjax/attention/mla.py).
+
+  R = kv_lora_rank, Rq = q_lora_rank, Hn/Hr/Hv = qk_nope/qk_rope/v head dims.
+  The queries come from `wq` or, with a q low-rank path, `wq_b(norm(wq_a))`.
+  """
+  wkv_a: jax.Array  # [D, R + Hr] latent and the shared (head-less) rope key
+  kv_norm: jax.Array  # [R]
+  wk_b: jax.Array  # [R, N, Hn] latent -> nope key (absorbed into the query)
+  wv_b: jax.Array  # [R, N, Hv] latent -> value (absorbed into the output)
+  wo: jax.Array  # [N, Hv, D]
+  wq: Optional[jax.Array] = None  # [D, N, Hn + Hr]  (q_lora_rank None)
+  wq_a: Optional[jax.Array] = None  # [D, Rq]
+  q_norm: Optional[jax.Array] = None  # [Rq]
+  wq_b: Optional[jax.Array] = None  # [Rq, N, Hn + Hr]
+
+
+@struct.dataclass
 class BlockParams:
   attn_norm: jax.Array  # [D]
-  attn: AttentionParams
+  attn: AttentionParams  # or MLAParams when config.attention_type == "mla"
   mlp_norm: jax.Array  # [D]
   w_gate: jax.Array  # [D, F]
   w_up: jax.Array  # [D, F]

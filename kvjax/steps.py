@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.attention.mla import MLAPagedCache
 from kvjax.attention.registry import get_backend
 from kvjax.cache import ContiguousKVCache, PagedKVCache, StepBatch
 from kvjax.config import ModelConfig
@@ -29,23 +30,34 @@ __all__ = ["DecodeState", "model_step", "prefill", "decode", "verify", "init_pag
 
 @struct.dataclass
 class DecodeState:
-  cache: Union[PagedKVCache, ContiguousKVCache]
+  cache: Union[PagedKVCache, ContiguousKVCache, MLAPagedCache]
   block_tables: jax.Array  # [slots, Pmax] int32 page ids (0 = null page); [slots, 0] if contiguous
   seq_lens: jax.Array  # [slots] int32 tokens cached per slot
 
 
 def init_paged_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                      max_pages_per_seq: int, dtype) -> DecodeState:
-  cache = PagedKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_pages, page_size,
-                              cfg.head_dim, dtype)
+  if cfg.attention_type == "mla":
+    cache = MLAPagedCache.create(cfg, num_pages, page_size, dtype)
+  else:
+    cache = PagedKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_pages, page_size,
+                                cfg.head_dim, dtype)
   return DecodeState(cache=cache,
                      block_tables=jnp.zeros((num_slots, max_pages_per_seq), jnp.int32),
                      seq_lens=jnp.zeros((num_slots,), jnp.int32))
 
 
 def init_contiguous_state(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> DecodeState:
-  cache = ContiguousKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_slots, max_len,
-                                   cfg.head_dim, dtype)
+  if cfg.attention_type == "mla":
+    # One latent "kv head": keys [latent; rope key], values the latent (stored twice;
+    # the contiguous cache is a baseline, MLAPagedCache stores it once).
+    shape = (cfg.num_cache_layers, num_slots, max_len, 1)
+    r = cfg.kv_lora_rank
+    cache = ContiguousKVCache(k=jnp.zeros(shape + (r + cfg.qk_rope_head_dim,), dtype),
+                              v=jnp.zeros(shape + (r,), dtype))
+  else:
+    cache = ContiguousKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_slots,
+                                     max_len, cfg.head_dim, dtype)
   return DecodeState(cache=cache, block_tables=jnp.zeros((num_slots, 0), jnp.int32),
                      seq_lens=jnp.zeros((num_slots,), jnp.int32))
 

@@ -28,7 +28,10 @@ def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
                      sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
-  """q [B, T, N, H], k/v [B, S, K, H], visible [B, T, S] -> [B, T, N, H] (q's dtype)."""
+  """q, k [.., H], v [B, S, K, Hv], visible [B, T, S] -> [B, T, N, Hv] (q's dtype).
+
+  Hv may differ from H (MLA attends with latent values narrower than its keys).
+  """
   b, t, n, h = q.shape
   num_kv = k.shape[2]
   qg = q.reshape(b, t, num_kv, n // num_kv, h)  # [B, T, K, Q, H]
@@ -45,4 +48,4 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
   denom = jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights / jnp.where(denom == 0.0, 1.0, denom)
   out = jnp.einsum("bkqts,bskh->btkqh", weights, v.astype(jnp.float32))
-  return out.reshape(b, t, n, h).astype(q.dtype)
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)

@@ -1,0 +1,52 @@
+"""Numerics shared by every attention variant: RMSNorm and rotary embeddings.
+
+Kept apart from model.py so attention variants (kvjax/attention/mla.py) can use
+them without importing the decoder that dispatches to them.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import ModelConfig
+
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope"]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """[H/2] inverse frequencies, with Llama-3.1 frequency-dependent scaling.
+
+  MLA rotates only its decoupled rope dims (qk_rope_head_dim), not the whole head.
+  """
+  h = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  sc = cfg.rope_scaling
+  if sc is None:
+    return inv_freq
+  low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+  high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+      sc.high_freq_factor - sc.low_freq_factor)
+  smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+  is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """x [B, T, heads, H], positions [B, T]: rotate-half rope (HF convention)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
