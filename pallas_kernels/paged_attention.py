@@ -172,6 +172,15 @@ def _rpa_kernel(
   l_ref[...] = l
 
 
+def _segment_of(ends, idx):
+  """Segment holding each idx, given segment end offsets: #(ends <= idx).
+
+  compare_all is a fused compare-and-sum: no while loop (which would cost a
+  device round trip per step on GPU).
+  """
+  return jnp.searchsorted(ends, idx, side="right", method="compare_all").astype(jnp.int32)
+
+
 def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
   """Per query tile: (seq, q_start, q_rows, pos0); tiles past the work are empty."""
   num_seqs = kv_lens.shape[0]
@@ -180,7 +189,7 @@ def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
   tile_cu = jnp.concatenate(
       [jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_per_seq, dtype=jnp.int32)])
   t = jnp.arange(num_tiles, dtype=jnp.int32)  # [nt]
-  seq = jnp.searchsorted(tile_cu[1:], t, side="right").astype(jnp.int32)
+  seq = _segment_of(tile_cu[1:], t)
   valid = seq < num_seqs
   seq_c = jnp.minimum(seq, num_seqs - 1)
   q_off = (t - tile_cu[seq_c]) * block_q
@@ -372,7 +381,7 @@ def ragged_paged_attention(
 
   # Scatter tiles back to tokens: token -> (tile, row in tile).
   tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
-  tseq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+  tseq = _segment_of(cu_q_lens[1:], tok)
   tvalid = tseq < num_seqs
   tseq = jnp.minimum(tseq, num_seqs - 1)
   i = tok - cu_q_lens[tseq]
@@ -415,7 +424,7 @@ def ragged_paged_attention_reference(
   f32 = jnp.float32
 
   tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
-  tseq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+  tseq = _segment_of(cu_q_lens[1:], tok)
   tvalid = tseq < num_seqs
   tseq = jnp.minimum(tseq, num_seqs - 1)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

@@ -98,13 +98,13 @@ def _rs_kernel(
       best, idx = argmax_update(best, idx, v, ok, x)
       return m_new, s, best, idx
     init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.float32(_NEG_INF), jnp.int32(0))
-    m, s, _, idx = lax.fori_loop(0, n, body, init)
+    m, s, _, idx = lax.fori_loop(jnp.int32(0), n, body, init)  # bounds: one int type
     return m + jnp.log(s), idx
 
   def accept_body(k, carry):
     still, n_acc, stop_lse = carry
     active = still & (k < num_draft)
-    lse, amax = row_stats(k, jnp.where(active, n_tiles, 0))
+    lse, amax = row_stats(k, jnp.where(active, jnp.int32(n_tiles), jnp.int32(0)))
     d = draft_ref[k]
     d_ok = (d >= 0) & (d < vocab)
     d_c = jnp.clip(d, 0, vocab - 1)
