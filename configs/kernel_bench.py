@@ -24,9 +24,10 @@ def get_config(arg=None):
   # Tuning sweep (ours) at one point; the best setting times the whole grid.
   config.tune_batch = 64
   config.tune_context = 8192
-  config.tune = (  # (pages_per_block, pages_per_split, num_warps, num_stages)
-      (8, 64, 4, 2), (8, 64, 4, 3), (8, 64, 8, 3), (4, 64, 4, 3),
-      (8, 128, 4, 3), (16, 64, 8, 3), (8, 32, 4, 3))
+  config.tune = (  # (pages_per_block, pages_per_split, num_warps, num_stages); first = default
+      (8, 64, 4, 2), (4, 64, 4, 3), (4, 64, 4, 4), (4, 128, 4, 3), (4, 32, 4, 3),
+      (4, 64, 8, 3), (4, 64, 2, 3), (2, 64, 4, 4), (8, 64, 4, 3), (8, 128, 8, 3),
+      (4, 256, 4, 3), (2, 128, 2, 4))
   config.warmup = 2
   config.repeats = 7  # median over repeats of `inner` back-to-back calls.
   config.inner = 10

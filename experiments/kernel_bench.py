@@ -223,7 +223,8 @@ def _backend_fn(cfg, name, sm_scale, tune):
     return functools.partial(rpa_lib.ragged_paged_attention, sm_scale=sm_scale,
                              interpret=cfg.interpret, **tune)
   if name == "jax":
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas.ops.gpu import (  # pylint: disable=g-import-not-at-top
+        paged_attention as jax_pa)
     fn = functools.partial(jax_pa.paged_attention, interpret=cfg.interpret)
     return jax.jit(lambda q, k, v, lens, tables, cu: fn(q * sm_scale, k, v, tables, lens))
   if name == "xla":
@@ -324,7 +325,24 @@ def run_checks(cfg, sm_scale):
                 rs_kernel_ms=1e3 * _timeit(cfg, kernel, *args),
                 rs_reference_ms=1e3 * _timeit(cfg, reference, *args))
 
+  def shapes():  # other head dims / page sizes compile and agree on the device
+    res = {}
+    for hd2, ps2 in ((64, 8), (256, 128), (128, 32)):
+      r = np.random.default_rng(hd2)
+      pages = 3 * (-(-1000 // ps2)) + 1
+      tb = r.permutation(pages)[:pages - 1].reshape(3, -1).astype(np.int32)
+      args = (jnp.asarray(r.standard_normal((13, 8, hd2)), dtype),
+              jnp.asarray(r.standard_normal((2, pages, ps2, hd2)), dtype),
+              jnp.asarray(r.standard_normal((2, pages, ps2, hd2)), dtype),
+              jnp.array([1000, 5, 77], jnp.int32), jnp.asarray(tb),
+              jnp.array([0, 1, 5, 12], jnp.int32))
+      res[f"shapes_hd{hd2}_page{ps2}_max_err"] = _err(
+          rpa_lib.ragged_paged_attention(*args, sm_scale=hd2 ** -0.5, interpret=cfg.interpret),
+          rpa_lib.ragged_paged_attention_reference(*args, sm_scale=hd2 ** -0.5))
+    return res
+
   _guarded(out, "rpa_mixed", mixed)
+  _guarded(out, "shapes", shapes)
   _guarded(out, "rpa_window", window_cap)
   _guarded(out, "rpa_int8", int8)
   if "jax" in cfg.backends:
