@@ -94,17 +94,35 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
              temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
              cache: str = "paged", page_size: int = 16,
-             backend: str = "reference") -> generation.GenerateResult:
+             backend: str = "reference",
+             kv_dtype: Optional[str] = None, **engine_options) -> generation.GenerateResult:
   """Generate `max_new_tokens` per prompt (fewer if EOS comes first).
 
   `seed` is one int for every prompt or one per prompt; a prompt's samples depend
-  only on its own seed and tokens, never on the rest of the batch.
+  only on its own seed and tokens, never on the rest of the batch.  `kv_dtype`
+  (None = model dtype, "bf16", "int8", "int4", ...; kvjax/quant/kv.py) is how the
+  paged cache stores K/V.  Engine
+  keywords (speculative, num_draft, prefix_cache, prefix_match, max_num_seqs,
+  max_num_batched_tokens, num_pages, ...; see kvjax.Engine) run the prompts
+  through a one-shot continuous-batching Engine instead of the static batch.
   """
   prompts = generation.validate_prompts(model.config, prompts, max_new_tokens)
   if cache not in generation.CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")
+  if engine_options:
+    if cache != "paged":
+      raise ValueError(f"engine options {sorted(engine_options)} need cache='paged', "
+                       f"got cache={cache!r}")
+    from kvjax.engine import Engine
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    engine_options.setdefault("max_num_seqs", min(len(prompts), 64))
+    engine_options.setdefault("max_model_len", min(model.config.max_position_embeddings,
+                                                   generation.next_pow2(longest)))
+    engine = Engine(model, page_size=page_size, backend=backend, **engine_options)
+    return engine.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed)
   sampling = SamplingParams.make(len(prompts), temperature=temperature, top_k=top_k,
                                  top_p=top_p, seeds=seed)
   return generation.generate_static(model.params, model.config, prompts, max_new_tokens,
                                     sampling, cache=cache, page_size=page_size,
-                                    backend=backend, dtype=model.dtype)
+                                    backend=backend, dtype=model.dtype, kv_dtype=kv_dtype)

@@ -1,0 +1,418 @@
+"""Engine: continuous batching over the pure steps, with prefix caching and MTP.
+
+The host loop per `step()`:
+  1. `Scheduler.schedule()` picks rows (decodes first, then prefill chunks),
+     slots and pages (kvjax/scheduler.py owns every policy decision);
+  2. token-mode prefix hits are page copies, applied first (`copy_pages`);
+  3. decode rows and prefill rows run as two calls of one jitted `serve_step`
+     (state donated, config static); splitting them keeps a 1-token decode row
+     from being padded to a 256-token prefill chunk;
+  4. one host sync reads the emitted ids, `update_from_output` appends them,
+     applies stops and frees pages.
+`serve_step` overwrites each row's block table and length in the device state
+from the plan, so preemption, abort and rejected drafts need no device
+rollback.  Shapes are bucketed to powers of two (rows from min(8,
+max_num_seqs) up to max_num_seqs, prefill chunks from 16 up to the token
+budget; decode rows are always 1 + K wide), so a run compiles at most
+(row buckets) x (chunk buckets + 1) steps.
+
+Sampling matches kvjax.generate: the token at sequence index p of a request
+is drawn with fold_in(PRNGKey(seed), p), so greedy and sampled outputs do not
+depend on batching, chunking or preemption (with speculation, greedy only;
+see kvjax/speculative.py).  Padding rows use a scratch slot and the null page.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax import speculative as spec
+from kvjax.attention.registry import get_backend
+from kvjax.cache import StepBatch
+from kvjax.config import ModelConfig
+from kvjax.generation import GenerateResult, validate_prompts
+from kvjax.metrics import RequestMetrics, StepLog, summarize
+from kvjax.model import lm_logits
+from kvjax.params import Params
+from kvjax.sampling import SamplingParams, sample
+from kvjax.scheduler import Request, Scheduler, SchedulerOutput, bucket
+from kvjax.steps import DecodeState, init_paged_state, model_step
+
+__all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "copy_pages"]
+
+# Fewest padded rows and shortest padded prefill chunk: fewer shapes to compile.
+_MIN_ROWS_BUCKET = 8
+_MIN_PREFILL_BUCKET = 16
+
+
+@struct.dataclass
+class EngineState:
+  decode: DecodeState  # paged KV (trunk + MTP layers), block tables, lengths per slot
+  drafts: jax.Array  # [slots, K] int32 drafts each slot feeds at its next verify
+  draft_probs: jax.Array  # [slots, K, V] f32 draft distributions (C10's p_draft)
+
+
+@struct.dataclass
+class RowBatch:
+  """One group of scheduled rows, padded to bucketed [B, T]."""
+
+  tokens: jax.Array  # [B, T] int32 known ids; draft columns are filled on device
+  q_lens: jax.Array  # [B] int32 positions written (0 = padding row)
+  num_draft: jax.Array  # [B] int32 trailing draft columns
+  slot_ids: jax.Array  # [B] int32 state slot (padding rows: the scratch slot)
+  starts: jax.Array  # [B] int32 position of column 0 (= tokens already cached)
+  next_tokens: jax.Array  # [B] int32 id after a mid-prompt chunk, -1 if the row samples
+  block_tables: jax.Array  # [B, W] int32 page ids, null-page padded
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What a step produced for one request (the streaming unit)."""
+
+  request_id: str
+  new_token_ids: list  # ids appended this step
+  output_ids: list  # every id generated so far
+  finished: bool
+  finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
+
+
+def _attend_fn(rows: RowBatch, t: int, config: ModelConfig, backend: str):
+  """The paged `attend` for rows whose column 0 sits at rows.starts (as model_step)."""
+  positions = rows.starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+  batch = StepBatch(slot_ids=rows.slot_ids, q_lens=rows.q_lens, positions=positions,
+                    kv_lens=rows.starts + t, block_tables=rows.block_tables)
+  attention_backend = get_backend(backend)
+
+  def attend(cache, layer, q, k, v):
+    return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
+                        window=config.window_of_layer(layer), backend=attention_backend)
+
+  return batch, attend
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "num_draft", "use_filter"),
+                   donate_argnames=("state",))
+def serve_step(params: Params, state: EngineState, rows: RowBatch, sampling: SamplingParams, *,
+               config: ModelConfig, backend: str, num_draft: int, use_filter: bool):
+  """Run one row group -> (state, emitted [B, K+1] int32 padded -1, num_emitted [B]).
+
+  num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
+  num_draft = K: rows verify their drafts (C9-C10) and every row drafts anew.
+  """
+  decode = state.decode.replace(
+      block_tables=state.decode.block_tables.at[rows.slot_ids].set(rows.block_tables),
+      seq_lens=state.decode.seq_lens.at[rows.slot_ids].set(rows.starts))
+  tokens = rows.tokens
+  if num_draft:
+    tokens = spec.fill_drafts(tokens, state.drafts[rows.slot_ids], rows.num_draft)
+  decode, hidden = model_step(params, decode, tokens, rows.q_lens, rows.slot_ids,
+                              config=config, backend=backend)  # hidden [B, T, D]
+  base = jnp.maximum(rows.q_lens - 1 - rows.num_draft, 0)  # column of the last known token
+  first = rows.starts + base + 1  # sequence index of the first emitted token
+  if not num_draft:
+    logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
+    new = sample(logits, sampling, first, use_filter=use_filter)  # [B]
+    return state.replace(decode=decode), new[:, None], jnp.ones_like(new)
+
+  logits = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
+  logits = spec.target_logits_for_accept(logits, sampling, use_filter)  # [B, K+1, V]
+  emitted, accepted = spec.accept(logits, state.drafts[rows.slot_ids],
+                                         state.draft_probs[rows.slot_ids], rows.num_draft,
+                                         sampling, first)
+  last = base + accepted  # [B] column whose logits emitted the last token
+  last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+  t = tokens.shape[1]
+  shifted = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # x_{t+1}
+  at_last = jnp.arange(t)[None, :] == last[:, None]
+  following = jnp.where(rows.next_tokens >= 0, rows.next_tokens, last_token)
+  next_tokens = jnp.where(at_last, following[:, None], shifted)  # [B, T]
+  batch, attend = _attend_fn(rows, t, config, backend)
+  cache, drafts, probs = spec.mtp_draft(params, config, decode.cache, batch, hidden,
+                                               next_tokens, last, sampling, attend, num_draft)
+  state = EngineState(decode=decode.replace(cache=cache),
+                      drafts=state.drafts.at[rows.slot_ids].set(drafts),
+                      draft_probs=state.draft_probs.at[rows.slot_ids].set(probs))
+  return state, emitted, accepted + 1
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineState:
+  """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits)."""
+  cache = state.decode.cache
+  cache = cache.replace(k_pages=cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src]),
+                        v_pages=cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src]))
+  return state.replace(decode=state.decode.replace(cache=cache))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+
+
+class Engine:
+  """Continuous-batching inference engine over one model.
+
+  Args:
+    model: a kvjax.Model.
+    page_size: tokens per KV page.
+    num_pages: KV pages in the pool, null page included (default: every slot
+      can hold a max_model_len sequence).
+    max_num_seqs: running requests (rows) at most.
+    max_num_batched_tokens: token budget per step (draft slots included).
+    max_model_len: prompt + max_new_tokens cap (default: the model context).
+    prefix_cache: share computed full blocks across requests (C8).
+    prefix_match: "block" (vLLM) or "token" (also a partial last block).
+    min_cacheable_tokens: shorter prefix hits are ignored.
+    speculative: None or "mtp" (draft with the model's MTP modules).
+    num_draft: draft tokens per verify step (K).
+    backend: attention backend name (kvjax/attention/registry.py).
+  The engine keeps its pages and prefix cache across `generate` calls.
+  """
+
+  def __init__(self, model, *, page_size: int = 16, num_pages: Optional[int] = None,
+               max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
+               max_model_len: Optional[int] = None, prefix_cache: bool = True,
+               prefix_match: str = "block", min_cacheable_tokens: int = 0,
+               speculative: Optional[str] = None, num_draft: int = 2,
+               backend: str = "reference"):
+    cfg = model.config
+    get_backend(backend)  # ValueError naming an unknown backend
+    if speculative not in (None, "mtp"):
+      raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if speculative:
+      spec.check_mtp(cfg, model.params, num_draft)
+    max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
+    if not 1 <= max_model_len <= cfg.max_position_embeddings:
+      raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
+                       f"(the model context), got {max_model_len}")
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if num_pages is None:
+      num_pages = 1 + max_num_seqs * -(-max_model_len // page_size)
+    self.model = model
+    self.config = cfg
+    self.backend = backend
+    self.num_draft = num_draft if speculative else 0
+    self.scheduler = Scheduler(
+        num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        enable_prefix_caching=prefix_cache, prefix_match=prefix_match,
+        min_cacheable_tokens=min_cacheable_tokens, num_lookahead_slots=self.num_draft,
+        eos_token_id=cfg.eos_token_id)
+    self.max_num_seqs = max_num_seqs
+    self._max_query = bucket(max_num_batched_tokens)
+    # Block tables cover a padded row's last position too (kvjax/steps.py).
+    width = self.scheduler.max_pages_per_seq + -(-self._max_query // page_size)
+    decode = init_paged_state(cfg, max_num_seqs + 1, num_pages, page_size, width, model.dtype)
+    k = self.num_draft
+    self.state = EngineState(decode=decode,
+                             drafts=jnp.zeros((max_num_seqs + 1, k), jnp.int32),
+                             draft_probs=jnp.zeros((max_num_seqs + 1, k, cfg.vocab_size),
+                                                   jnp.float32))
+    self._ids = itertools.count()
+    self.metrics: dict[str, RequestMetrics] = {}
+    self.finished: dict[str, Request] = {}
+    self.steps = StepLog()
+
+  # -- requests ---------------------------------------------------------------
+
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *,
+                  temperature: float = 0.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None, seed: Optional[int] = None,
+                  stop: Union[None, int, Sequence[int]] = None,
+                  cache_salt: Optional[str] = None) -> str:
+    """Queue one request -> its id.  ValueError (nothing queued) on bad input.
+
+    `stop`: token id(s) that end the request (kept as its last output id), in
+    addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
+    blocks from everyone else's.
+    """
+    request_id = str(next(self._ids))
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"request {request_id!r}: prompt must be a non-empty 1-D list of "
+                       f"int token ids, got shape {ids.shape} dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+    if bad.size:
+      raise ValueError(f"request {request_id!r}: token id {int(bad[0])} outside [0, "
+                       f"vocab_size={self.config.vocab_size})")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+      raise ValueError(f"request {request_id!r}: max_new_tokens must be a positive int, "
+                       f"got {max_new_tokens!r}")
+    if temperature < 0 or (top_k is not None and top_k < 0) or (
+        top_p is not None and not 0 < top_p <= 1):
+      raise ValueError(f"request {request_id!r}: need temperature >= 0, top_k >= 0, "
+                       f"0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    stops = () if stop is None else (stop,) if isinstance(stop, (int, np.integer)) else stop
+    sampling = _Sampling(float(temperature), int(top_k or 0),
+                         1.0 if top_p is None else float(top_p),
+                         0 if seed is None else int(seed))
+    self.scheduler.add_request(request_id, ids.tolist(), int(max_new_tokens),
+                               stop_token_ids=[int(s) for s in stops],
+                               cache_salt=cache_salt, sampling=sampling)
+    self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), time.perf_counter())
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Finish a waiting or running request now; its pages are freed."""
+    req = self.scheduler.requests.get(request_id)
+    if req is None or not self.scheduler.abort(request_id):
+      return False
+    self.finished[request_id] = req
+    return True
+
+  @property
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished
+
+  # -- stepping ---------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Run one scheduled step -> outputs of the requests that got tokens."""
+    plan = self.scheduler.schedule()
+    if plan.copies:
+      # At most one copy per admitted row: pad to max_num_seqs, one shape.
+      src, dst = (np.zeros(self.max_num_seqs, np.int32) for _ in range(2))
+      src[:len(plan.copies)] = [cp.src for cp in plan.copies]
+      dst[:len(plan.copies)] = [cp.dst for cp in plan.copies]
+      self.state = copy_pages(self.state, src, dst)
+    groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
+              for decode in (True, False)]
+    launched = [(group, self._launch(plan, group)) for group in groups if group]
+    new_ids, verified = {}, []
+    for group, (emitted, counts) in launched:
+      emitted, counts = np.asarray(emitted), np.asarray(counts)  # the step's host sync
+      for j, i in enumerate(group):
+        row = plan.rows[i]
+        if row.start == row.request.num_cached_tokens and not row.is_decode:
+          metrics = self.metrics[row.request_id]
+          metrics.prefix_hit_tokens = row.request.num_cached_tokens
+        if row.sample:
+          new_ids[row.request_id] = emitted[j, :counts[j]].tolist()
+          if row.num_draft:
+            verified.append((row.request_id, row.num_draft, int(counts[j]) - 1))
+    before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in new_ids}
+    sampled = {rid: self.scheduler.requests[rid] for rid in new_ids}
+    self.scheduler.update_from_output(plan, new_ids)
+    now = time.perf_counter()
+    for rid, num_draft, num_accepted in verified:
+      self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
+    outputs = []
+    for rid, req in sampled.items():
+      new = req.output_ids[before[rid]:]
+      metrics = self.metrics[rid]
+      metrics.record_tokens(len(new), now)
+      metrics.num_preemptions = req.num_preemptions
+      finished = req.status.is_finished
+      if finished:
+        metrics.finish_s = now
+        self.finished[rid] = req
+      outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
+                                   req.status.value if finished else None))
+    allocator = self.scheduler.allocator
+    self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+                      utilization=allocator.utilization, pages_used=allocator.num_used,
+                      batched_tokens=plan.num_batched_tokens)
+    return outputs
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Step until every request finishes, yielding each step's outputs."""
+    while self.has_unfinished:
+      yield from self.step()
+
+  __iter__ = stream
+
+  def _launch(self, plan: SchedulerOutput, group: list[int]):
+    """Pad one row group to its bucket and dispatch serve_step (no host sync)."""
+    rows = [plan.rows[i] for i in group]
+    b = bucket(len(rows), self.max_num_seqs, min(_MIN_ROWS_BUCKET, self.max_num_seqs))
+    if rows[0].is_decode:
+      t = 1 + self.num_draft  # one shape whatever drafts the budget allowed
+    else:
+      t = bucket(max(r.num_tokens for r in rows), self._max_query,
+                 min(_MIN_PREFILL_BUCKET, self._max_query))
+    width = self.state.decode.block_tables.shape[1]
+    tokens = np.zeros((b, t), np.int32)
+    q_lens, num_draft, starts = (np.zeros(b, np.int32) for _ in range(3))
+    slot_ids = np.full(b, self.max_num_seqs, np.int32)  # padding: the scratch slot
+    next_tokens = np.full(b, -1, np.int32)
+    tables = np.zeros((b, width), np.int32)
+    tables[:len(rows), :plan.block_tables.shape[1]] = plan.block_tables[group]
+    temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
+    for j, row in enumerate(rows):
+      tokens[j, :len(row.token_ids)] = row.token_ids
+      q_lens[j], num_draft[j], slot_ids[j], starts[j] = (row.num_tokens, row.num_draft,
+                                                         row.slot, row.start)
+      if not row.sample:
+        next_tokens[j] = row.request.token_ids[row.start + row.num_tokens]
+      s = row.request.sampling
+      temperature[j], top_k[j], top_p[j], seeds[j] = s.temperature, s.top_k, s.top_p, s.seed
+    batch = RowBatch(tokens=tokens, q_lens=q_lens, num_draft=num_draft, slot_ids=slot_ids,
+                     starts=starts, next_tokens=next_tokens, block_tables=tables)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
+    use_filter = bool((top_k > 0).any() or (top_p < 1).any())
+    self.state, emitted, counts = serve_step(
+        self.model.params, self.state, batch, sampling, config=self.config,
+        backend=self.backend, num_draft=self.num_draft, use_filter=use_filter)
+    return emitted, counts
+
+  # -- one-shot ---------------------------------------------------------------
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               temperature: float = 0.0, top_k: Optional[int] = None,
+               top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
+               stop: Union[None, int, Sequence[int]] = None,
+               cache_salt: Optional[str] = None) -> GenerateResult:
+    """Run `prompts` to completion -> GenerateResult(tokens per prompt, stats).
+
+    Every prompt is validated before any is queued, so bad input changes
+    nothing.  `seed` is one int or one per prompt.
+    """
+    prompts = validate_prompts(self.config, prompts, max_new_tokens)
+    seeds = [seed] * len(prompts) if isinstance(seed, (int, np.integer)) else list(seed)
+    if len(seeds) != len(prompts):
+      raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    g, usable = self.scheduler.page_size, self.scheduler.allocator.num_usable
+    for i, prompt in enumerate(prompts):
+      total = len(prompt) + max_new_tokens
+      if total > self.scheduler.max_model_len:
+        raise ValueError(f"prompt {i}: length {len(prompt)} + max_new_tokens "
+                         f"{max_new_tokens} exceeds max_model_len "
+                         f"{self.scheduler.max_model_len}")
+      if -(-(total - 1) // g) > usable:
+        raise ValueError(f"prompt {i} needs up to {-(-(total - 1) // g)} KV pages but the "
+                         f"pool has {usable}")
+    cache = self.scheduler.prefix_cache
+    hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
+    preemptions_before = self.scheduler.num_preemptions
+    steps_before = len(self.steps.queue_depth)
+    start = time.perf_counter()
+    ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
+           for p, s in zip(prompts, seeds)]
+    while any(rid not in self.finished for rid in ids):
+      self.step()
+    wall = time.perf_counter() - start
+    hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
+    steps = StepLog(*(getattr(self.steps, f.name)[steps_before:]
+                      for f in dataclasses.fields(StepLog)))
+    stats = summarize([self.metrics[rid] for rid in ids], steps, wall,
+                      prefix_hit_tokens=hits[0] - hits_before[0],
+                      prefix_queried_tokens=hits[1] - hits_before[1],
+                      num_preemptions=self.scheduler.num_preemptions - preemptions_before)
+    stats["cache"] = "paged"
+    stats["speculative"] = "mtp" if self.num_draft else None
+    return GenerateResult(tokens=[list(self.finished[rid].output_ids) for rid in ids],
+                          stats=stats)

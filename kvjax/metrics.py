@@ -1,0 +1,143 @@
+"""Serving metrics with vLLM's definitions (claim C18's diagnosis signals).
+
+Per request (host wall clock, seconds from `add_request`):
+  TTFT   time to the first output token (prefill, queueing, prefix cache: C15)
+  TPOT   (e2e latency - TTFT) / (output_len - 1): mean time per later token
+  ITL    gaps between consecutive token arrivals (a verify step that emits 3
+         tokens yields one gap and two zero gaps, as in vLLM)
+  e2e    add_request to the last token
+Per run: request and output-token throughput, KV page utilization, prefix hit
+tokens and rate, speculative acceptance rate per draft position and mean
+acceptance length (tokens emitted per verify step), preemptions and queue
+depth.  Distributions are reported as mean, median and P99.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["RequestMetrics", "StepLog", "distribution", "summarize"]
+
+
+def distribution(values: Iterable[float]) -> dict:
+  """{'mean', 'median', 'p99'} of values (zeros when empty)."""
+  x = np.asarray(list(values), np.float64)
+  if x.size == 0:
+    return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+  return {"mean": float(x.mean()), "median": float(np.median(x)),
+          "p99": float(np.percentile(x, 99))}
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+  """Timeline of one request; times are host perf_counter seconds."""
+
+  request_id: str
+  prompt_len: int
+  arrival_s: float
+  token_times: list = dataclasses.field(default_factory=list)  # one per output token
+  finish_s: Optional[float] = None
+  prefix_hit_tokens: int = 0  # at the last admission
+  num_preemptions: int = 0
+  verify_steps: int = 0  # steps that fed >= 1 draft
+  emitted: int = 0  # tokens those steps emitted (accepted + 1)
+  proposed: list = dataclasses.field(default_factory=list)  # [K] drafts offered per position
+  accepted: list = dataclasses.field(default_factory=list)  # [K] drafts accepted per position
+
+  def record_tokens(self, n: int, now: float) -> None:
+    self.token_times.extend([now] * n)
+
+  def record_verify(self, num_draft: int, num_accepted: int, num_positions: int) -> None:
+    if not self.proposed:
+      self.proposed, self.accepted = [0] * num_positions, [0] * num_positions
+    self.verify_steps += 1
+    self.emitted += num_accepted + 1
+    for j in range(num_draft):
+      self.proposed[j] += 1
+      self.accepted[j] += j < num_accepted
+
+  @property
+  def output_len(self) -> int:
+    return len(self.token_times)
+
+  @property
+  def ttft(self) -> Optional[float]:
+    return self.token_times[0] - self.arrival_s if self.token_times else None
+
+  @property
+  def e2e(self) -> Optional[float]:
+    return self.token_times[-1] - self.arrival_s if self.token_times else None
+
+  @property
+  def tpot(self) -> Optional[float]:
+    if self.output_len < 2:
+      return None
+    return (self.e2e - self.ttft) / (self.output_len - 1)
+
+  @property
+  def itls(self) -> list:
+    return list(np.diff(self.token_times)) if self.output_len > 1 else []
+
+
+@dataclasses.dataclass
+class StepLog:
+  """Engine-wide samples, one per step."""
+
+  queue_depth: list = dataclasses.field(default_factory=list)  # waiting requests
+  running: list = dataclasses.field(default_factory=list)  # requests holding a slot
+  kv_utilization: list = dataclasses.field(default_factory=list)  # used / usable pages
+  pages_used: list = dataclasses.field(default_factory=list)
+  batched_tokens: list = dataclasses.field(default_factory=list)
+
+  def record(self, *, waiting: int, running: int, utilization: float, pages_used: int,
+             batched_tokens: int) -> None:
+    self.queue_depth.append(waiting)
+    self.running.append(running)
+    self.kv_utilization.append(utilization)
+    self.pages_used.append(pages_used)
+    self.batched_tokens.append(batched_tokens)
+
+
+def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float, *,
+              prefix_hit_tokens: int, prefix_queried_tokens: int,
+              num_preemptions: int) -> dict:
+  """One flat-ish dict of every metric over `requests` and the steps of a run."""
+  done = [r for r in requests if r.token_times]
+  out_tokens = sum(r.output_len for r in done)
+  proposed = np.zeros(max([len(r.proposed) for r in done] + [0]))
+  accepted = np.zeros_like(proposed)
+  for r in done:
+    proposed[:len(r.proposed)] += r.proposed
+    accepted[:len(r.accepted)] += r.accepted
+  verify_steps = sum(r.verify_steps for r in done)
+  ttft = distribution(r.ttft for r in done)
+  tpot = distribution(r.tpot for r in done if r.tpot is not None)
+  return {
+      "num_requests": len(done),
+      "wall_s": wall_s,
+      "ttft_s": ttft["mean"], "tpot_s": tpot["mean"],
+      "ttft": ttft, "tpot": tpot,
+      "itl": distribution(x for r in done for x in r.itls),
+      "e2e_latency": distribution(r.e2e for r in done),
+      "request_throughput": len(done) / wall_s if wall_s else 0.0,
+      "tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
+      "num_generated_tokens": out_tokens,
+      "prompt_tokens": distribution(r.prompt_len for r in requests),
+      "kv_pages_used": int(max(steps.pages_used, default=0)),
+      "kv_utilization": distribution(steps.kv_utilization),
+      "prefix_hit_tokens": prefix_hit_tokens,
+      "prefix_hit_rate": prefix_hit_tokens / prefix_queried_tokens if prefix_queried_tokens
+                         else 0.0,
+      "acceptance_length": (sum(r.emitted for r in done) / verify_steps if verify_steps
+                            else 1.0),
+      "acceptance_rate_per_position": [float(a / p) if p else 0.0
+                                       for a, p in zip(accepted, proposed)],
+      "acceptance_rate": float(accepted.sum() / proposed.sum()) if proposed.sum() else 0.0,
+      "num_verify_steps": verify_steps,
+      "num_preemptions": num_preemptions,
+      "num_steps": len(steps.queue_depth),
+      "queue_depth": distribution(steps.queue_depth),
+      "running": distribution(steps.running),
+  }

@@ -1,0 +1,140 @@
+"""MTP speculative decoding (claims C9-C11) as pure pieces of one jitted step.
+
+A step that samples ends with a draft: the MTP modules of the model (DeepSeek-V3
+style, kvjax/model.py `mtp_block`) chain from the last accepted position L,
+whose trunk logits emitted x_{L+1}:
+  module 0: h1_L = M0(h0_L, embed(x_{L+1}))  -> d1 ~ x_{L+2}
+  module 1: h2_L = M1(h1_L, embed(d1))       -> d2 ~ x_{L+3}
+The next step feeds [x_{L+1}, d1, .., dK] in ONE trunk forward (a prefill-like
+row, C9); `accept` keeps the longest prefix the rejection rule passes and adds
+one corrected or bonus token (C10), so a row emits 1..K+1 tokens.  Rejected
+positions need no device rollback: the scheduler frees their pages and the
+next step sets each slot's length from the host, so their K/V is overwritten
+before anything attends to it.
+
+The MTP modules attend over their own K/V (cache layers num_layers + depth,
+the C11 memory cost), written for every position the trunk computes, with the
+same shifted inputs as in training (`forward_with_mtp`): module d at position t
+sees h_d at t and x_{t+d+1}.  Where x_{t+d+1} is not known yet (the tail of a
+row) the draft stands in; that only affects draft quality, never the output.
+
+Randomness is per request, as in kvjax/sampling.py: every draw folds the
+request's seed with the sequence position it decides, so a request's tokens do
+not depend on its batch.  The accept rule is pallas_kernels'
+`rejection_sample_reference`, run per row (vmap) to take a per-row key.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import StepBatch
+from kvjax.config import ModelConfig
+from kvjax.model import lm_logits, mtp_block
+from kvjax.params import Params
+from kvjax.sampling import SamplingParams, filtered_logits
+
+__all__ = ["check_mtp", "fill_drafts", "gather_rows", "target_logits_for_accept",
+           "accept", "mtp_draft"]
+
+_ACCEPT_STREAM, _DRAFT_STREAM = 0, 1  # fold_in tags: independent draws per position
+
+
+def check_mtp(config: ModelConfig, params: Params, num_draft: int) -> None:
+  """ValueError unless the model still carries >= num_draft MTP modules (C11)."""
+  if num_draft < 1:
+    raise ValueError(f"num_draft must be >= 1 with speculative decoding, got {num_draft}")
+  have = min(config.mtp_num_hidden_layers, len(params.mtp))
+  if num_draft > have:
+    raise ValueError(
+        f"speculative='mtp' with num_draft={num_draft} needs {num_draft} MTP modules; "
+        f"model {config.name!r} has mtp_num_hidden_layers={config.mtp_num_hidden_layers} "
+        f"and {len(params.mtp)} MTP weight sets")
+
+
+def _row_key(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
+  """[B] per-request keys for the draw that decides sequence index positions[b]."""
+  return jax.vmap(lambda s, p: jax.random.fold_in(
+      jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seeds, positions)
+
+
+def fill_drafts(tokens: jax.Array, drafts: jax.Array, num_draft: jax.Array) -> jax.Array:
+  """tokens [B, T] with column 0 known; columns 1..num_draft[b] <- drafts [B, K]."""
+  t, k = tokens.shape[1], drafts.shape[1]
+  col = jnp.arange(t)[None, :]  # [1, T]
+  taken = drafts[:, jnp.clip(jnp.arange(t) - 1, 0, k - 1)]  # [B, T]
+  return jnp.where((col >= 1) & (col <= num_draft[:, None]), taken, tokens)
+
+
+def gather_rows(x: jax.Array, start: jax.Array, count: int) -> jax.Array:
+  """x [B, T, ...] -> [B, count, ...] at rows start[b] + j (clipped into [0, T))."""
+  index = jnp.clip(start[:, None] + jnp.arange(count)[None, :], 0, x.shape[1] - 1)
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def target_logits_for_accept(logits: jax.Array, sampling: SamplingParams,
+                             use_filter: bool) -> jax.Array:
+  """logits [B, R, V] with top-k / top-p applied (-inf outside), temperature left in.
+
+  The accept rule scales by temperature itself; filtering the scaled logits and
+  masking the raw ones keeps the nucleus of the tempered distribution.
+  """
+  if not use_filter:
+    return logits
+  b, r, v = logits.shape
+  temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+  scaled = (logits / temperature[:, None, None]).reshape(b * r, v)
+  kept = filtered_logits(scaled, jnp.repeat(sampling.top_k, r), jnp.repeat(sampling.top_p, r))
+  return jnp.where(jnp.isfinite(kept.reshape(b, r, v)), logits, -jnp.inf)
+
+
+def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
+           num_draft: jax.Array, sampling: SamplingParams, positions: jax.Array):
+  """Rejection-sample each row (C10) with its own key.
+
+  logits [B, K+1, V] (target at the fed token and each draft), drafts [B, K],
+  draft_probs [B, K, V], num_draft [B], positions [B] = sequence index of the
+  first token emitted -> (tokens [B, K+1] padded with -1, num_accepted [B]).
+  """
+  from pallas_kernels import rejection_sample_reference  # lazy, as attention/registry.py
+
+  keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
+
+  def one(d, p, x, n, key, temperature):
+    tokens, accepted = rejection_sample_reference(d[None], p[None], x[None], n[None], key,
+                                                  temperature=temperature[None])
+    return tokens[0], accepted[0]
+
+  return jax.vmap(one)(drafts, draft_probs, logits, num_draft, keys, sampling.temperature)
+
+
+def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidden: jax.Array,
+              next_tokens: jax.Array, last: jax.Array, sampling: SamplingParams, attend,
+              num_draft: int):
+  """Run the MTP chain over a computed row and draft from its last accepted position.
+
+  hidden [B, T, D]: trunk output at the row's positions; next_tokens [B, T]: x_{t+1}
+  per position (the emitted token at `last`); last [B]: index of the last
+  accepted position.  Writes MTP K/V at every real position -> (cache,
+  drafts [B, K] int32, draft_probs [B, K, V] f32).
+  """
+  b, t = next_tokens.shape
+  at_last = jnp.arange(t)[None, :] == last[:, None]  # [B, T]
+  greedy = sampling.temperature <= 0
+  temperature = jnp.where(greedy, 1.0, sampling.temperature)
+  drafts, probs = [], []
+  for depth in range(num_draft):
+    cache, hidden = mtp_block(params, config, depth, hidden, next_tokens, batch.positions,
+                              cache, attend)
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    scaled = lm_logits(params, config, h_last, params.mtp[depth].out_norm) / temperature[:, None]
+    position = jnp.take_along_axis(batch.positions, last[:, None], axis=1)[:, 0] + depth + 2
+    keys = _row_key(sampling.seeds, position, _DRAFT_STREAM)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)  # [B]
+    drafts.append(draft)
+    probs.append(jax.nn.softmax(scaled, axis=-1))
+    # Module depth+1 at t reads x_{t+depth+2}: shift left, the new draft at `last`.
+    shifted = jnp.concatenate([next_tokens[:, 1:], next_tokens[:, -1:]], axis=1)
+    next_tokens = jnp.where(at_last, draft[:, None], shifted)
+  return cache, jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1)

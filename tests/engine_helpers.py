@@ -1,0 +1,69 @@
+"""Shared, cached fixtures of the engine tests: one MTP model, its references.
+
+Every engine test uses the same shapes (4 rows, 16/32-token chunks, 64-token
+model length, 16-token pages), so the whole engine suite compiles a handful of
+steps once.  Prompts are 12..24 tokens and outputs 8, so the `kvjax.generate`
+oracle runs in two prefill shapes and one decode loop.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+import kvjax
+from kvjax.engine import Engine
+from kvjax.params import init_params
+
+MAX_NEW = 8
+ENGINE_DEFAULTS = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_model() -> kvjax.Model:
+  """Random 'tiny' with 2 MTP modules; std 0.2 keeps greedy argmax margins >> rounding."""
+  cfg = kvjax.get_preset("tiny").replace(name="tiny-mtp", mtp_num_hidden_layers=2,
+                                         eos_token_id=None)
+  return kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.2))
+
+
+def prompts(n: int, seed: int = 0, shared: int = 0, lengths=(17, 24)) -> list[list[int]]:
+  """n prompts of lengths[0]..lengths[1] ids; the first `shared` ids are common to all."""
+  rng = np.random.default_rng(seed)
+  common = rng.integers(3, 500, shared).tolist()
+  lo, hi = max(lengths[0], shared + 1), lengths[1]
+  return [common + rng.integers(3, 500, int(rng.integers(lo, hi + 1)) - shared).tolist()
+          for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(prompt: tuple, max_new: int) -> tuple:
+  return tuple(kvjax.generate(mtp_model(), [list(prompt)], max_new).tokens[0])
+
+
+def reference(prompt, max_new: int = MAX_NEW) -> list[int]:
+  """Greedy kvjax.generate of the prompt alone (static batch, the oracle)."""
+  return list(_reference(tuple(prompt), max_new))
+
+
+def engine(**overrides) -> Engine:
+  return Engine(mtp_model(), **{**ENGINE_DEFAULTS, **overrides})
+
+
+def run_staggered(eng: Engine, batch: list[list[int]], max_new: int = MAX_NEW,
+                  **sampling) -> dict:
+  """Add half the prompts, step twice, add the rest, run to the end -> id: output."""
+  half = len(batch) // 2
+  ids = [eng.add_request(p, max_new, **sampling) for p in batch[:half]]
+  for _ in range(2):
+    eng.step()
+  ids += [eng.add_request(p, max_new, **sampling) for p in batch[half:]]
+  for _ in eng.stream():
+    eng.scheduler.check_invariants()
+  return {i: list(eng.finished[rid].output_ids) for i, rid in enumerate(ids)}
+
+
+def assert_no_pages_held(eng: Engine) -> None:
+  eng.scheduler.check_invariants()
+  assert eng.scheduler.allocator.num_used == 0

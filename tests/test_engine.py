@@ -1,0 +1,172 @@
+"""Engine: outputs equal generate alone, prefix cache, salts, bad input, no page leaks."""
+from __future__ import annotations
+
+import chex
+import hypothesis
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import kvjax
+from kvjax import engine as engine_lib
+from tests import engine_helpers as h
+
+# name: (engine overrides, expect preemption, expect prefix hits)
+SCENARIOS = {
+    "no_prefix_cache": (dict(prefix_cache=False), False, False),
+    "block_match": (dict(prefix_match="block"), False, True),
+    "token_match": (dict(prefix_match="token"), False, True),
+    # 6 usable pages; short prompts grow into a second page while decoding.
+    "preempt": (dict(num_pages=7), True, True),
+    "preempt_no_prefix_cache": (dict(num_pages=7, prefix_cache=False), True, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_mixed_requests_equal_generate_alone(name):
+  overrides, preempts, hits = SCENARIOS[name]
+  eng = h.engine(**overrides)
+  batch = (h.prompts(5, seed=1, shared=20) + h.prompts(3, seed=2, lengths=(12, 15)))
+  outputs = h.run_staggered(eng, batch)
+  assert outputs == {i: h.reference(p) for i, p in enumerate(batch)}
+  assert (eng.scheduler.num_preemptions > 0) == preempts
+  hit = sum(m.prefix_hit_tokens for m in eng.metrics.values())
+  assert (hit > 0) == hits
+  h.assert_no_pages_held(eng)
+
+
+@pytest.mark.parametrize("match,expected_hit", [("block", 16), ("token", 20)])
+def test_prefix_hit_tokens_block_vs_token(match, expected_hit):
+  # C8: a 20-token shared prefix shares one full 16-token block; token mode copies
+  # the partial block and reuses all 20.
+  first, second = h.prompts(2, seed=3, shared=20)
+  first = first + [7] * (33 - len(first))  # two full blocks get cached
+  eng = h.engine(prefix_match=match)
+  assert eng.generate([first], 2).stats["prefix_hit_tokens"] == 0
+  result = eng.generate([second], h.MAX_NEW)
+  assert result.stats["prefix_hit_tokens"] == expected_hit
+  assert result.tokens == [h.reference(second)]
+  h.assert_no_pages_held(eng)
+
+
+def test_salted_requests_never_share_blocks():
+  prompt = h.prompts(1, seed=4)[0]
+  eng = h.engine()
+  assert eng.generate([prompt], h.MAX_NEW, cache_salt="a").stats["prefix_hit_tokens"] == 0
+  assert eng.generate([prompt], h.MAX_NEW, cache_salt="b").stats["prefix_hit_tokens"] == 0
+  assert eng.generate([prompt], h.MAX_NEW).stats["prefix_hit_tokens"] == 0
+  # Concurrently: salt "a" reuses its cached block; unseen salts "d", "e" share nothing.
+  ids = {salt: eng.add_request(prompt, h.MAX_NEW, cache_salt=salt) for salt in "ade"}
+  eng.step()
+  pages = {salt: set(eng.scheduler.requests[rid].pages) for salt, rid in ids.items()}
+  assert not pages["a"] & pages["d"] and not pages["d"] & pages["e"]
+  assert not pages["a"] & pages["e"]
+  assert eng.scheduler.requests[ids["a"]].num_cached_tokens == 16
+  assert all(eng.scheduler.requests[ids[s]].num_cached_tokens == 0 for s in "de")
+  for _ in eng.stream():
+    pass
+  assert all(eng.finished[rid].output_ids == h.reference(prompt) for rid in ids.values())
+  h.assert_no_pages_held(eng)
+
+
+BAD_REQUESTS = {
+    "empty prompt": (([], h.MAX_NEW), "non-empty"),
+    "id >= vocab": (([5, 512, 7], h.MAX_NEW), "token id 512"),
+    "negative id": (([5, -1], h.MAX_NEW), "token id -1"),
+    "zero new tokens": (([5, 6], 0), "max_new_tokens must be a positive int"),
+    "longer than context": (([5] * 60, 8), "exceeds max_model_len 64"),
+    "more pages than exist": (([5] * 50, 8), "needs up to 4 KV pages but the pool has 3"),
+}
+
+
+def test_bad_requests_fail_alone_and_others_finish_unchanged():
+  eng = h.engine(num_pages=4)  # 3 usable pages: a 58-token request can never fit
+  batch = h.prompts(3, seed=5)
+  ids = [eng.add_request(p, h.MAX_NEW) for p in batch]
+  eng.step()
+  for name, ((prompt, max_new), message) in BAD_REQUESTS.items():
+    with pytest.raises(ValueError, match=message):
+      eng.add_request(prompt, max_new)
+    eng.step()
+  for _ in eng.stream():
+    pass
+  assert [eng.finished[rid].output_ids for rid in ids] == [h.reference(p) for p in batch]
+  h.assert_no_pages_held(eng)
+
+
+def test_generate_validates_every_prompt_before_queueing():
+  eng = h.engine()
+  with pytest.raises(ValueError, match="prompt 1 has token id 999"):
+    eng.generate([[5, 6, 7], [999]], 4)
+  assert not eng.has_unfinished and not eng.metrics
+
+
+def test_stream_and_abort():
+  eng = h.engine()
+  batch = h.prompts(3, seed=6)
+  ids = [eng.add_request(p, h.MAX_NEW) for p in batch]
+  streamed = {rid: [] for rid in ids}
+  for i, out in enumerate(eng.stream()):
+    streamed[out.request_id] += out.new_token_ids
+    assert out.output_ids == streamed[out.request_id]
+    if i == 4:
+      assert eng.abort(ids[1])
+  assert streamed[ids[0]] == h.reference(batch[0])
+  assert streamed[ids[2]] == h.reference(batch[2])
+  assert streamed[ids[1]] == h.reference(batch[1])[:len(streamed[ids[1]])]
+  assert eng.finished[ids[1]].status.value == "abort"
+  assert not eng.abort(ids[1])
+  h.assert_no_pages_held(eng)
+
+
+def test_kvjax_generate_runs_a_one_shot_engine_with_engine_keywords():
+  model = h.mtp_model()
+  batch = h.prompts(3, seed=7, shared=18)
+  result = kvjax.generate(model, batch, h.MAX_NEW, prefix_cache=True, **h.ENGINE_DEFAULTS)
+  assert result.tokens == [h.reference(p) for p in batch]
+  for key in ("ttft_s", "tpot_s", "tokens_per_s", "kv_pages_used", "prefix_hit_tokens",
+              "prefix_hit_rate", "acceptance_length", "num_preemptions"):
+    assert key in result.stats
+  with pytest.raises(ValueError, match="cache='paged'"):
+    kvjax.generate(model, batch, 4, cache="contiguous", speculative="mtp")
+
+
+_HYPOTHESIS_PROMPTS = h.prompts(4, seed=8, shared=16) + [[9] * 3, [11] * 40]
+
+
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step"]),
+                                     st.integers(0, 20)), min_size=1, max_size=25))
+def test_random_add_abort_step_keeps_invariants_and_never_leaks(ops):
+  eng = _HYPOTHESIS_ENGINE[0]
+  live = []
+  for op, arg in ops:
+    if op == "add":
+      live.append(eng.add_request(_HYPOTHESIS_PROMPTS[arg % len(_HYPOTHESIS_PROMPTS)],
+                                  1 + arg % 9))
+    elif op == "abort" and live:
+      eng.abort(live.pop(arg % len(live)))
+    else:
+      eng.step()
+    eng.scheduler.check_invariants()
+  for rid in list(eng.scheduler.requests):
+    assert eng.abort(rid)
+  h.assert_no_pages_held(eng)
+
+
+_HYPOTHESIS_ENGINE = [h.engine(num_pages=4, prefix_match="token")]
+
+
+def test_engine_compiles_a_bounded_number_of_steps(monkeypatch):
+  # A fresh config name: only this test's compiles count.  4 rows (one row bucket),
+  # prefill chunks of 16 or 32, decode rows of 1: at most 3 step programs.
+  model = h.mtp_model()
+  fresh = kvjax.Model(model.config.replace(name="trace-count-engine"), model.params)
+  eng = kvjax.Engine(fresh, **h.ENGINE_DEFAULTS)
+  before = engine_lib.serve_step._cache_size()
+  monkeypatch.setattr(engine_lib, "model_step",
+                      chex.assert_max_traces(engine_lib.model_step, n=3))
+  for n in (1, 5, 9, 30):
+    eng.generate([[7] * n, list(range(3, 3 + n))], 5)
+  assert engine_lib.serve_step._cache_size() - before == 3
