@@ -14,6 +14,7 @@ import json
 import logging as std_logging
 import os
 import platform
+import textwrap
 import time
 
 import jax
@@ -119,8 +120,8 @@ def train_and_evaluate(config, workdir: str) -> list:
   return history
 
 
-def export(config, workdir: str, cfg: ModelConfig, corpus, heldout_tokens, params, progress: dict,
-           step: int) -> None:
+def export(config, workdir: str, cfg: ModelConfig, corpus, heldout_tokens, params,
+           progress: dict, step: int) -> None:
   """Measures the final model and writes it with its card to config.export_dir."""
   logging.info("final evaluation of step %d", step)
   big = corpus_lib.heldout_slice(heldout_tokens, config.seq_len, config.final_eval_windows)
@@ -147,6 +148,7 @@ def export(config, workdir: str, cfg: ModelConfig, corpus, heldout_tokens, param
           "total_steps": config.total_steps, "mtp_weight": config.mtp_weight,
           "train_seconds": progress["train_seconds"], "segments": progress["segments"]},
       "eval": {
+          "hardware": hardware(),
           "heldout_bits_per_byte": train_lib.bits_per_byte(params, cfg, big),
           "heldout_windows": config.final_eval_windows,
           "mtp_acceptance": dict(
@@ -179,30 +181,45 @@ def export(config, workdir: str, cfg: ModelConfig, corpus, heldout_tokens, param
 def model_card_markdown(cfg: ModelConfig, card: dict) -> str:
   c, t, e = card["corpus"], card["training"], card["eval"]
   acc = e["mtp_acceptance"]
-  hours = t["train_seconds"] / 3600
-  hw = "; ".join(sorted({s["hardware"] for s in t["segments"]}))
-  return f"""# {card['name']}: kvjax's built-in default model
-
-{card['description']}
-
-| | |
-| --- | --- |
-| architecture | {cfg.num_layers} layers, D={cfg.hidden_size}, F={cfg.intermediate_size}, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size} (bytes + BOS/EOS/PAD), {cfg.mtp_num_hidden_layers} MTP modules |
-| params | {card['params']:,} ({card['params_without_mtp']:,} without MTP), {card['dtype']} |
-| corpus | Python {c['python_version']} stdlib: {c['num_files']} files, {c['num_bytes']:,} bytes; held out by path hash: {c['heldout_files']} files, {c['heldout_bytes']:,} bytes (listing in corpus_files.json, sha256 {c['listing_sha256'][:16]}...) |
-| training | {t['steps']:,} steps x {t['batch_size']} x {t['seq_len']} = {t['tokens']:,} tokens, {hours:.2f} h on {hw} |
-| held-out bits/byte | **{e['heldout_bits_per_byte']:.4f}** ({e['heldout_windows']} windows of {t['seq_len']}+1 bytes) |
-| MTP greedy acceptance | per draft position {', '.join(f'{x:.3f}' for x in acc['per_position'])} (per head {', '.join(f'{x:.3f}' for x in acc['per_head'])}); mean accepted length **{acc['mean_accepted_length']:.3f}** of {acc['num_drafts'] + 1} |
-
-Acceptance: the trunk greedily continues {acc['prompts']} held-out prompts of {acc['prompt_len']}
-bytes by {acc['new_tokens']} bytes; a draft is accepted iff it equals the trunk's greedy
-token and every earlier draft of its step was accepted (kvjax/train.py).
-tests/test_default_model.py recomputes bits/byte ({e['slice']['bits_per_byte']:.4f}) and
-acceptance on a fixed {e['slice']['windows']}-window held-out slice.
-
-Reproduce or continue: `{card['launch']}` (resumes from the latest checkpoint in
-the workdir).
-"""
+  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+  rows = [
+      ("architecture",
+       f"{cfg.num_layers} layers, D={cfg.hidden_size}, F={cfg.intermediate_size}, "
+       f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab "
+       f"{cfg.vocab_size} (bytes + BOS/EOS/PAD), {cfg.mtp_num_hidden_layers} MTP modules"),
+      ("params", f"{card['params']:,} ({card['params_without_mtp']:,} without MTP), "
+                 f"{card['dtype']}"),
+      ("corpus",
+       f"Python {c['python_version']} stdlib: {c['num_files']} files, {c['num_bytes']:,} "
+       f"bytes; held out by path hash: {c['heldout_files']} files, {c['heldout_bytes']:,} "
+       f"bytes (corpus_files.json, listing sha256 {c['listing_sha256'][:16]}...)"),
+      ("training",
+       f"{t['steps']:,} steps x {t['batch_size']} x {t['seq_len']} = {t['tokens']:,} tokens "
+       f"in {t['train_seconds'] / 60:.1f} min on "
+       + "; ".join(sorted({s["hardware"] for s in t["segments"]}))),
+      ("evaluated on", e["hardware"]),
+      ("held-out bits/byte", f"**{e['heldout_bits_per_byte']:.4f}** "
+                             f"({e['heldout_windows']} windows of {t['seq_len']}+1 bytes)"),
+      ("MTP greedy acceptance",
+       f"per draft position {fmt(acc['per_position'])} (per head {fmt(acc['per_head'])}); "
+       f"mean accepted length **{acc['mean_accepted_length']:.3f}** of "
+       f"{acc['num_drafts'] + 1}"),
+  ]
+  notes = [
+      f"Acceptance: the trunk greedily continues {acc['prompts']} held-out prompts of "
+      f"{acc['prompt_len']} bytes by {acc['new_tokens']} bytes; a draft is accepted iff it "
+      "equals the trunk's greedy token and every earlier draft of its step was accepted "
+      "(kvjax/train.py). tests/test_default_model.py recomputes bits/byte "
+      f"({e['slice']['bits_per_byte']:.4f}) and acceptance on a fixed "
+      f"{e['slice']['windows']}-window held-out slice.",
+      "Load: `kvjax.weights.checkpoint.restore()` (this directory is its default). "
+      f"Reproduce or continue: `{card['launch']}` (resumes from the latest checkpoint in "
+      "the workdir).",
+  ]
+  return "\n\n".join([
+      f"# {card['name']}: kvjax's built-in default model", textwrap.fill(card["description"]),
+      "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows),
+      *(textwrap.fill(n) for n in notes)]) + "\n"
 
 
 def _quiet_orbax(record) -> bool:

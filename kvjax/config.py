@@ -192,8 +192,8 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=248044),
     # kvjax's built-in default model (kvjax/assets/default_model, MODEL_CARD.md):
     # byte-level stdlib Python LM with 2 MTP draft modules, trained by
-    # `python -m experiments.train --config=configs/tiny_code.py`.  Sized for about
-    # an hour of training on 2 CPU cores; head_dim 64 as the Pallas kernels require.
+    # `python -m experiments.train --config=configs/tiny_code.py`.  Small enough for
+    # CPU tests (2.9M params); head_dim 64 as the Pallas kernels require.
     "tiny-code": ModelConfig(
         name="tiny-code", vocab_size=259, hidden_size=192, intermediate_size=512,
         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
