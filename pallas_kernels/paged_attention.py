@@ -33,9 +33,26 @@ heads per kv head, H head_dim, P pages, S sequences).
   * Pages are gathered inside the kernel through the block table (vector page
     index into the per-kv-head page pool), `pages_per_block` pages per step.
 
-Hopper path decision (Pallas-Triton vs Mosaic GPU), measured on the H200 with
-jax 0.11.2 (experiments/run_kernel_device.sh, results/kernel_bench.json):
-  DECISION_PLACEHOLDER
+Hopper path decision: Pallas-Triton, decided by trying both on the H200 (jax
+0.11.2, triton 3.6.0; experiments/run_kernel_device.sh, results/kernel_bench.json).
+  * Pallas-Triton still lowers and runs under jax 0.11.2 (the run log shows no
+    deprecation warning for it under default filters; jax's own
+    ops.gpu.paged_attention module warns it is deprecated).  This kernel,
+    bf16 decode at 32 q / 8 kv heads, head_dim 128, page 16, achieved
+    3.04 TB/s at batch 64 x 8k context and 3.26 TB/s at 64 x 32k (63% / 68% of 4.8 TB/s), 2.80 TB/s at 8 x 32k;
+    1.37-1.51x jax's paged_attention at batch 64, ~3x an XLA gather.
+  * Mosaic GPU probe (experiments/kernel_bench.py:mgpu_paged_decode: TMA page
+    gathers into a 2-4 deep SMEM ring, wgmma, q padded to 64 rows, decode only,
+    no split-K/mask/window/int8): 3.27 TB/s at 64 x 8k, 3.52 TB/s at 64 x 32k
+    (+7-8% over Triton), but 1.75 TB/s at 8 x 32k (no split-K) where Triton
+    does 2.80.  Its interpret mode (InterpretGPUParams) cannot run a wgmma with
+    a transposed operand or layout_cast, so CI could only test a variant with
+    the matmuls swapped for jnp dots.
+  Triton keeps the whole contract (ragged q, window page skipping, int8, soft
+  cap, split-K) under one kernel that the HLO interpreter runs exactly in CI;
+  a Mosaic GPU decode path for large batches is the next step (~8%).
+  Static tiling (64 keys per step, 1024-token splits, 4 warps, 3 stages) is the
+  best of a 12-point sweep at batch 64 x 8k.
 """
 from __future__ import annotations
 
@@ -73,10 +90,10 @@ def default_block_sizes(page_size: int, head_dim: int, group: int):
   Returns (block_q, pages_per_block, pages_per_split).  Depends on static
   shapes only, never on the batch, so results are batch invariant.
   """
+  del head_dim  # 64 keys per step was best on the H200 for head_dim 128 (module doc).
   group_p = _next_pow2(group)
   block_q = max(1, _MIN_ROWS // group_p)
-  keys_per_block = 64 if head_dim > 128 else 128
-  pages_per_block = max(1, keys_per_block // page_size)
+  pages_per_block = max(1, 64 // page_size)
   pages_per_split = max(pages_per_block, 1024 // page_size)
   pages_per_split = -(-pages_per_split // pages_per_block) * pages_per_block
   return block_q, pages_per_block, pages_per_split
@@ -286,7 +303,7 @@ def ragged_paged_attention(
     pages_per_block: Optional[int] = None,
     pages_per_split: Optional[int] = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> jax.Array:  # [T, N, H], q.dtype
   """Paged attention over a ragged batch of query chunks; see the module doc.
 

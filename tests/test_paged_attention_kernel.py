@@ -247,8 +247,9 @@ def test_reference_jits_with_traced_metadata():
 
 
 def test_default_block_sizes_are_batch_free():
-  assert default_block_sizes(16, 128, 4) == (4, 8, 64)
+  assert default_block_sizes(16, 128, 4) == (4, 4, 64)
   assert default_block_sizes(8, 256, 1) == (16, 8, 128)
+  assert default_block_sizes(128, 64, 8) == (2, 1, 8)
 
 
 @pytest.mark.parametrize("change,match", [
