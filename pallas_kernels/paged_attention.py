@@ -39,8 +39,9 @@ Hopper path decision: Pallas-Triton, decided by trying both on the H200 (jax
     deprecation warning for it under default filters; jax's own
     ops.gpu.paged_attention module warns it is deprecated).  This kernel,
     bf16 decode at 32 q / 8 kv heads, head_dim 128, page 16, achieved
-    3.04 TB/s at batch 64 x 8k context and 3.26 TB/s at 64 x 32k (63% / 68% of 4.8 TB/s), 2.80 TB/s at 8 x 32k;
-    1.37-1.51x jax's paged_attention at batch 64, ~3x an XLA gather.
+    3.04 TB/s at batch 64 x 8k context and 3.26 TB/s at 64 x 32k (63% / 68%
+    of 4.8 TB/s), 2.80 TB/s at 8 x 32k; 1.37-1.51x jax's paged_attention at
+    batch 64, ~3x an XLA gather.
   * Mosaic GPU probe (experiments/kernel_bench.py:mgpu_paged_decode: TMA page
     gathers into a 2-4 deep SMEM ring, wgmma, q padded to 64 rows, decode only,
     no split-K/mask/window/int8): 3.27 TB/s at 64 x 8k, 3.52 TB/s at 64 x 32k
