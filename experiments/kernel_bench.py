@@ -342,7 +342,8 @@ def run_checks(cfg, sm_scale):
     return res
 
   _guarded(out, "rpa_mixed", mixed)
-  _guarded(out, "shapes", shapes)
+  if cfg.check_shapes:
+    _guarded(out, "shapes", shapes)
   _guarded(out, "rpa_window", window_cap)
   _guarded(out, "rpa_int8", int8)
   if "jax" in cfg.backends:
