@@ -1,8 +1,8 @@
 """Shared, cached fixtures of the engine tests: one MTP model, its references.
 
-Every engine test uses the same shapes (4 rows, 16/32-token chunks, 64-token
-model length, 16-token pages), so the whole engine suite compiles a handful of
-steps once.  Prompts are 12..24 tokens and outputs 8, so the `kvjax.generate`
+Every engine test uses the same shapes (4 rows, 16-token chunks, 64-token
+model length, 16-token pages, a default or a tiny pool), so the whole engine
+suite compiles a handful of steps once.  Prompts are 12..24 tokens and outputs 8, so the `kvjax.generate`
 oracle runs in two prefill shapes and one decode loop.
 """
 from __future__ import annotations
@@ -17,7 +17,9 @@ from kvjax.engine import Engine
 from kvjax.params import init_params
 
 MAX_NEW = 8
-ENGINE_DEFAULTS = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+ENGINE_DEFAULTS = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+# 3 usable pages: preemption, and a 58-token request can never fit.
+TINY_POOL = 4
 
 
 @functools.lru_cache(maxsize=None)

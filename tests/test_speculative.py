@@ -1,0 +1,117 @@
+"""MTP speculative decoding: greedy output unchanged, target distribution kept (C9-C11)."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from tests import engine_helpers as h
+
+
+
+def spec_engine(**overrides):
+  """Every test here shares these shapes (tiny pool: preemption is routine)."""
+  return h.engine(speculative="mtp", num_draft=2, num_pages=h.TINY_POOL, **overrides)
+
+
+@pytest.mark.parametrize("overrides", [dict(prefix_match="block"), dict(prefix_match="token"),
+                                       dict(prefix_cache=False)], ids=["block", "token", "off"])
+def test_speculative_greedy_equals_plain_greedy(overrides):
+  eng = spec_engine(**overrides)
+  batch = h.prompts(5, seed=1, shared=20) + h.prompts(3, seed=2, lengths=(12, 15))
+  assert h.run_staggered(eng, batch) == {i: h.reference(p) for i, p in enumerate(batch)}
+  assert eng.scheduler.num_preemptions > 0
+  assert sum(m.verify_steps for m in eng.metrics.values()) > 0
+  h.assert_no_pages_held(eng)
+
+
+# name: (draft 1 correct, draft 2 correct, tokens emitted by the verify step)
+DRAFT_SCENARIOS = {
+    "perfect_match": (True, True, 3),  # both accepted + bonus token
+    "late_mismatch": (True, False, 2),  # one accepted + the target's correction
+    "early_mismatch": (False, True, 1),  # a later draft is discarded after a rejection
+}
+
+
+def test_injected_drafts_accept_the_longest_correct_prefix():
+  prompt = h.prompts(1, seed=9)[0]
+  truth = h.reference(prompt)
+  eng = spec_engine()
+  rid = eng.add_request(prompt, h.MAX_NEW)
+  outputs = []
+  while not outputs:  # chunked prefill, then the first token
+    outputs = eng.step()
+  emitted = outputs[0].new_token_ids
+  slot = eng.scheduler.requests[rid].slot
+  for name, (ok1, ok2, count) in DRAFT_SCENARIOS.items():
+    n = len(emitted)
+    drafts = [truth[n] if ok1 else (truth[n] + 1) % 512,
+              truth[n + 1] if ok2 else (truth[n + 1] + 1) % 512]
+    eng.state = eng.state.replace(drafts=eng.state.drafts.at[slot].set(jnp.array(drafts)))
+    new = eng.step()[0].new_token_ids
+    assert len(new) == count, name
+    emitted += new
+  metrics = eng.metrics[rid]
+  # The last step had room for one draft only (2 tokens left).
+  assert (metrics.proposed, metrics.accepted, metrics.emitted) == ([3, 2], [2, 1], 6)
+  for _ in eng.stream():
+    pass
+  assert eng.finished[rid].output_ids == truth
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution():
+  # First two emitted tokens at temperature 1: x0 from the prefill, x1 from the first
+  # verify step (drafts accepted or resampled).  Exact marginals from full forwards:
+  # P(x1 = b) = sum_a p(a | prompt) p(b | prompt, a).
+  model = h.mtp_model()
+  prompt = [17, 4, 250, 61, 9]  # one page with its 4 new tokens: 3 requests at a time
+  n, vocab = 1000, model.config.vocab_size
+  eng = spec_engine(prefix_cache=False)
+  ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
+  for _ in eng.stream():
+    pass
+  first = np.array([eng.finished[rid].output_ids[:2] for rid in ids])  # [n, 2]
+  p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
+  extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
+  p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
+  p1 = p0 @ p1_given
+  for k, probs in enumerate((p0, p1)):
+    counts = np.bincount(first[:, k], minlength=vocab)
+    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
+    assert np.all(np.abs(counts - n * probs) <= bound), k
+  # Acceptance was exercised both ways.
+  accepted = sum(m.accepted[0] for m in eng.metrics.values() if m.proposed)
+  proposed = sum(m.proposed[0] for m in eng.metrics.values() if m.proposed)
+  assert 0 < accepted < proposed
+
+
+def test_speculative_needs_the_mtp_modules():
+  with pytest.raises(ValueError, match="needs 2 MTP modules"):
+    kvjax.Engine(kvjax.load_checkpoint("tiny"), speculative="mtp", num_draft=2)
+  with pytest.raises(ValueError, match="num_draft=3 needs 3 MTP modules"):
+    h.engine(speculative="mtp", num_draft=3)
+  with pytest.raises(ValueError, match="speculative must be None or 'mtp'"):
+    h.engine(speculative="eagle")
+
+
+_DEFAULT_MODEL = os.path.join(os.path.dirname(kvjax.__file__), "assets", "default_model")
+
+
+@pytest.mark.skipif(not os.path.isdir(_DEFAULT_MODEL), reason="default model not trained")
+def test_default_model_speculative_greedy_on_heldout_code():
+  from kvjax import corpus
+
+  model = kvjax.load_checkpoint()
+  heldout = corpus.split_tokens(corpus.load_corpus(), "heldout")
+  batch = [w.tolist() for w in corpus.heldout_slice(heldout, 63, 8)]  # 8 prompts of 64 bytes
+  plain = kvjax.generate(model, batch, 48).tokens
+  result = kvjax.generate(model, batch, 48, speculative="mtp", num_draft=2, max_num_seqs=8,
+                          max_num_batched_tokens=512)
+  assert result.tokens == plain
+  # Reported, and held to the issue's goal (the card measured 2.82 offline).
+  print(f"default model MTP acceptance length {result.stats['acceptance_length']:.3f}")
+  assert result.stats["acceptance_length"] >= 2.4
