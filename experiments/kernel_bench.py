@@ -319,11 +319,18 @@ def run_checks(cfg, sm_scale):
                                interpret=cfg.interpret)
     reference = functools.partial(spec_verify.rejection_sample_reference, temperature=temp)
     got, want = kernel(*args), reference(*args)
-    return dict(rs_tokens_equal_frac=float(jnp.mean(got[0] == want[0])),
-                rs_num_accepted_equal_frac=float(jnp.mean(got[1] == want[1])),
-                rs_max_id=int(got[0].max()), rs_vocab=vocab,
-                rs_kernel_ms=1e3 * _timeit(cfg, kernel, *args),
-                rs_reference_ms=1e3 * _timeit(cfg, reference, *args))
+    res = dict(rs_tokens_equal_frac=float(jnp.mean(got[0] == want[0])),
+               rs_num_accepted_equal_frac=float(jnp.mean(got[1] == want[1])),
+               rs_max_id=int(got[0].max()), rs_vocab=vocab,
+               rs_kernel_ms=1e3 * _timeit(cfg, kernel, *args),
+               rs_reference_ms=1e3 * _timeit(cfg, reference, *args))
+    sweep = {}
+    for block_v, chunk_tiles, warps, stages in cfg.rs_tune:
+      fn = functools.partial(kernel, block_v=block_v, chunk_tiles=chunk_tiles,
+                             num_warps=warps, num_stages=stages)
+      sweep[f"{block_v}_{chunk_tiles}_{warps}_{stages}"] = 1e3 * _timeit(cfg, fn, *args)
+    res["rs_tune_ms"] = sweep  # block_v_chunk_tiles_warps_stages -> ms
+    return res
 
   def shapes():  # other head dims / page sizes compile and agree on the device
     res = {}

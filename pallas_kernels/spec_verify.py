@@ -1,4 +1,4 @@
-"""Fused speculative verification (rejection sampling, claim C10) as a Pallas kernel.
+"""Speculative verification (rejection sampling, claim C10) with Pallas vocab kernels.
 
 The accept rule, in three lines (Leviathan et al. / Chen et al.):
   accept draft i with probability min(1, p_target(x_i) / p_draft(x_i));
@@ -7,20 +7,25 @@ The accept rule, in three lines (Leviathan et al. / Chen et al.):
 Greedy rows (temperature 0): accept while draft == argmax(target), then emit argmax.
 A zero draft probability (or a draft id outside [0, V)) is a rejection.
 
-Randomness is drawn outside the kernel from `key` with jax.random (one uniform
-per draft, one Gumbel vector per row), so the kernel and the reference consume
+Randomness is drawn outside the kernels from `key` with jax.random (one uniform
+per draft, one Gumbel vector per row), so kernels and reference consume
 identical noise and can be compared exactly.  Sampling is Gumbel-max:
 argmax_v(log q_v + g_v) draws v ~ q / sum(q) for any unnormalized q >= 0, so
 the residual never needs normalizing and q_v = 0 is never drawn.  NaN scores
 and vocab padding are -inf; a row with no finite score yields id 0, so no id is
-ever >= V.  Fixed shapes, no host sync: the kernel returns (num_accepted,
-emitted token) per row and the wrapper lays out tokens [B, K+1] padded with -1.
+ever >= V.  Fixed shapes, no host sync.
 
-Dimension legend: B rows, K draft tokens per row, V vocab.
-Kernel (grid over B): for each draft row k < num_draft, while still accepting,
-one pass over the vocab in `block_v` tiles computes logsumexp(logits / T) and the
-argmax; the accept test reads two scalars.  One more pass over the stop row
-samples the emitted token.
+Dimension legend: B rows, K draft tokens per row, V vocab, C vocab chunks.
+Two Pallas passes, each parallel over (row, vocab chunk) and looping over
+`block_v` tiles inside a chunk; the [B, K+1, C] partials are combined in XLA:
+  1. `_stats_kernel`: per target row, max and sum of exp(logits / T) (-> logsumexp)
+     and the first argmax of the logits.
+  2. the accept test needs two scalars per draft (`_accept`, shared with the
+     reference), then `_emit_kernel` takes the Gumbel argmax over the stop row's
+     residual (or bonus, or greedy) scores.
+A first version ran one program per row with sequential vocab passes; on the
+H200 (B=64, K=4, V=151,936) it took 0.60 ms against 0.20 ms for the XLA
+reference, so the vocab is now split across programs.
 """
 from __future__ import annotations
 
@@ -46,98 +51,116 @@ def draw_noise(key: jax.Array, batch: int, num_draft_max: int, vocab: int):
   return u, g
 
 
-def _rs_kernel(
-    draft_ref,  # [K] int32
-    nd_ref,  # [1] int32
-    temp_ref,  # [1] f32
-    u_ref,  # [K] f32
-    logits_ref,  # [K + 1, V]
-    *rest,
-    block_v: int,
-    has_draft_probs: bool,
-):
-  if has_draft_probs:
-    dprobs_ref, gumbel_ref, nacc_ref, tok_ref = rest  # [K, V], [V], [1], [1]
-  else:
-    dprobs_ref = None
-    gumbel_ref, nacc_ref, tok_ref = rest
-  num_k, vocab = logits_ref.shape[0] - 1, logits_ref.shape[1]
-  n_tiles = pl.cdiv(vocab, block_v)
+def _inv_temperature(temperature):
+  greedy = temperature <= 0.0
+  return greedy, jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+
+
+def _tile_loader(vocab, block_v):
   lane = lax.broadcasted_iota(jnp.int32, (block_v,), 0)  # [Tv]
 
-  temp = temp_ref[0]
-  greedy = temp <= 0.0
-  inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temp))
-  num_draft = nd_ref[0]
-
-  def load_tile(ref, row, tile, fill):
-    """Tile `tile` of ref[row] (or of the 1-D ref when row is None), masked past V."""
+  def load(ref, row, tile, fill):
+    """Tile `tile` of ref[row] (of the 1-D ref when row is None), masked past V."""
     v = tile * block_v + lane
     ok = v < vocab
     idx = pl.ds(tile * block_v, block_v)
     view = ref.at[idx] if row is None else ref.at[row, idx]  # one indexer (Triton)
     x = pltriton.load(view, mask=ok, other=fill).astype(jnp.float32)  # [Tv]
     return v, ok, x
+  return load
 
-  def argmax_update(best, idx, v, ok, score):
-    score = jnp.where(ok & ~jnp.isnan(score), score, _NEG_INF)  # [Tv]
-    tile_best = score.max()
-    tile_idx = jnp.min(jnp.where(score == tile_best, v, vocab))
-    better = tile_best > best  # strict: first index wins across tiles
-    return jnp.where(better, tile_best, best), jnp.where(better, tile_idx, idx)
 
-  def row_stats(row, n):
-    """(logsumexp(logits[row] * inv_t), argmax(logits[row])) over n tiles."""
-    def body(tile, carry):
-      m, s, best, idx = carry
-      v, ok, x = load_tile(logits_ref, row, tile, _NEG_INF)
-      z = jnp.where(ok, x * inv_t, _NEG_INF)
-      m_new = jnp.maximum(m, z.max())
-      m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-      s = s * jnp.exp(m - m_safe) + jnp.where(ok, jnp.exp(z - m_safe), 0.0).sum()
-      best, idx = argmax_update(best, idx, v, ok, x)
-      return m_new, s, best, idx
-    init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.float32(_NEG_INF), jnp.int32(0))
-    m, s, _, idx = lax.fori_loop(jnp.int32(0), n, body, init)  # bounds: one int type
-    return m + jnp.log(s), idx
+def _argmax_update(best, idx, v, ok, score, vocab):
+  """Running (max, first index of max); NaN and padding count as -inf."""
+  score = jnp.where(ok & ~jnp.isnan(score), score, _NEG_INF)  # [Tv]
+  tile_best = score.max()
+  tile_idx = jnp.min(jnp.where(score == tile_best, v, vocab))
+  better = tile_best > best  # strict: the first index wins across tiles
+  return jnp.where(better, tile_best, best), jnp.where(better, tile_idx, idx)
 
-  def accept_body(k, carry):
-    still, n_acc, stop_lse = carry
-    active = still & (k < num_draft)
-    lse, amax = row_stats(k, jnp.where(active, jnp.int32(n_tiles), jnp.int32(0)))
-    d = draft_ref[k]
-    d_ok = (d >= 0) & (d < vocab)
-    d_c = jnp.clip(d, 0, vocab - 1)
-    p_t = jnp.exp(logits_ref[k, d_c].astype(jnp.float32) * inv_t - lse)
-    p_d = dprobs_ref[k, d_c].astype(jnp.float32) if has_draft_probs else jnp.float32(1.0)
-    u = u_ref[k]
-    ok = jnp.where(greedy, d_c == amax, (p_d > 0.0) & (u * p_d < p_t)) & d_ok & active
-    stop_lse = jnp.where(active & ~ok, lse, stop_lse)
-    return still & ok, n_acc + ok.astype(jnp.int32), stop_lse
 
-  _, n_acc, stop_lse = lax.fori_loop(
-      0, num_k, accept_body, (jnp.bool_(True), jnp.int32(0), jnp.float32(0.0)))
-  rejected = n_acc < num_draft  # else: bonus row num_draft
-  row = n_acc
-  d_stop = jnp.clip(draft_ref[jnp.minimum(row, num_k - 1)], 0, vocab - 1)
-  dp_row = jnp.minimum(row, num_k - 1)
+def _stats_kernel(temp_ref, logits_ref, m_ref, s_ref, best_ref, idx_ref, *,
+                  block_v: int, chunk_tiles: int):
+  """One (row b, target row k, chunk c): refs [1] f32 temp, [V] logits, [1] outputs."""
+  vocab = logits_ref.shape[0]
+  load = _tile_loader(vocab, block_v)
+  _, inv_t = _inv_temperature(temp_ref[0])
+  first = pl.program_id(2) * chunk_tiles
 
-  def emit_body(tile, carry):
-    best, idx = carry
-    v, ok, x = load_tile(logits_ref, row, tile, 0.0)
-    _, _, g = load_tile(gumbel_ref, None, tile, 0.0)
+  def body(t, carry):
+    m, s, best, idx = carry
+    v, ok, x = load(logits_ref, None, first + t, _NEG_INF)
+    z = jnp.where(ok, x * inv_t, _NEG_INF)
+    m_new = jnp.maximum(m, z.max())
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    s = s * jnp.exp(m - m_safe) + jnp.where(ok, jnp.exp(z - m_safe), 0.0).sum()
+    best, idx = _argmax_update(best, idx, v, ok, x, vocab)
+    return m_new, s, best, idx
+
+  n = jnp.clip(pl.cdiv(vocab, block_v) - first, 0, chunk_tiles).astype(jnp.int32)
+  init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.float32(_NEG_INF), jnp.int32(0))
+  m, s, best, idx = lax.fori_loop(jnp.int32(0), n, body, init)
+  m_ref[0], s_ref[0], best_ref[0], idx_ref[0] = m, s, best, idx
+
+
+def _emit_kernel(ints_ref, floats_ref, logits_ref, gumbel_ref, *rest,
+                 block_v: int, chunk_tiles: int, has_draft_probs: bool):
+  """One (row b, chunk c).  ints [4]: stop row, rejected, stop draft id, draft-prob
+  row; floats [2]: logsumexp of the stop row, temperature; logits [K+1, V];
+  gumbel [V]; draft probs [K, V] (optional); outputs best [1] f32, idx [1] i32."""
+  if has_draft_probs:
+    dprobs_ref, best_ref, idx_ref = rest
+  else:
+    dprobs_ref, (best_ref, idx_ref) = None, rest
+  vocab = logits_ref.shape[1]
+  load = _tile_loader(vocab, block_v)
+  row, rejected, d_stop, dp_row = (ints_ref[i] for i in range(4))
+  stop_lse = floats_ref[0]
+  greedy, inv_t = _inv_temperature(floats_ref[1])
+  first = pl.program_id(1) * chunk_tiles
+
+  def body(t, carry):
+    v, ok, x = load(logits_ref, row, first + t, 0.0)
+    _, _, g = load(gumbel_ref, None, first + t, 0.0)
     p_t = jnp.exp(x * inv_t - stop_lse)
     if has_draft_probs:
-      _, _, p_d = load_tile(dprobs_ref, dp_row, tile, 0.0)
+      _, _, p_d = load(dprobs_ref, dp_row, first + t, 0.0)
     else:
       p_d = (v == d_stop).astype(jnp.float32)
     residual = jnp.log(jnp.maximum(p_t - p_d, 0.0))
-    sampled = jnp.where(rejected, residual, x * inv_t) + g
-    return argmax_update(best, idx, v, ok, jnp.where(greedy, x, sampled))
+    sampled = jnp.where(rejected > 0, residual, x * inv_t) + g
+    return _argmax_update(*carry, v, ok, jnp.where(greedy, x, sampled), vocab)
 
-  _, token = lax.fori_loop(0, n_tiles, emit_body, (jnp.float32(_NEG_INF), jnp.int32(0)))
-  nacc_ref[0] = n_acc
-  tok_ref[0] = token
+  n = jnp.clip(pl.cdiv(vocab, block_v) - first, 0, chunk_tiles).astype(jnp.int32)
+  best, idx = lax.fori_loop(jnp.int32(0), n, body,
+                            (jnp.float32(_NEG_INF), jnp.int32(0)))
+  best_ref[0], idx_ref[0] = best, idx
+
+
+def _combine_argmax(best, idx, vocab):
+  """First index of the max over the last axis of chunk partials [..., C]."""
+  top = best.max(axis=-1, keepdims=True)
+  return jnp.min(jnp.where(best == top, idx, vocab), axis=-1).astype(jnp.int32)
+
+
+def _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature, u, lse,
+            amax):
+  """Accept tests of the rule -> num_accepted [B] (shared by kernel path and reference)."""
+  _, num_k = draft_tokens.shape
+  vocab = target_logits.shape[2]
+  greedy, inv_t = _inv_temperature(temperature)  # [B]
+  d_ok = (draft_tokens >= 0) & (draft_tokens < vocab)
+  d_c = jnp.clip(draft_tokens, 0, vocab - 1)  # [B, K]
+  x_d = jnp.take_along_axis(target_logits[:, :num_k], d_c[..., None], axis=-1)[..., 0]
+  p_t = jnp.exp(x_d.astype(jnp.float32) * inv_t[:, None] - lse[:, :num_k])  # [B, K]
+  if draft_probs is None:
+    p_d = jnp.ones_like(p_t)
+  else:
+    p_d = jnp.take_along_axis(draft_probs, d_c[..., None], axis=-1)[..., 0]
+    p_d = p_d.astype(jnp.float32)
+  ok = jnp.where(greedy[:, None], d_c == amax[:, :num_k], (p_d > 0.0) & (u * p_d < p_t))
+  ok = ok & d_ok & (jnp.arange(num_k)[None, :] < num_draft[:, None])
+  return jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1).astype(jnp.int32)
 
 
 def _check(draft_tokens, draft_probs, target_logits, num_draft, temperature):
@@ -167,14 +190,15 @@ def _check(draft_tokens, draft_probs, target_logits, num_draft, temperature):
 
 def _layout_tokens(draft_tokens, n_acc, token):
   """tokens[b, i] = draft i (< n_acc), the emitted token (== n_acc), -1 after."""
-  batch, num_k = draft_tokens.shape
+  _, num_k = draft_tokens.shape
   pos = jnp.arange(num_k + 1, dtype=jnp.int32)[None, :]  # [1, K+1]
   drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
   tokens = jnp.where(pos < n_acc[:, None], drafts, -1)
   return jnp.where(pos == n_acc[:, None], token[:, None], tokens).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "chunk_tiles",
+                                             "num_warps", "num_stages"))
 def rejection_sample(
     draft_tokens: jax.Array,  # [B, K] int32
     draft_probs: Optional[jax.Array],  # [B, K, V] or None (one-hot drafter)
@@ -185,36 +209,61 @@ def rejection_sample(
     temperature: jax.Array,  # [B] f32, 0 = greedy
     interpret: bool = False,
     block_v: int = 2048,
+    chunk_tiles: int = 4,
     num_warps: int = 4,
+    num_stages: int = 2,
 ):
   """Returns (tokens [B, K+1] int32 padded with -1, num_accepted [B] int32)."""
   batch, num_k, vocab = _check(draft_tokens, draft_probs, target_logits, num_draft,
                                temperature)
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v={block_v} must be a power of two >= 16")
-  u, g = draw_noise(key, batch, num_k, vocab)
+  u, g = draw_noise(key, batch, num_k, vocab)  # [B, K], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
-  has_dp = draft_probs is not None
-  row = lambda *shape: pl.BlockSpec((None,) + shape, lambda b: (b,) + (0,) * len(shape))
-  in_specs = [row(num_k), row(1), row(1), row(num_k), row(num_k + 1, vocab)]
-  operands = [draft_tokens, num_draft[:, None], temperature[:, None], u, target_logits]
-  if has_dp:
-    in_specs.append(row(num_k, vocab))
+  chunks = pl.cdiv(vocab, block_v * chunk_tiles)  # C
+  params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
+                                                          num_stages=num_stages)
+  kw = dict(block_v=block_v, chunk_tiles=chunk_tiles)
+  one = lambda *lead: pl.BlockSpec((None,) * len(lead) + (1,), lambda *i: i)
+
+  part = jax.ShapeDtypeStruct((batch, num_k + 1, chunks), jnp.float32)
+  m, s, best, idx = pl.pallas_call(
+      functools.partial(_stats_kernel, **kw),
+      grid=(batch, num_k + 1, chunks),
+      in_specs=[pl.BlockSpec((None, 1), lambda b, k, c: (b, 0)),
+                pl.BlockSpec((None, None, vocab), lambda b, k, c: (b, k, 0))],
+      out_specs=[one(0, 0)] * 4,
+      out_shape=[part] * 3 + [part.update(dtype=jnp.int32)],
+      interpret=interpret, compiler_params=params, name="rejection_sample_stats",
+  )(temperature[:, None], target_logits)  # each [B, K+1, C]
+  m_top = m.max(axis=-1, keepdims=True)
+  m_safe = jnp.where(m_top == _NEG_INF, 0.0, m_top)
+  lse = m_top[..., 0] + jnp.log((s * jnp.exp(m - m_safe)).sum(axis=-1))  # [B, K+1]
+  amax = _combine_argmax(best, idx, vocab)  # [B, K+1]
+  n_acc = _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature,
+                  u, lse, amax)  # [B]
+
+  rows = jnp.arange(batch)
+  dp_row = jnp.minimum(n_acc, num_k - 1)
+  ints = jnp.stack([n_acc, (n_acc < num_draft).astype(jnp.int32),
+                    jnp.clip(draft_tokens[rows, dp_row], 0, vocab - 1), dp_row],
+                   axis=1).astype(jnp.int32)  # [B, 4]
+  floats = jnp.stack([lse[rows, n_acc], temperature], axis=1)  # [B, 2]
+  per_row = lambda *shape: pl.BlockSpec((None,) + shape,
+                                       lambda b, c: (b,) + (0,) * len(shape))
+  in_specs = [per_row(4), per_row(2), per_row(num_k + 1, vocab), per_row(vocab)]
+  operands = [ints, floats, target_logits, g]
+  if draft_probs is not None:
+    in_specs.append(per_row(num_k, vocab))
     operands.append(draft_probs)
-  in_specs.append(row(vocab))
-  operands.append(g)
-  n_acc, token = pl.pallas_call(
-      functools.partial(_rs_kernel, block_v=block_v, has_draft_probs=has_dp),
-      grid=(batch,),
-      in_specs=in_specs,
-      out_specs=[row(1), row(1)],
-      out_shape=[jax.ShapeDtypeStruct((batch, 1), jnp.int32)] * 2,
-      interpret=interpret,
-      compiler_params=None if interpret else pltriton.CompilerParams(
-          num_warps=num_warps, num_stages=1),
-      name="rejection_sample",
-  )(*operands)
-  n_acc, token = n_acc[:, 0], token[:, 0]
+  part = jax.ShapeDtypeStruct((batch, chunks), jnp.float32)
+  e_best, e_idx = pl.pallas_call(
+      functools.partial(_emit_kernel, has_draft_probs=draft_probs is not None, **kw),
+      grid=(batch, chunks), in_specs=in_specs, out_specs=[one(0)] * 2,
+      out_shape=[part, part.update(dtype=jnp.int32)],
+      interpret=interpret, compiler_params=params, name="rejection_sample_emit",
+  )(*operands)  # each [B, C]
+  token = _combine_argmax(e_best, e_idx, vocab)  # [B]
   return _layout_tokens(draft_tokens, n_acc, token), n_acc
 
 
@@ -226,26 +275,12 @@ def rejection_sample_reference(draft_tokens, draft_probs, target_logits, num_dra
                                temperature)
   u, g = draw_noise(key, batch, num_k, vocab)  # [B, K], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
-  greedy = temperature <= 0.0  # [B]
-  inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+  greedy, inv_t = _inv_temperature(temperature)  # [B]
   x = target_logits.astype(jnp.float32)  # [B, K+1, V]
-  z = x * inv_t[:, None, None]
-  lse = jax.nn.logsumexp(z, axis=-1)  # [B, K+1]
-  finite_x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  amax = jnp.argmax(finite_x, axis=-1).astype(jnp.int32)  # [B, K+1]
-
-  d_ok = (draft_tokens >= 0) & (draft_tokens < vocab)
-  d_c = jnp.clip(draft_tokens, 0, vocab - 1)  # [B, K]
-  z_d = jnp.take_along_axis(z[:, :num_k], d_c[..., None], axis=-1)[..., 0]
-  p_t = jnp.exp(z_d - lse[:, :num_k])  # [B, K]
-  if draft_probs is None:
-    p_d = jnp.ones_like(p_t)
-  else:
-    p_d = jnp.take_along_axis(draft_probs.astype(jnp.float32), d_c[..., None],
-                              axis=-1)[..., 0]
-  ok = jnp.where(greedy[:, None], d_c == amax[:, :num_k], (p_d > 0.0) & (u * p_d < p_t))
-  ok = ok & d_ok & (jnp.arange(num_k)[None, :] < num_draft[:, None])
-  n_acc = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1).astype(jnp.int32)  # [B]
+  lse = jax.nn.logsumexp(x * inv_t[:, None, None], axis=-1)  # [B, K+1]
+  amax = jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1).astype(jnp.int32)
+  n_acc = _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature,
+                  u, lse, amax)  # [B]
 
   rejected = n_acc < num_draft
   rows = jnp.arange(batch)
@@ -253,7 +288,8 @@ def rejection_sample_reference(draft_tokens, draft_probs, target_logits, num_dra
   dp_row = jnp.minimum(n_acc, num_k - 1)
   p_t_row = jnp.exp(x_row * inv_t[:, None] - lse[rows, n_acc][:, None])
   if draft_probs is None:
-    p_d_row = jax.nn.one_hot(d_c[rows, dp_row], vocab, dtype=jnp.float32)
+    d_stop = jnp.clip(draft_tokens[rows, dp_row], 0, vocab - 1)
+    p_d_row = jax.nn.one_hot(d_stop, vocab, dtype=jnp.float32)
   else:
     p_d_row = draft_probs[rows, dp_row].astype(jnp.float32)
   residual = jnp.log(jnp.maximum(p_t_row - p_d_row, 0.0))

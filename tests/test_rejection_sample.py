@@ -96,10 +96,12 @@ def random_case(batch, num_k, vocab, seed, with_probs=True):
           jnp.asarray(target), jnp.asarray(num_draft), jax.random.key(seed)), temperature
 
 
-@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "one_hot"])
-def test_kernel_equals_reference(with_probs):
+@pytest.mark.parametrize("with_probs,chunk_tiles", [(True, 1), (False, 2)],
+                         ids=["probs_3_chunks", "one_hot_2_chunks"])
+def test_kernel_equals_reference(with_probs, chunk_tiles):
   args, temperature = random_case(192, 3, 37, seed=1, with_probs=with_probs)
-  got = rejection_sample(*args, temperature=temperature, interpret=True, block_v=16)
+  got = rejection_sample(*args, temperature=temperature, interpret=True, block_v=16,
+                         chunk_tiles=chunk_tiles)
   want = rejection_sample_reference(*args, temperature=temperature)
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
