@@ -94,11 +94,14 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
              temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
              cache: str = "paged", page_size: int = 16,
-             backend: str = "reference", **engine_options) -> generation.GenerateResult:
+             backend: str = "reference",
+             kv_dtype: Optional[str] = None, **engine_options) -> generation.GenerateResult:
   """Generate `max_new_tokens` per prompt (fewer if EOS comes first).
 
   `seed` is one int for every prompt or one per prompt; a prompt's samples depend
-  only on its own seed and tokens, never on the rest of the batch.  Engine
+  only on its own seed and tokens, never on the rest of the batch.  `kv_dtype`
+  (None = model dtype, "bf16", "int8", "int4", ...; kvjax/quant/kv.py) is how the
+  paged cache stores K/V.  Engine
   keywords (speculative, num_draft, prefix_cache, prefix_match, max_num_seqs,
   max_num_batched_tokens, num_pages, ...; see kvjax.Engine) run the prompts
   through a one-shot continuous-batching Engine instead of the static batch.
@@ -107,6 +110,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
   if cache not in generation.CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")
   if engine_options:
+    if kv_dtype is not None:
+      raise ValueError("kv_dtype applies to the static batch; the Engine path does not take it")
     if cache != "paged":
       raise ValueError(f"engine options {sorted(engine_options)} need cache='paged', "
                        f"got cache={cache!r}")
@@ -122,4 +127,4 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                                  top_p=top_p, seeds=seed)
   return generation.generate_static(model.params, model.config, prompts, max_new_tokens,
                                     sampling, cache=cache, page_size=page_size,
-                                    backend=backend, dtype=model.dtype)
+                                    backend=backend, dtype=model.dtype, kv_dtype=kv_dtype)

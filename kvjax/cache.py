@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.quant.symmetric import quantize
 
 __all__ = ["StepBatch", "PagedKVCache", "ContiguousKVCache", "NULL_PAGE"]
 
@@ -41,14 +42,24 @@ class StepBatch:
 
 @struct.dataclass
 class PagedKVCache:
+  """Float pages, or int8 pages with one f32 scale per token per kv head (symmetric).
+
+  int8 is the layout the Pallas kernel reads (claim C6: half of bf16's bytes plus
+  4 B of scale per token per head); int4 lives in kvjax/quant/kv.py.
+  """
   k_pages: jax.Array  # [L, K, P, G, H]
   v_pages: jax.Array  # [L, K, P, G, H]
+  k_scales: Optional[jax.Array] = None  # [L, K, P, G] f32 (int8 pages only)
+  v_scales: Optional[jax.Array] = None  # [L, K, P, G] f32
 
   @classmethod
   def create(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
              head_dim: int, dtype) -> "PagedKVCache":
+    """`dtype` int8 quantizes every write; any float dtype stores K/V as is."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+    scales = lambda: jnp.ones(shape[:-1], jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
+    return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+               k_scales=scales(), v_scales=scales())  # distinct buffers: both are donated
 
   @property
   def page_size(self) -> int:
@@ -65,15 +76,24 @@ class PagedKVCache:
     pages = jnp.take_along_axis(batch.block_tables, logical, axis=1)  # [B, T]
     pages = jnp.where(batch.valid, pages, NULL_PAGE)
     offsets = batch.positions % g  # [B, T]
+    if self.k_scales is None:
+      return self.replace(
+          k_pages=self.k_pages.at[layer, :, pages, offsets].set(k.astype(self.k_pages.dtype)),
+          v_pages=self.v_pages.at[layer, :, pages, offsets].set(v.astype(self.v_pages.dtype)))
+    (k, k_scale), (v, v_scale) = quantize(k, 8, -1), quantize(v, 8, -1)  # scales [B, T, K]
     return self.replace(
-        k_pages=self.k_pages.at[layer, :, pages, offsets].set(k.astype(self.k_pages.dtype)),
-        v_pages=self.v_pages.at[layer, :, pages, offsets].set(v.astype(self.v_pages.dtype)))
+        k_pages=self.k_pages.at[layer, :, pages, offsets].set(k),
+        v_pages=self.v_pages.at[layer, :, pages, offsets].set(v),
+        k_scales=self.k_scales.at[layer, :, pages, offsets].set(k_scale),
+        v_scales=self.v_scales.at[layer, :, pages, offsets].set(v_scale))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              window: Optional[int], backend: Callable):
     cache = self.write(layer, k, v, batch)
+    scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales[layer],
+                                                     v_scales=cache.v_scales[layer])
     out = backend(q, cache.k_pages[layer], cache.v_pages[layer], batch.kv_lens,
-                  batch.block_tables, sm_scale=sm_scale, sliding_window=window)
+                  batch.block_tables, sm_scale=sm_scale, sliding_window=window, **scales)
     return cache, out
 
 

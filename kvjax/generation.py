@@ -23,6 +23,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.model import forward_hidden, lm_logits
 from kvjax.params import Params
+from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
 from kvjax.steps import (DecodeState, init_contiguous_state, init_paged_state, model_step,
                          prefill)
@@ -121,10 +122,12 @@ def _trim(row: np.ndarray, n: int, eos_id: Optional[int]) -> list[int]:
 
 def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
                     max_new_tokens: int, sampling: SamplingParams, *, cache: str,
-                    page_size: int, backend: str, dtype) -> GenerateResult:
+                    page_size: int, backend: str, dtype,
+                    kv_dtype: Optional[str] = None) -> GenerateResult:
   """Generate for validated prompts; see kvjax.generate for the public contract."""
   if cache not in CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {CACHE_KINDS}")
+  check_kv_dtype(kv_dtype, cfg, cache, backend)
   if page_size <= 0:
     raise ValueError(f"page_size must be positive, got {page_size}")
   num_prompts = len(prompts)
@@ -152,7 +155,7 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
     if cache == "paged":
       pages_per_seq = -(-total_bucket // page_size)
       state = init_paged_state(cfg, rows, 1 + rows * pages_per_seq, page_size, pages_per_seq,
-                               dtype)
+                               dtype, kv_dtype)
       tables = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
       state = state.replace(block_tables=jnp.asarray(tables))
     else:

@@ -1,4 +1,4 @@
-"""Numerics shared by every attention variant: RMSNorm and rotary embeddings.
+"""Numerics shared by every attention variant: RMSNorm, rotary embeddings, dense.
 
 Kept apart from model.py so attention variants (kvjax/attention/mla.py) can use
 them without importing the decoder that dispatches to them.
@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope"]
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "dense"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -50,3 +51,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def dense(spec: str, x: jax.Array, w, **einsum_kwargs) -> jax.Array:
+  """einsum(spec, x, w) where w is an array or a QuantizedWeight (dequantized here).
+
+  Every projection goes through this one site, so a quantized Params pytree
+  (kvjax/weights/quantize.py) runs through the unchanged model code; an
+  ActivationProbe (calibration, eager only) records x on the way.
+  """
+  if isinstance(w, ActivationProbe):
+    w.observe(x)
+    w = w.weight
+  if isinstance(w, QuantizedWeight):
+    w = w.dequantize(x.dtype)
+  return jnp.einsum(spec, x, w, **einsum_kwargs)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.attention.mla import mla_attention
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, rms_norm, rope_inv_freq
+from kvjax.layers import apply_rope, dense, rms_norm, rope_inv_freq
 from kvjax.params import AttentionParams, BlockParams, MTPParams, Params
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
@@ -29,9 +29,9 @@ Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
 def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
   """MHA / GQA / MQA: h [B, T, D] -> (cache, out [B, T, D])."""
-  q = jnp.einsum("btd,dnh->btnh", h, a.wq)
-  k = jnp.einsum("btd,dkh->btkh", h, a.wk)
-  v = jnp.einsum("btd,dkh->btkh", h, a.wv)
+  q = dense("btd,dnh->btnh", h, a.wq)
+  k = dense("btd,dkh->btkh", h, a.wk)
+  v = dense("btd,dkh->btkh", h, a.wv)
   if a.bq is not None:
     q, k, v = q + a.bq, k + a.bk, v + a.bv
   if a.q_norm is not None:
@@ -41,7 +41,7 @@ def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions
   k = apply_rope(k, positions, inv_freq)
   with jax.named_scope(f"attention_{layer}"):
     cache, out = attend(cache, layer, q, k, v)
-  return cache, jnp.einsum("btnh,nhd->btd", out, a.wo)
+  return cache, dense("btnh,nhd->btd", out, a.wo)
 
 
 def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
@@ -52,8 +52,8 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
   cache, out = attention(cfg, p.attn, h, positions, inv_freq, cache, layer, attend)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-  gated = jax.nn.silu(h @ p.w_gate) * (h @ p.w_up)
-  return cache, x + gated @ p.w_down
+  gated = jax.nn.silu(dense("btd,df->btf", h, p.w_gate)) * dense("btd,df->btf", h, p.w_up)
+  return cache, x + dense("btf,fd->btd", gated, p.w_down)
 
 
 def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -70,7 +70,7 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array,
               norm: Optional[jax.Array] = None) -> jax.Array:
   """hidden [..., D] -> float32 logits [..., V] through `norm` (default: final norm)."""
   h = rms_norm(hidden, params.final_norm if norm is None else norm, cfg.rms_norm_eps)
-  return jnp.einsum("...d,dv->...v", h, params.head(), preferred_element_type=jnp.float32)
+  return dense("...d,dv->...v", h, params.head(), preferred_element_type=jnp.float32)
 
 
 def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Array,

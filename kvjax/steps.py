@@ -11,7 +11,7 @@ in place; shapes are bucketed by the callers so compilations stay few.
 from __future__ import annotations
 
 import functools
-from typing import Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from kvjax.cache import ContiguousKVCache, PagedKVCache, StepBatch
 from kvjax.config import ModelConfig
 from kvjax.model import decoder, lm_logits
 from kvjax.params import Params
+from kvjax.quant.kv import KIVIPagedKVCache, check_kv_dtype, create_paged_cache
 
 __all__ = ["DecodeState", "model_step", "prefill", "decode", "verify", "init_paged_state",
            "init_contiguous_state"]
@@ -30,18 +31,19 @@ __all__ = ["DecodeState", "model_step", "prefill", "decode", "verify", "init_pag
 
 @struct.dataclass
 class DecodeState:
-  cache: Union[PagedKVCache, ContiguousKVCache, MLAPagedCache]
+  cache: Union[PagedKVCache, ContiguousKVCache, MLAPagedCache, KIVIPagedKVCache]
   block_tables: jax.Array  # [slots, Pmax] int32 page ids (0 = null page); [slots, 0] if contiguous
   seq_lens: jax.Array  # [slots] int32 tokens cached per slot
 
 
 def init_paged_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int,
-                     max_pages_per_seq: int, dtype) -> DecodeState:
+                     max_pages_per_seq: int, dtype, kv_dtype: Optional[str] = None) -> DecodeState:
+  """Empty pages; kv_dtype None keeps `dtype`, else see kvjax/quant/kv.py (int8, int4, ...)."""
   if cfg.attention_type == "mla":
+    check_kv_dtype(kv_dtype, cfg, "paged", "reference")
     cache = MLAPagedCache.create(cfg, num_pages, page_size, dtype)
   else:
-    cache = PagedKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_pages, page_size,
-                                cfg.head_dim, dtype)
+    cache = create_paged_cache(cfg, kv_dtype, num_slots, num_pages, page_size, dtype)
   return DecodeState(cache=cache,
                      block_tables=jnp.zeros((num_slots, max_pages_per_seq), jnp.int32),
                      seq_lens=jnp.zeros((num_slots,), jnp.int32))

@@ -19,8 +19,8 @@ from kvjax.steps import init_paged_state
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=None,
-               pad_token_id=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-               first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+               pad_token_id=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
                moe_intermediate_size=16, attn_implementation="eager")
 VARIANTS = {
     # V2: interleaved (complex) rope, full-rank queries.

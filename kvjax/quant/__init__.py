@@ -1,0 +1,1 @@
+"""Quantization: symmetric integer codes (symmetric.py) and quantized KV pages (kv.py)."""

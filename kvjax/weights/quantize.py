@@ -1,0 +1,127 @@
+"""Weight-only quantization of any loaded model: int8 per channel, int4 group-wise, AWQ.
+
+`quantize_params` returns the same Params pytree with its projections replaced
+by `QuantizedWeight` leaves (kvjax/quant/qweight.py); the model code is
+unchanged because every matmul goes through `layers.dense`.  Quantized: the
+GQA projections (wq, wk, wv, wo), the MLP (w_gate, w_up, w_down) of every block
+and MTP block, and an untied lm_head.  Kept in float: embeddings (a gather
+reads B rows per step, not the table), norms, MTP input projections and MLA's
+attention weights (its absorbed up-projections contract over their output
+axis; only its MLP is quantized).
+
+Schemes (claim C12: 16 -> 4 bits is ~4x fewer weight bytes per decode step):
+  int8        one f32 scale per output channel: 1 B + 4/I B per weight
+  int4-gN     one f32 scale per N input rows per output channel (N = 32, 64,
+              128): 0.5 B + 4/N B per weight
+AWQ (`calibration_tokens`): inputs of every projection are recorded on
+calibration text; per weight, s = mean|x|^alpha (normalized) with alpha from a
+small grid minimizing ||X W - X W_q||^2 on those inputs (alpha = 0 is plain
+rounding, so AWQ never does worse on the calibration data).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.params import AttentionParams, BlockParams, Params
+from kvjax.quant.qweight import ActivationProbe, QuantizedWeight, quantize_weight
+
+__all__ = ["SCHEMES", "AWQ_ALPHAS", "quantize_params", "weight_bytes", "decode_step_weight_bytes"]
+
+SCHEMES = {"int8": (8, None), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
+AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_ATTENTION = {"wq": 1, "wk": 1, "wv": 1, "wo": 2}  # weight -> leading (input) axes
+_MLP = {"w_gate": 1, "w_up": 1, "w_down": 1}
+_CALIBRATION_ROWS = 2048  # input rows kept per weight for the AWQ search
+
+
+def _map_weights(params: Params, fn: Callable) -> Params:
+  """Apply fn(weight, num_in, name) to every quantizable projection."""
+
+  def block(b: BlockParams, name: str) -> BlockParams:
+    changes = {k: fn(getattr(b, k), n, f"{name}.{k}") for k, n in _MLP.items()}
+    if isinstance(b.attn, AttentionParams):
+      attn = b.attn.replace(**{k: fn(getattr(b.attn, k), n, f"{name}.attn.{k}")
+                               for k, n in _ATTENTION.items()})
+      changes["attn"] = attn
+    return b.replace(**changes)
+
+  blocks = tuple(block(b, f"blocks.{i}") for i, b in enumerate(params.blocks))
+  mtp = tuple(m.replace(block=block(m.block, f"mtp.{i}")) for i, m in enumerate(params.mtp))
+  head = None if params.lm_head is None else fn(params.lm_head, 1, "lm_head")
+  return params.replace(blocks=blocks, mtp=mtp, lm_head=head)
+
+
+def _calibrate(params: Params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
+  """name -> [rows, I] float32 inputs of that projection on `tokens` [B, T]."""
+  from kvjax.model import forward_with_mtp  # kept lazy: model imports kvjax.layers
+
+  probes = {}
+
+  def probe(w, num_in, name):
+    probes[name] = ActivationProbe(w, num_in)
+    return probes[name]
+
+  forward_with_mtp(_map_weights(params, probe), cfg, jnp.asarray(tokens, jnp.int32))
+  rng = np.random.default_rng(0)
+  inputs = {}
+  for name, p in probes.items():
+    x = np.concatenate(p.inputs)
+    if x.shape[0] > _CALIBRATION_ROWS:
+      x = x[rng.choice(x.shape[0], _CALIBRATION_ROWS, replace=False)]
+    inputs[name] = jnp.asarray(x)
+  return inputs
+
+
+def _awq_weight(w: jax.Array, x: jax.Array, num_in: int, bits: int,
+                group_size: Optional[int]) -> QuantizedWeight:
+  """Search alpha: s = mean|x|^alpha minimizing the output error on x [rows, I]."""
+  matrix = w.reshape(x.shape[1], -1).astype(jnp.float32)  # [I, O]
+  want = x @ matrix
+  mean_abs = jnp.maximum(jnp.mean(jnp.abs(x), axis=0), 1e-6)  # [I]
+  best, best_err = None, np.inf
+  for alpha in AWQ_ALPHAS:
+    s = mean_abs ** alpha
+    s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))  # keep the scales centred around 1
+    q = quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size,
+                        in_scale=None if alpha == 0.0 else s)
+    err = float(jnp.sum((x @ q.dequantize(jnp.float32).reshape(matrix.shape) - want) ** 2))
+    if err < best_err:
+      best, best_err = q, err
+  return best
+
+
+def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,
+                    calibration_tokens: Optional[np.ndarray] = None) -> Params:
+  """Params -> Params with QuantizedWeight projections; AWQ when calibration_tokens [B, T]."""
+  if scheme not in SCHEMES:
+    raise ValueError(f"unknown weight quantization scheme {scheme!r}; use one of "
+                     f"{sorted(SCHEMES)}")
+  bits, group_size = SCHEMES[scheme]
+  inputs = None if calibration_tokens is None else _calibrate(params, cfg, calibration_tokens)
+
+  def quantize(w, num_in, name):
+    if inputs is not None and name in inputs:
+      return _awq_weight(w, inputs[name], num_in, bits, group_size)
+    return quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size)
+
+  return _map_weights(params, quantize)
+
+
+def weight_bytes(params: Params) -> int:
+  """Bytes of every parameter leaf (codes and scales of quantized weights included)."""
+  leaves = jax.tree_util.tree_leaves(params)
+  return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
+def decode_step_weight_bytes(params: Params) -> int:
+  """Weight bytes one decode step reads: everything but the embedding table, of which
+  a step gathers only its B rows (a tied head reads the whole table anyway)."""
+  total = weight_bytes(params)
+  if params.lm_head is not None:
+    total -= int(params.embed.size) * params.embed.dtype.itemsize
+  return total

@@ -1,0 +1,139 @@
+"""KV-cache quantization: int8 per token per head, int4 KIVI pages; bounds asserted."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.attention.paged import paged_attention
+from kvjax.cache import PagedKVCache, StepBatch
+from kvjax.quant.kv import KIVIPagedKVCache
+from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
+from kvjax.steps import init_paged_state, prefill
+
+L, K, N, H, G = 1, 2, 4, 16, 4  # layers, kv heads, q heads, head_dim, page size
+PAGES_PER_SEQ = 6
+PROMPTS = [[5, 9, 11, 40, 50, 60, 70, 80, 90, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7] * 13]
+
+
+def _batch(slots, context, t, q_lens):
+  """Rows `slots` appending t tokens (q_lens real) after `context` cached tokens."""
+  context = jnp.asarray(context, jnp.int32)
+  tables = 1 + jnp.arange(len(slots) * PAGES_PER_SEQ, dtype=jnp.int32).reshape(len(slots), -1)
+  return StepBatch(slot_ids=jnp.asarray(slots, jnp.int32), q_lens=jnp.asarray(q_lens, jnp.int32),
+                   positions=context[:, None] + jnp.arange(t, dtype=jnp.int32)[None],
+                   kv_lens=context + t, block_tables=tables)
+
+
+def _random_kv(seed, s):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  k = jax.random.normal(keys[0], (2, s, K, H))
+  k = k.at[..., 3].multiply(8.0)  # an outlier channel, as KIVI observed in real keys
+  return jax.random.normal(keys[1], (2, s, N, H)), k, jax.random.normal(keys[2], (2, s, K, H))
+
+
+def _fill(cache, k, v, chunks):
+  """Write k, v [B, S, K, H] in the given chunk lengths -> cache."""
+  start = 0
+  for t in chunks:
+    batch = _batch([0, 1], [start, start], t, [t, t])
+    cache = cache.write(0, k[:, start:start + t], v[:, start:start + t], batch)
+    start += t
+  return cache
+
+
+def test_symmetric_codes_round_trip():
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 32))
+  for bits, bound in ((8, 0.5 / 127), (4, 0.5 / 7)):
+    codes, scale = quantize(x, bits, -1)
+    err = jnp.abs(codes * scale[:, None] - x) / jnp.max(jnp.abs(x), -1, keepdims=True)
+    assert float(err.max()) <= bound + 1e-6
+  codes = jnp.asarray(np.random.default_rng(0).integers(-7, 8, (5, 6)), jnp.int8)
+  assert pack_int4(codes).shape == (5, 3)
+  np.testing.assert_array_equal(unpack_int4(pack_int4(codes)), codes)
+
+
+def test_int8_attention_relative_error_is_small():
+  q, k, v = _random_kv(0, 18)
+  ref = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.float32)
+  q8 = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.int8)
+  batch = _batch([0, 1], [0, 0], 18, [18, 18])
+  kwargs = dict(sm_scale=H ** -0.5, window=None, backend=paged_attention)
+  _, want = ref.attend(0, q, k, v, batch, **kwargs)
+  cache, got = q8.attend(0, q, k, v, batch, **kwargs)
+  assert cache.k_pages.dtype == jnp.int8 and cache.k_scales.shape == (L, K, 13, G)
+  rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+  assert rel < 2e-2, rel  # ~1.3%: the x8 outlier channel coarsens each token's scale
+
+
+def test_int4_pages_match_a_fake_quant_oracle_for_any_chunking():
+  _, k, v = _random_kv(1, 18)  # 4 full pages of 4, then 2 tokens in the residual
+  oracles = []
+  for chunks in ((18,), (1,) * 18, (5, 7, 1, 5), (3, 13, 2)):
+    cache = _fill(KIVIPagedKVCache.create(L, K, 13, G, H, num_slots=2,
+                                          residual_dtype=jnp.float32), k, v, chunks)
+    keys, values = cache.read(0, _batch([0, 1], [18, 18], 1, [0, 0]))
+    oracles.append((np.asarray(keys[:, :18]), np.asarray(values[:, :18])))
+  for keys, values in oracles[1:]:  # a page's codes never depend on the chunking
+    np.testing.assert_array_equal(keys, oracles[0][0])
+    np.testing.assert_array_equal(values, oracles[0][1])
+  pages_k = k[:, :16].reshape(2, 4, G, K, H)
+  codes, scale = quantize(pages_k, 4, axis=2)  # keys: per channel over each page
+  want_k = (codes * scale[:, :, None]).reshape(2, 16, K, H)
+  codes, scale = quantize(v[:, :16], 4, axis=3)  # values: per token
+  want_v = codes * scale[..., None]
+  np.testing.assert_allclose(oracles[0][0][:, :16], want_k, atol=1e-6)
+  np.testing.assert_allclose(oracles[0][1][:, :16], want_v, atol=1e-6)
+  # The residual (positions 16, 17) is exact.
+  np.testing.assert_array_equal(oracles[0][0][:, 16:], k[:, 16:])
+  np.testing.assert_array_equal(oracles[0][1][:, 16:], v[:, 16:])
+
+
+def test_int4_per_channel_keys_beat_per_token_on_outlier_channels():
+  _, k, _ = _random_kv(2, 16)
+  cache = _fill(KIVIPagedKVCache.create(L, K, 13, G, H, num_slots=2,
+                                        residual_dtype=jnp.float32), k, k, (16,))
+  keys, values = cache.read(0, _batch([0, 1], [16, 16], 1, [0, 0]))
+  err_channel = float(jnp.linalg.norm(keys[:, :16] - k))  # KIVI keys
+  err_token = float(jnp.linalg.norm(values[:, :16] - k))  # the same data, per token
+  assert err_channel < 0.5 * err_token, (err_channel, err_token)
+  assert err_channel / float(jnp.linalg.norm(k)) < 0.08
+
+
+def _last_logits(model, kv_dtype, tokens):
+  cfg = model.config
+  state = init_paged_state(cfg, 1, 1 + 8, 8, 8, jnp.float32, kv_dtype)
+  state = state.replace(block_tables=1 + jnp.arange(8, dtype=jnp.int32)[None])
+  tokens = jnp.asarray([tokens], jnp.int32)
+  _, logits, _ = prefill(model.params, state, tokens, jnp.asarray([tokens.shape[1]]),
+                         jnp.zeros((1,), jnp.int32), config=cfg)
+  return np.asarray(logits[0])
+
+
+@pytest.mark.parametrize("kv_dtype, bound", [("bf16", 1e-2), ("int8", 2e-2), ("int4", 0.2)])
+def test_logit_error_bounds_on_a_random_model(tiny_model, kv_dtype, bound):
+  tokens = list(range(3, 60))
+  want = _last_logits(tiny_model, None, tokens)
+  got = _last_logits(tiny_model, kv_dtype, tokens)
+  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert rel < bound, (kv_dtype, rel)
+
+
+def test_int8_greedy_agrees_with_the_float_cache(tiny_model):
+  # A random model's top-2 logits are often near ties, so allow rare flips.
+  want = np.array(kvjax.generate(tiny_model, PROMPTS, 32, page_size=8).tokens)
+  got = np.array(kvjax.generate(tiny_model, PROMPTS, 32, page_size=8, kv_dtype="int8").tokens)
+  assert (got == want).mean() >= 0.9
+  assert (got[:, :16] == want[:, :16]).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_dtype="int3"), "unsupported kv_dtype"),
+    (dict(kv_dtype="int8", cache="contiguous"), "cache='paged'"),
+    (dict(kv_dtype="int4", backend="pallas_reference"), "not supported by attention backend"),
+])
+def test_errors_unsupported_kv_dtype(tiny_model, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.generate(tiny_model, PROMPTS[:1], 2, **kwargs)

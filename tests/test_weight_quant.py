@@ -1,0 +1,83 @@
+"""Weight-only quantization: reconstruction bounds per scheme, AWQ, bytes, end to end."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.weights.quantize import (SCHEMES, decode_step_weight_bytes, quantize_params,
+                                    weight_bytes)
+
+# Relative Frobenius reconstruction error of a Gaussian [256, 64] weight: rounding
+# error is uniform, step/sqrt(12), step = absmax/qmax of each group.
+BOUNDS = {"int8": 0.02, "int4-g32": 0.13, "int4-g64": 0.14, "int4-g128": 0.15}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_reconstruction_error_bounds(scheme):
+  bits, group = SCHEMES[scheme]
+  w = jax.random.normal(jax.random.PRNGKey(0), (256, 4, 16))
+  q = quantize_weight(w, num_in=1, bits=bits, group_size=group)
+  rel = float(jnp.linalg.norm(q.dequantize(jnp.float32) - w) / jnp.linalg.norm(w))
+  assert rel < BOUNDS[scheme], (scheme, rel)
+  # Bytes: codes at bits/8 per value plus one f32 scale per group per output.
+  per_value = bits / 8 + 4 / (group or 256)
+  assert q.nbytes == pytest.approx(w.size * per_value)
+
+
+def test_smaller_groups_are_more_accurate():
+  w = jax.random.normal(jax.random.PRNGKey(1), (256, 64))
+  errors = [float(jnp.linalg.norm(quantize_weight(w, num_in=1, bits=4, group_size=g)
+                                  .dequantize(jnp.float32) - w)) for g in (32, 64, 128)]
+  assert errors[0] < errors[1] < errors[2]
+
+
+def test_awq_protects_salient_input_channels():
+  # Calibration-like activations: a few input channels carry most of the magnitude.
+  keys = jax.random.split(jax.random.PRNGKey(2), 2)
+  x = jax.random.normal(keys[0], (512, 128)) * jnp.where(jnp.arange(128) % 16 == 0, 20.0, 1.0)
+  w = jax.random.normal(keys[1], (128, 64))
+  plain = quantize_weight(w, num_in=1, bits=4, group_size=128)
+  s = jnp.mean(jnp.abs(x), 0) ** 0.5
+  awq = quantize_weight(w, num_in=1, bits=4, group_size=128,
+                        in_scale=s / jnp.sqrt(s.max() * s.min()))
+  err = lambda q: float(jnp.linalg.norm(x @ q.dequantize(jnp.float32) - x @ w))
+  assert err(awq) < 0.8 * err(plain), (err(awq), err(plain))
+
+
+def test_quantized_model_runs_through_the_unchanged_model_code(tiny_model):
+  cfg = tiny_model.config
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
+  want = np.asarray(kvjax.forward(tiny_model, tokens))
+  errors = {}
+  for scheme, awq in (("int8", False), ("int4-g32", False), ("int4-g32", True)):
+    params = quantize_params(tiny_model.params, cfg, scheme,
+                             calibration_tokens=tokens if awq else None)
+    assert isinstance(params.blocks[0].attn.wo, QuantizedWeight)
+    got = np.asarray(kvjax.forward(kvjax.Model(cfg, params), tokens))
+    errors[scheme, awq] = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert errors["int8", False] < 0.03
+  assert errors["int4-g32", False] < 0.3
+  assert errors["int4-g32", True] <= errors["int4-g32", False]  # on its calibration text
+  # float32 -> int4-g128: 8x fewer bytes per decode step, less 4 B of scale per 128 weights.
+  f32 = decode_step_weight_bytes(tiny_model.params)
+  q4 = decode_step_weight_bytes(quantize_params(tiny_model.params, cfg, "int4-g128"))
+  assert 6.0 < f32 / q4 < 8.0
+  assert weight_bytes(tiny_model.params) - f32 == cfg.vocab_size * cfg.hidden_size * 4
+
+
+def test_quantized_model_generates_with_paged_cache(tiny_model):
+  params = quantize_params(tiny_model.params, tiny_model.config, "int8")
+  model = kvjax.Model(tiny_model.config, params)
+  paged = kvjax.generate(model, [[5, 9, 11]], 8).tokens
+  assert paged == kvjax.generate(model, [[5, 9, 11]], 8, cache="none").tokens
+
+
+def test_errors_unknown_scheme_and_bad_group(tiny_model):
+  with pytest.raises(ValueError, match="unknown weight quantization scheme"):
+    quantize_params(tiny_model.params, tiny_model.config, "int3")
+  with pytest.raises(ValueError, match="group_size"):
+    quantize_weight(jnp.ones((48, 8)), num_in=1, bits=4, group_size=32)
