@@ -1,4 +1,4 @@
-"""`python -m kvjax generate | memory` (also the `kvjax` console script).
+"""`python -m kvjax generate | memory | bench` (also the `kvjax` console script).
 
 Each sub-command registers itself with `add_parser(subparsers)` and runs with
 `run(args) -> exit code`; this file only dispatches.
@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from kvjax import cli_memory
+from kvjax import cli_bench, cli_memory
 
 __all__ = ["main"]
 
@@ -78,6 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   subparsers = parser.add_subparsers(dest="command", required=True)
   _add_generate(subparsers)
   cli_memory.add_parser(subparsers)
+  cli_bench.add_parser(subparsers)
   args = parser.parse_args(argv)
   try:
     return args.func(args)

@@ -1,0 +1,52 @@
+# python -m experiments.serve_bench --config=configs/serve_bench.py
+"""Serving benchmark (claims C9-C10, C14, C15) on the default model and the CPU.
+
+(a) engine vs HF transformers static batching on one random-prompt workload,
+(b) TTFT per turn with and without the prefix cache on 10-turn chats (C15),
+(c) tokens/s and acceptance with and without MTP speculation at batch 1 and 8.
+`get_config("runlocal")` shrinks every part so the script runs end to end in
+a couple of minutes (its numbers then mean little) and writes
+results/serve_bench_runlocal.*, never the committed results.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  config.checkpoint = ""  # "" = the built-in default model (tiny-code)
+  config.seed = 0
+  config.page_size = 16
+  config.max_num_batched_tokens = 512
+  # (a) throughput: same prompts, same greedy lengths (EOS off), same batch size.
+  config.hf_num_requests = 32
+  config.hf_batch = 8
+  config.hf_input_len = 128
+  config.hf_output_len = 64
+  # (b) chats: each turn adds a user message and the model's answer to the history.
+  config.chat_num_chats = 4
+  config.chat_num_turns = 10
+  config.chat_user_len = 64
+  config.chat_output_len = 32
+  # (c) MTP: held-out code prompts, K = 2 drafts.
+  config.spec_batches = (1, 8)
+  config.spec_requests_per_slot = 2
+  config.spec_input_len = 64
+  config.spec_output_len = 128
+  config.num_draft = 2
+  config.out_dir = "results"
+  config.name = "serve_bench"
+  if arg == "runlocal":
+    config.hf_num_requests = 4
+    config.hf_batch = 2
+    config.hf_input_len = 32
+    config.hf_output_len = 8
+    config.chat_num_chats = 2
+    config.chat_num_turns = 3
+    config.chat_user_len = 32
+    config.chat_output_len = 8
+    config.spec_batches = (1, 2)
+    config.spec_requests_per_slot = 1
+    config.spec_input_len = 32
+    config.spec_output_len = 16
+    config.name = "serve_bench_runlocal"
+  return config

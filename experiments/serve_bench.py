@@ -1,0 +1,227 @@
+"""Serving benchmark: engine vs HF, prefix-cache TTFT (C15), MTP speculation (C9-C10, C14).
+
+(a) The default model converted to an HF LlamaForCausalLM with the same weights
+    (the MTP heads dropped); the same held-out-code prompts through HF
+    `generate` in static batches and through kvjax.Engine; greedy, EOS off, so
+    both emit exactly output_len tokens per request.  Output tokens/s.
+(b) Chats of N turns (history + new user message per turn) through the engine
+    with and without the prefix cache: mean TTFT per turn; goal: turn N's TTFT
+    cut >= 5x by the cache.
+(c) Held-out code continuations with and without MTP drafting (K = 2) at
+    max_num_seqs 1 and 8: output tokens/s, acceptance length (seed C10: 2.39;
+    goal >= 2.4) and speedup (goal >= 1.5x at batch 1).
+Every timed run follows a warm-up run of the same workload on a throwaway
+engine, so compiles are excluded.  Prints claim id, seed value and ours side by
+side; writes results/<name>.json and .png.
+"""
+import json
+import os
+import platform
+import time
+
+from absl import app
+from ml_collections import config_flags
+import numpy as np
+
+import kvjax
+from kvjax import cli_bench
+from kvjax.engine import Engine
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/serve_bench.py", "experiment config", lock_config=True)
+
+
+def _to_hf(model: kvjax.Model):
+  """kvjax trunk weights -> an HF LlamaForCausalLM (inverse of kvjax/weights/hf.py)."""
+  import torch
+  import transformers
+
+  cfg, p = model.config, model.params
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+      tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=None, eos_token_id=None,
+      pad_token_id=None, attn_implementation="sdpa")
+  t = lambda x: torch.tensor(np.asarray(x, np.float32))
+  d = cfg.hidden_size
+  state = {"model.embed_tokens.weight": t(p.embed), "model.norm.weight": t(p.final_norm),
+           "lm_head.weight": t(np.asarray(p.head()).T)}
+  for i, b in enumerate(p.blocks):
+    pre = f"model.layers.{i}."
+    state.update({
+        pre + "input_layernorm.weight": t(b.attn_norm),
+        pre + "post_attention_layernorm.weight": t(b.mlp_norm),
+        pre + "self_attn.q_proj.weight": t(np.asarray(b.attn.wq).reshape(d, -1).T),
+        pre + "self_attn.k_proj.weight": t(np.asarray(b.attn.wk).reshape(d, -1).T),
+        pre + "self_attn.v_proj.weight": t(np.asarray(b.attn.wv).reshape(d, -1).T),
+        pre + "self_attn.o_proj.weight": t(np.asarray(b.attn.wo).reshape(-1, d).T),
+        pre + "mlp.gate_proj.weight": t(np.asarray(b.w_gate).T),
+        pre + "mlp.up_proj.weight": t(np.asarray(b.w_up).T),
+        pre + "mlp.down_proj.weight": t(np.asarray(b.w_down).T)})
+  hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+  hf.load_state_dict(state, strict=False)
+  return hf
+
+
+def _hf_static(hf, prompts, batch: int, output_len: int):
+  """Static batches of equal-length prompts -> (outputs, wall seconds)."""
+  import torch
+
+  outs, start = [], time.perf_counter()
+  with torch.inference_mode():
+    for i in range(0, len(prompts), batch):
+      ids = torch.tensor(prompts[i:i + batch])
+      gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                        min_new_tokens=output_len, do_sample=False)
+      outs += gen[:, ids.shape[1]:].tolist()
+  return outs, time.perf_counter() - start
+
+
+def _timed(model, sessions, **engine_kwargs):
+  """Warm-up run on a throwaway engine, then the timed run on a fresh one."""
+  cli_bench.run_workload(Engine(model, **engine_kwargs), sessions)
+  return cli_bench.run_workload(Engine(model, **engine_kwargs), sessions)
+
+
+def part_a(model, c):
+  sessions = cli_bench.make_workload("random", vocab_size=model.config.vocab_size,
+                                     num_requests=c.hf_num_requests, input_len=c.hf_input_len,
+                                     output_len=c.hf_output_len, seed=c.seed)
+  prompts = [s.turns[0] for s in sessions]
+  hf = _to_hf(model)
+  _hf_static(hf, prompts[:c.hf_batch], c.hf_batch, 2)  # warm-up
+  hf_out, hf_wall = _hf_static(hf, prompts, c.hf_batch, c.hf_output_len)
+  ours = _timed(model, sessions, page_size=c.page_size, max_num_seqs=c.hf_batch,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.hf_input_len + c.hf_output_len)
+  our_out = [o[0] for o in ours["outputs"]]
+  same = np.mean([a[:8] == b[:8] for a, b in zip(hf_out, our_out)])
+  hf_tps = len(prompts) * c.hf_output_len / hf_wall
+  return {"hf_tokens_per_s": hf_tps, "engine_tokens_per_s": ours["tokens_per_s"],
+          "speedup": ours["tokens_per_s"] / hf_tps, "hf_wall_s": hf_wall,
+          "engine_wall_s": ours["wall_s"], "first8_tokens_equal_fraction": float(same),
+          "engine_tpot_s": ours["tpot_s"], "engine_ttft_s": ours["ttft_s"]}
+
+
+def part_b(model, c):
+  sessions = cli_bench.make_workload(
+      "multi-turn-chat", vocab_size=model.config.vocab_size, num_requests=c.chat_num_chats,
+      input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
+      seed=c.seed)
+  max_len = c.chat_num_turns * (c.chat_user_len + c.chat_output_len)
+  out = {}
+  for cache in (True, False):
+    run = _timed(model, sessions, page_size=c.page_size, max_num_seqs=c.chat_num_chats,
+                 max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=max_len,
+                 prefix_cache=cache)
+    out["cache" if cache else "no_cache"] = {
+        k: run[k] for k in ("turn_ttft_s", "turn_prompt_tokens", "prefix_hit_rate",
+                            "tokens_per_s", "ttft_s")}
+  last_on = out["cache"]["turn_ttft_s"][-1]
+  last_off = out["no_cache"]["turn_ttft_s"][-1]
+  out["last_turn_ttft_ratio"] = last_off / last_on
+  out["no_cache_last_vs_first_turn_ttft"] = last_off / out["no_cache"]["turn_ttft_s"][0]
+  return out
+
+
+def part_c(model, c):
+  out = {}
+  for batch in c.spec_batches:
+    sessions = cli_bench.make_workload(
+        "random", vocab_size=model.config.vocab_size,
+        num_requests=batch * c.spec_requests_per_slot, input_len=c.spec_input_len,
+        output_len=c.spec_output_len, seed=c.seed + 1)
+    runs = {}
+    for spec in (None, "mtp"):
+      runs[spec or "plain"] = _timed(model, sessions, page_size=c.page_size,
+                                     max_num_seqs=batch,
+                                     max_num_batched_tokens=c.max_num_batched_tokens,
+                                     max_model_len=c.spec_input_len + c.spec_output_len,
+                                     speculative=spec, num_draft=c.num_draft)
+    plain, mtp = runs["plain"], runs["mtp"]
+    out[f"batch_{batch}"] = {
+        "plain_tokens_per_s": plain["tokens_per_s"], "mtp_tokens_per_s": mtp["tokens_per_s"],
+        "speedup": mtp["tokens_per_s"] / plain["tokens_per_s"],
+        "acceptance_length": mtp["acceptance_length"],
+        "acceptance_rate_per_position": mtp["acceptance_rate_per_position"],
+        "plain_tpot_s": plain["tpot_s"], "mtp_tpot_s": mtp["tpot_s"],
+        "greedy_outputs_equal": plain["outputs"] == mtp["outputs"]}
+  return out
+
+
+def _plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  a = results["a"]
+  axes[0].bar(["HF static", "kvjax engine"], [a["hf_tokens_per_s"], a["engine_tokens_per_s"]])
+  axes[0].set(ylabel="output tokens/s", title=f"(a) throughput, {a['speedup']:.1f}x")
+  b = results["b"]
+  turns = np.arange(1, len(b["cache"]["turn_ttft_s"]) + 1)
+  for key, label in (("no_cache", "no prefix cache"), ("cache", "prefix cache")):
+    axes[1].plot(turns, np.asarray(b[key]["turn_ttft_s"]) * 1e3, "o-", label=label)
+  axes[1].set(xlabel="turn", ylabel="mean TTFT (ms)", yscale="log",
+              title=f"(b) C15 chats: last turn {b['last_turn_ttft_ratio']:.1f}x")
+  axes[1].legend()
+  cc = results["c"]
+  names = list(cc)
+  x = np.arange(len(names))
+  axes[2].bar(x - 0.2, [cc[n]["plain_tokens_per_s"] for n in names], 0.4, label="plain")
+  axes[2].bar(x + 0.2, [cc[n]["mtp_tokens_per_s"] for n in names], 0.4, label="MTP K=2")
+  axes[2].set_xticks(x, [f"{n}\naccept {cc[n]['acceptance_length']:.2f}" for n in names])
+  axes[2].set(ylabel="output tokens/s", title="(c) MTP speculation")
+  axes[2].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  model = kvjax.load_checkpoint(c.checkpoint or None)
+  # EOS off: every request emits exactly its output length, here and in HF.
+  model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype)
+  results = {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, "
+                        f"{platform.platform()}", "seed": c.seed, "model": model.config.name,
+             "config": c.to_dict()}
+  results["a"] = part_a(model, c)
+  results["b"] = part_b(model, c)
+  results["c"] = part_c(model, c)
+  b1 = results["c"][f"batch_{c.spec_batches[0]}"]
+  bn = results["c"][f"batch_{c.spec_batches[-1]}"]
+  rows = [
+      ("issue", "engine / HF static throughput", ">= 3x", f"{results['a']['speedup']:.2f}x"),
+      ("C15", "TTFT turn N / turn 1, no cache", "~10x",
+       f"{results['b']['no_cache_last_vs_first_turn_ttft']:.1f}x"),
+      ("C15/issue", "turn-N TTFT, no cache / cache", ">= 5x",
+       f"{results['b']['last_turn_ttft_ratio']:.1f}x"),
+      ("C10", f"MTP acceptance length, batch {c.spec_batches[0]}", "2.39 (goal >= 2.4)",
+       f"{b1['acceptance_length']:.2f}"),
+      ("C10", f"MTP acceptance length, batch {c.spec_batches[-1]}", "2.39",
+       f"{bn['acceptance_length']:.2f}"),
+      ("issue", f"MTP speedup, batch {c.spec_batches[0]}", ">= 1.5x", f"{b1['speedup']:.2f}x"),
+      ("issue", f"MTP speedup, batch {c.spec_batches[-1]}", "-", f"{bn['speedup']:.2f}x"),
+      ("C14", f"TPOT batch {c.spec_batches[-1]} / batch {c.spec_batches[0]} (plain)", "~1x",
+       f"{bn['plain_tpot_s'] / b1['plain_tpot_s']:.2f}x"),
+  ]
+  results["table"] = [dict(zip(("claim", "what", "seed", "ours"), r)) for r in rows]
+  print(f"serve_bench on {results['machine']}, seed {c.seed}, model {model.config.name}")
+  print(f"{'claim':<10} {'what':<42} {'seed':<20} ours")
+  for claim, what, seed, ours in rows:
+    print(f"{claim:<10} {what:<42} {seed:<20} {ours}")
+  os.makedirs(c.out_dir, exist_ok=True)
+  stem = os.path.join(c.out_dir, c.name)
+  with open(stem + ".json", "w") as f:
+    json.dump(results, f, indent=1)
+  _plot(results, stem + ".png")
+  print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+  app.run(main)

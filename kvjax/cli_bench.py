@@ -1,0 +1,248 @@
+"""`python -m kvjax bench`: serving workloads through the Engine (claims C8, C14, C15, C18).
+
+Workloads (every request arrives at once; a chat's next turn arrives when its
+previous turn finishes):
+  random                independent prompts of --input-len ids
+  shared-system-prompt  one --system-len system prompt, then a unique question
+  multi-turn-chat       --num-requests chats of --num-turns turns; each turn's
+                        prompt is the whole history plus a new user message, so
+                        the prefix cache can skip everything but the new turn
+Prompt ids are slices of the held-out stdlib code for byte-level models (the
+default model) and random ids otherwise.  A warm-up pass of the same workload
+on a throwaway engine compiles every shape first, so timings exclude compiles.
+Writes results/bench_<workload>.json and .png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["Session", "make_workload", "run_workload", "add_parser", "run", "WORKLOADS"]
+
+WORKLOADS = ("random", "shared-system-prompt", "multi-turn-chat")
+
+
+@dataclasses.dataclass
+class Session:
+  """A chat (one turn for single-shot workloads): user messages and output lengths."""
+
+  turns: list  # list[list[int]] user message ids per turn
+  max_new_tokens: int
+
+
+def _token_source(vocab_size: int, seed: int) -> np.ndarray:
+  """Held-out stdlib bytes for byte-level models, else random ids."""
+  from kvjax.tokenizer import ByteTokenizer
+
+  if vocab_size == ByteTokenizer().vocab_size:
+    from kvjax import corpus
+    try:
+      return corpus.split_tokens(corpus.load_corpus(), "heldout")
+    except (OSError, ValueError):
+      pass
+  return np.random.default_rng(seed).integers(3, vocab_size, 1 << 16).astype(np.int32)
+
+
+def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: int,
+                  output_len: int, system_len: int = 256, num_turns: int = 10,
+                  seed: int = 0) -> list[Session]:
+  """Sessions of a named workload; deterministic given the arguments."""
+  if name not in WORKLOADS:
+    raise ValueError(f"unknown workload {name!r}; use one of {WORKLOADS}")
+  source = _token_source(vocab_size, seed)
+  rng = np.random.default_rng(seed)
+
+  def piece(n: int) -> list[int]:
+    start = int(rng.integers(0, len(source) - n))
+    return [int(t) for t in source[start:start + n]]
+
+  if name == "random":
+    return [Session([piece(input_len)], output_len) for _ in range(num_requests)]
+  if name == "shared-system-prompt":
+    system = piece(system_len)
+    return [Session([system + piece(input_len)], output_len) for _ in range(num_requests)]
+  return [Session([piece(input_len) for _ in range(num_turns)], output_len)
+          for _ in range(num_requests)]
+
+
+def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
+                 **sampling) -> dict:
+  """Serve every session to completion -> metrics summary plus per-turn TTFTs.
+
+  Returns kvjax.metrics.summarize's dict with "turn_ttft_s" (mean TTFT per
+  turn index) and "outputs" (per session, per turn output ids).
+  """
+  from kvjax.metrics import StepLog, summarize
+
+  total = sum(len(s.turns) for s in sessions)
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=total, unit="req", desc="bench")
+  history = [[] for _ in sessions]
+  outputs = [[] for _ in sessions]
+  owner: dict[str, tuple[int, int]] = {}
+
+  def submit(i: int) -> None:
+    turn = len(outputs[i])
+    history[i] += sessions[i].turns[turn]
+    rid = engine.add_request(history[i], sessions[i].max_new_tokens, **sampling)
+    owner[rid] = (i, turn)
+
+  cache = engine.scheduler.prefix_cache
+  hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
+  preemptions_before = engine.scheduler.num_preemptions
+  steps_before = len(engine.steps.queue_depth)
+  start = time.perf_counter()
+  for i in range(len(sessions)):
+    submit(i)
+  while engine.has_unfinished:
+    for out in engine.step():
+      if not out.finished:
+        continue
+      i, _ = owner[out.request_id]
+      outputs[i].append(out.output_ids)
+      history[i] += out.output_ids
+      if bar is not None:
+        bar.update(1)
+      if len(outputs[i]) < len(sessions[i].turns):
+        submit(i)
+  wall = time.perf_counter() - start
+  if bar is not None:
+    bar.close()
+  hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
+  steps = StepLog(*(getattr(engine.steps, f.name)[steps_before:]
+                    for f in dataclasses.fields(StepLog)))
+  metrics = [engine.metrics[rid] for rid in owner]
+  summary = summarize(metrics, steps, wall, prefix_hit_tokens=hits[0] - hits_before[0],
+                      prefix_queried_tokens=hits[1] - hits_before[1],
+                      num_preemptions=engine.scheduler.num_preemptions - preemptions_before)
+  num_turns = max(len(s.turns) for s in sessions)
+  per_turn = [[m.ttft for rid, m in zip(owner, metrics) if owner[rid][1] == t]
+              for t in range(num_turns)]
+  summary["turn_ttft_s"] = [float(np.mean(x)) for x in per_turn]
+  summary["turn_prompt_tokens"] = [float(np.mean([m.prompt_len for rid, m in
+                                                  zip(owner, metrics) if owner[rid][1] == t]))
+                                   for t in range(num_turns)]
+  summary["outputs"] = outputs
+  return summary
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+  """Registers the `bench` sub-command on an argparse `subparsers` object."""
+  p = subparsers.add_parser("bench", help="serving benchmark through the Engine",
+                            description=__doc__.splitlines()[0])
+  p.add_argument("--workload", default="random", choices=WORKLOADS)
+  p.add_argument("--checkpoint", default=None,
+                 help="preset, HF or kvjax checkpoint dir (default: the built-in model)")
+  p.add_argument("--num-requests", type=int, default=16, help="requests (chats) to serve")
+  p.add_argument("--input-len", type=int, default=128, help="prompt (user message) ids")
+  p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
+  p.add_argument("--system-len", type=int, default=256, help="shared system prompt ids")
+  p.add_argument("--num-turns", type=int, default=10, help="turns per chat")
+  p.add_argument("--max-num-seqs", type=int, default=8)
+  p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--num-pages", type=int, default=None)
+  p.add_argument("--no-prefix-cache", action="store_true")
+  p.add_argument("--prefix-match", default="block", choices=("block", "token"))
+  p.add_argument("--speculative", default=None, choices=("mtp",))
+  p.add_argument("--num-draft", type=int, default=2)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--backend", default="reference")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-warmup", action="store_true", help="time compiles too")
+  p.add_argument("--out-dir", default="results")
+  p.set_defaults(func=run)
+  return p
+
+
+_TABLE = (("requests", "num_requests", "{:.0f}"), ("wall s", "wall_s", "{:.2f}"),
+          ("output tok/s", "tokens_per_s", "{:.1f}"), ("req/s", "request_throughput", "{:.2f}"),
+          ("TTFT mean ms", ("ttft", "mean"), "{:.1f}"), ("TTFT p99 ms", ("ttft", "p99"), "{:.1f}"),
+          ("TPOT mean ms", ("tpot", "mean"), "{:.2f}"), ("ITL p99 ms", ("itl", "p99"), "{:.2f}"),
+          ("e2e mean s", ("e2e_latency", "mean"), "{:.2f}"),
+          ("KV util mean", ("kv_utilization", "mean"), "{:.2f}"),
+          ("KV pages peak", "kv_pages_used", "{:.0f}"),
+          ("prefix hit rate", "prefix_hit_rate", "{:.3f}"),
+          ("acceptance len", "acceptance_length", "{:.2f}"),
+          ("preemptions", "num_preemptions", "{:.0f}"),
+          ("queue depth mean", ("queue_depth", "mean"), "{:.1f}"))
+
+
+def format_table(summary: dict) -> str:
+  lines = []
+  for label, key, fmt in _TABLE:
+    value = summary[key] if isinstance(key, str) else summary[key[0]][key[1]]
+    if "ms" in label:
+      value *= 1e3
+    lines.append(f"  {label:<18} {fmt.format(value)}")
+  return "\n".join(lines)
+
+
+def _plot(summary: dict, path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  turns = np.arange(1, len(summary["turn_ttft_s"]) + 1)
+  left.plot(turns, np.asarray(summary["turn_ttft_s"]) * 1e3, "o-")
+  left.set(xlabel="turn", ylabel="mean TTFT (ms)", title="TTFT per turn (C15)")
+  right.bar(["TTFT", "TPOT", "ITL"],
+            [summary[k]["mean"] * 1e3 for k in ("ttft", "tpot", "itl")], label="mean")
+  right.bar(["TTFT", "TPOT", "ITL"],
+            [summary[k]["p99"] * 1e3 for k in ("ttft", "tpot", "itl")], alpha=0.4, label="p99")
+  right.set(ylabel="ms", title="latency (C18)")
+  right.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _engine(model, args: argparse.Namespace, max_model_len: int):
+  from kvjax.engine import Engine
+
+  return Engine(model, page_size=args.page_size, num_pages=args.num_pages,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max_model_len, prefix_cache=not args.no_prefix_cache,
+                prefix_match=args.prefix_match, speculative=args.speculative,
+                num_draft=args.num_draft, backend=args.backend)
+
+
+def run(args: argparse.Namespace) -> int:
+  import kvjax
+
+  model = kvjax.load_checkpoint(args.checkpoint)
+  sessions = make_workload(args.workload, vocab_size=model.config.vocab_size,
+                           num_requests=args.num_requests, input_len=args.input_len,
+                           output_len=args.output_len, system_len=args.system_len,
+                           num_turns=args.num_turns, seed=args.seed)
+  longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
+  max_model_len = min(model.config.max_position_embeddings, longest)
+  if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings
+    run_workload(_engine(model, args, max_model_len), sessions,
+                 temperature=args.temperature, seed=args.seed)
+  summary = run_workload(_engine(model, args, max_model_len), sessions, progress=True,
+                         temperature=args.temperature, seed=args.seed)
+  summary.pop("outputs")
+  title = (f"{args.workload}: {model.config.name}, {args.num_requests} x {args.input_len}"
+           f" -> {args.output_len}, spec={args.speculative}, "
+           f"prefix_cache={not args.no_prefix_cache}")
+  print(title)
+  print(format_table(summary))
+  os.makedirs(args.out_dir, exist_ok=True)
+  stem = os.path.join(args.out_dir, f"bench_{args.workload}")
+  with open(stem + ".json", "w") as f:
+    json.dump({"args": vars(args) | {"func": None}, "summary": summary}, f, indent=1)
+  _plot(summary, stem + ".png", title)
+  print(f"wrote {stem}.json and {stem}.png")
+  return 0
