@@ -394,7 +394,10 @@ def run_decode(cfg, sm_scale, results, save):
     tune_rows.append(row)
     print("tune", entry, row.get("tb_s", row.get("error")), flush=True)
   ok = [r for r in tune_rows if "tb_s" in r]
-  best = max(ok, key=lambda r: r["tb_s"])["tune"] if ok else None
+  best = max(ok, key=lambda r: r["tb_s"]) if ok else None
+  if best and "tb_s" in tune_rows[0] and best["tb_s"] < 1.01 * tune_rows[0]["tb_s"]:
+    best = tune_rows[0]  # keep the first entry (the default) unless >1% better
+  best = best["tune"] if best else None
   results["tune"] = dict(rows=tune_rows, best=best)
   save()
   best_kw = _tune_kwargs(best) if best else {}

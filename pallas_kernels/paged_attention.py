@@ -34,26 +34,28 @@ heads per kv head, H head_dim, P pages, S sequences).
     index into the per-kv-head page pool), `pages_per_block` pages per step.
 
 Hopper path decision: Pallas-Triton, decided by trying both on the H200 (jax
-0.11.2, triton 3.6.0; experiments/run_kernel_device.sh, results/kernel_bench.json).
+0.11.2, triton 3.6.0; experiments/run_kernel_device.sh, results/kernel_bench*.json).
   * Pallas-Triton still lowers and runs under jax 0.11.2 (the run log shows no
     deprecation warning for it under default filters; jax's own
     ops.gpu.paged_attention module warns it is deprecated).  This kernel,
     bf16 decode at 32 q / 8 kv heads, head_dim 128, page 16, achieved
-    3.04 TB/s at batch 64 x 8k context and 3.26 TB/s at 64 x 32k (63% / 68%
-    of 4.8 TB/s), 2.80 TB/s at 8 x 32k; 1.37-1.51x jax's paged_attention at
-    batch 64, ~3x an XLA gather.
+    3.05 TB/s at batch 64 x 8k context and 3.28 TB/s at 64 x 32k (64% / 68%
+    of 4.8 TB/s), 2.8 TB/s at 8 x 32k; 1.37-1.54x jax's paged_attention at
+    batch 64, ~3x an XLA gather.  Small batches (B <= 8 at <= 8k) take
+    0.05-0.2 ms, where launch and dispatch dominate every backend.
   * Mosaic GPU probe (experiments/kernel_bench.py:mgpu_paged_decode: TMA page
     gathers into a 2-4 deep SMEM ring, wgmma, q padded to 64 rows, decode only,
-    no split-K/mask/window/int8): 3.27 TB/s at 64 x 8k, 3.52 TB/s at 64 x 32k
-    (+7-8% over Triton), but 1.75 TB/s at 8 x 32k (no split-K) where Triton
-    does 2.80.  Its interpret mode (InterpretGPUParams) cannot run a wgmma with
+    no split-K/mask/window/int8): 3.34 TB/s at 64 x 8k, 3.52 TB/s at 64 x 32k
+    (+7-9% over Triton), but 1.7 TB/s at 8 x 32k (no split-K) where Triton
+    does 2.8.  Its interpret mode (InterpretGPUParams) cannot run a wgmma with
     a transposed operand or layout_cast, so CI could only test a variant with
     the matmuls swapped for jnp dots.
   Triton keeps the whole contract (ragged q, window page skipping, int8, soft
   cap, split-K) under one kernel that the HLO interpreter runs exactly in CI;
   a Mosaic GPU decode path for large batches is the next step (~8%).
   Static tiling (64 keys per step, 1024-token splits, 4 warps, 3 stages) is the
-  best of a 12-point sweep at batch 64 x 8k.
+  best of a 12-point sweep at batch 64 x 8k (ties within 0.1% with 4096-token
+  splits, which starve batch 1 of parallelism).
 """
 from __future__ import annotations
 

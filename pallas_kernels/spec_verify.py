@@ -24,8 +24,10 @@ Two Pallas passes, each parallel over (row, vocab chunk) and looping over
      reference), then `_emit_kernel` takes the Gumbel argmax over the stop row's
      residual (or bonus, or greedy) scores.
 A first version ran one program per row with sequential vocab passes; on the
-H200 (B=64, K=4, V=151,936) it took 0.60 ms against 0.20 ms for the XLA
-reference, so the vocab is now split across programs.
+H200 (B=64, K=4, V=151,936, bf16 logits) it took 0.60 ms against 0.20 ms for
+the XLA reference.  Split across (row, chunk) programs it takes 0.18 ms, with
+tokens and accept counts equal to the reference's on every row
+(results/kernel_bench.json, checks.rs_*).
 """
 from __future__ import annotations
 
