@@ -76,8 +76,16 @@ def test_quantized_model_generates_with_paged_cache(tiny_model):
   assert paged == kvjax.generate(model, [[5, 9, 11]], 8, cache="none").tokens
 
 
-def test_errors_unknown_scheme_and_bad_group(tiny_model):
+def test_errors_unknown_scheme_and_odd_int4_input(tiny_model):
   with pytest.raises(ValueError, match="unknown weight quantization scheme"):
     quantize_params(tiny_model.params, tiny_model.config, "int3")
-  with pytest.raises(ValueError, match="group_size"):
-    quantize_weight(jnp.ones((48, 8)), num_in=1, bits=4, group_size=32)
+  with pytest.raises(ValueError, match="even input size"):
+    quantize_weight(jnp.ones((47, 8)), num_in=1, bits=4, group_size=32)
+
+
+def test_ragged_last_group():
+  w = jax.random.normal(jax.random.PRNGKey(3), (192, 8))
+  q = quantize_weight(w, num_in=1, bits=4, group_size=128)
+  assert q.scales.shape == (2, 8) and q.codes.shape == (96, 8)
+  rel = float(jnp.linalg.norm(q.dequantize(jnp.float32) - w) / jnp.linalg.norm(w))
+  assert rel < BOUNDS["int4-g128"]

@@ -2,9 +2,10 @@
 
 A weight of shape [*in, *out] (the contracted input axes first, as everywhere
 in kvjax) is viewed as a matrix [I, O].  Codes are int8 [I, O] (bits 8) or two
-int4 codes per byte along I, [I/2, O] (bits 4).  Scales are f32 [I / group, O]:
+int4 codes per byte along I, [I/2, O] (bits 4).  Scales are f32 [ceil(I/group), O]:
 one group spanning all of I is per-output-channel quantization (int8's usual
-scheme), groups of 32-128 input rows are int4's group-wise scheme.
+scheme), groups of 32-128 input rows are int4's group-wise scheme; when the
+group does not divide I the last group is shorter (tiny-code's D = 192, g128).
 
 `in_scale` [I] is AWQ's activation-aware scaling kept inside the weight: the
 codes quantize diag(s) W and dequantization divides row i by s_i again, so a
@@ -30,7 +31,7 @@ __all__ = ["QuantizedWeight", "quantize_weight", "ActivationProbe"]
 @struct.dataclass
 class QuantizedWeight:
   codes: jax.Array  # [I, O] int8, or [I/2, O] packed int4
-  scales: jax.Array  # [I / group, O] f32
+  scales: jax.Array  # [ceil(I / group), O] f32
   in_scale: Optional[jax.Array] = None  # [I] f32 AWQ scaling, None without AWQ
   shape: tuple = struct.field(pytree_node=False, default=())  # original [*in, *out]
   num_in: int = struct.field(pytree_node=False, default=1)  # leading axes contracted
@@ -41,8 +42,10 @@ class QuantizedWeight:
     """The float weight, original shape, in `dtype` (fused into the matmul under jit)."""
     codes = unpack_int4(self.codes.T).T if self.bits == 4 else self.codes  # [I, O]
     rows, cols = codes.shape
-    grouped = codes.reshape(rows // self.group_size, self.group_size, cols)
-    w = (grouped.astype(jnp.float32) * self.scales[:, None]).reshape(rows, cols)
+    groups = self.scales.shape[0]
+    codes = jnp.pad(codes, ((0, groups * self.group_size - rows), (0, 0)))  # ragged last group
+    grouped = codes.reshape(groups, self.group_size, cols)
+    w = (grouped.astype(jnp.float32) * self.scales[:, None]).reshape(-1, cols)[:rows]
     if self.in_scale is not None:
       w = w / self.in_scale[:, None]
     return w.astype(dtype).reshape(self.shape)
@@ -61,14 +64,15 @@ def quantize_weight(w: jax.Array, *, num_in: int, bits: int, group_size: Optiona
   rows = int(np.prod(w.shape[:num_in]))
   matrix = w.reshape(rows, -1).astype(jnp.float32)  # [I, O]
   group = rows if group_size is None else group_size
-  if rows % group or (bits == 4 and rows % 2):
-    raise ValueError(f"input size {rows} of a {w.shape} weight is not a multiple of "
-                     f"group_size={group} (and of 2 for int4)")
+  if group <= 0 or (bits == 4 and rows % 2):
+    raise ValueError(f"bad group_size={group} for a {w.shape} weight (int4 also needs an "
+                     "even input size)")
   if in_scale is not None:
     matrix = matrix * in_scale[:, None]
-  grouped = matrix.reshape(rows // group, group, -1)  # [I/group, group, O]
-  codes, scales = quantize(grouped, bits, axis=1)  # scales [I/group, O]
-  codes = codes.reshape(rows, -1)
+  groups = -(-rows // group)  # the last group may be ragged; zero rows leave absmax alone
+  padded = jnp.pad(matrix, ((0, groups * group - rows), (0, 0)))
+  codes, scales = quantize(padded.reshape(groups, group, -1), bits, axis=1)  # [I/g, O]
+  codes = codes.reshape(groups * group, -1)[:rows]
   if bits == 4:
     codes = pack_int4(codes.T).T  # pairs along I
   return QuantizedWeight(codes=codes, scales=scales, in_scale=in_scale, shape=tuple(w.shape),

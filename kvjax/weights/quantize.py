@@ -119,9 +119,10 @@ def weight_bytes(params: Params) -> int:
 
 
 def decode_step_weight_bytes(params: Params) -> int:
-  """Weight bytes one decode step reads: everything but the embedding table, of which
-  a step gathers only its B rows (a tied head reads the whole table anyway)."""
-  total = weight_bytes(params)
+  """Weight bytes one plain decode step reads: the trunk but its embedding table, of
+  which a step gathers only B rows (a tied head reads the whole table anyway); MTP
+  draft modules are read only by speculative steps."""
+  total = weight_bytes(params.replace(mtp=()))
   if params.lm_head is not None:
     total -= int(params.embed.size) * params.embed.dtype.itemsize
   return total

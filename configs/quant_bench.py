@@ -1,0 +1,52 @@
+# python -m experiments.quant_bench --config=configs/quant_bench.py
+"""KV-cache and weight-only quantization on the default model (claims C6, C12).
+
+get_config("runlocal"): a CPU smoke run (few short windows, 32 greedy tokens);
+get_config("gpu"): decode speed only, of a ~1B random Llama-shaped model on the
+GPU, where weight bytes rather than launch overhead set the step time.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  config.model = ""  # "" = the built-in default model; else a preset or checkpoint dir
+  config.sections = ("kv", "weights", "speed")
+  config.seq_len = 512  # held-out windows of seq_len + 1 tokens
+  config.heldout_windows = 64
+  config.batch_size = 16
+  config.page_size = 16
+  config.kv_dtypes = ("fp32", "bf16", "int8", "int4")
+  config.greedy_prompts = 4
+  config.greedy_prompt_len = 64
+  config.greedy_new_tokens = 256
+  config.weight_schemes = ("int8", "int4-g32", "int4-g64", "int4-g128")
+  config.awq_schemes = ("int4-g32", "int4-g128")
+  config.calibration_windows = 8  # training-split windows of seq_len + 1 for AWQ
+  # Decode speed (batch 1, bf16 activations, schemes above): the model above unless
+  # speed_preset holds ModelConfig fields (random weights).
+  config.speed_preset = ml_collections.ConfigDict()
+  config.speed_new_tokens = 128
+  config.speed_repeats = 3
+  config.out_dir = "results"
+  config.name = "quant_bench"
+  if arg == "runlocal":
+    config.seq_len = 128
+    config.heldout_windows = 4
+    config.greedy_prompts = 1
+    config.greedy_new_tokens = 32
+    config.weight_schemes = ("int8", "int4-g128")
+    config.awq_schemes = ("int4-g128",)
+    config.calibration_windows = 2
+    config.speed_new_tokens = 16
+    config.speed_repeats = 1
+    config.name = "quant_bench_runlocal"  # never overwrite the committed results
+  if arg == "gpu":  # speed only: the device's stdlib is not the model's corpus
+    config.sections = ("speed",)
+    config.weight_schemes = ("int8", "int4-g32", "int4-g128")
+    config.speed_preset = ml_collections.ConfigDict(dict(
+        name="llama-1b-like", vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        max_position_embeddings=4096))
+    config.name = "quant_bench_gpu"
+  return config
