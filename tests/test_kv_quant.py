@@ -34,12 +34,17 @@ def _random_kv(seed, s):
   return jax.random.normal(keys[1], (2, s, N, H)), k, jax.random.normal(keys[2], (2, s, K, H))
 
 
+@jax.jit
+def _write(cache, k, v, batch):
+  return cache.write(0, k, v, batch)
+
+
 def _fill(cache, k, v, chunks):
   """Write k, v [B, S, K, H] in the given chunk lengths -> cache."""
   start = 0
   for t in chunks:
     batch = _batch([0, 1], [start, start], t, [t, t])
-    cache = cache.write(0, k[:, start:start + t], v[:, start:start + t], batch)
+    cache = _write(cache, k[:, start:start + t], v[:, start:start + t], batch)
     start += t
   return cache
 

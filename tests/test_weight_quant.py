@@ -53,15 +53,14 @@ def test_quantized_model_runs_through_the_unchanged_model_code(tiny_model):
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
   want = np.asarray(kvjax.forward(tiny_model, tokens))
   errors = {}
-  for scheme, awq in (("int8", False), ("int4-g32", False), ("int4-g32", True)):
-    params = quantize_params(tiny_model.params, cfg, scheme,
+  for awq in (False, True):
+    params = quantize_params(tiny_model.params, cfg, "int4-g32",
                              calibration_tokens=tokens if awq else None)
     assert isinstance(params.blocks[0].attn.wo, QuantizedWeight)
     got = np.asarray(kvjax.forward(kvjax.Model(cfg, params), tokens))
-    errors[scheme, awq] = np.linalg.norm(got - want) / np.linalg.norm(want)
-  assert errors["int8", False] < 0.03
-  assert errors["int4-g32", False] < 0.3
-  assert errors["int4-g32", True] <= errors["int4-g32", False]  # on its calibration text
+    errors[awq] = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert errors[False] < 0.3
+  assert errors[True] <= errors[False]  # on its own calibration text
   # float32 -> int4-g128: 8x fewer bytes per decode step, less 4 B of scale per 128 weights.
   f32 = decode_step_weight_bytes(tiny_model.params)
   q4 = decode_step_weight_bytes(quantize_params(tiny_model.params, cfg, "int4-g128"))
@@ -70,10 +69,16 @@ def test_quantized_model_runs_through_the_unchanged_model_code(tiny_model):
 
 
 def test_quantized_model_generates_with_paged_cache(tiny_model):
-  params = quantize_params(tiny_model.params, tiny_model.config, "int8")
-  model = kvjax.Model(tiny_model.config, params)
-  paged = kvjax.generate(model, [[5, 9, 11]], 8).tokens
-  assert paged == kvjax.generate(model, [[5, 9, 11]], 8, cache="none").tokens
+  """The jitted paged steps agree with the no-cache forward on quantized weights."""
+  model = kvjax.Model(tiny_model.config,
+                      quantize_params(tiny_model.params, tiny_model.config, "int8"))
+  prompt = [5, 9, 11]
+  new = kvjax.generate(model, [prompt], 6).tokens[0]
+  seq = prompt + new
+  for i in range(len(new)):
+    length = len(prompt) + i
+    logits = kvjax.forward(model, [seq[:length] + [0] * (16 - length)])  # one shape
+    assert int(np.argmax(logits[0, length - 1])) == new[i]
 
 
 def test_errors_unknown_scheme_and_odd_int4_input(tiny_model):

@@ -20,6 +20,7 @@ rounding, so AWQ never does worse on the calibration data).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -77,22 +78,28 @@ def _calibrate(params: Params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
   return inputs
 
 
+@functools.partial(jax.jit, static_argnames=("num_in", "bits", "group_size"))
+def _awq_error(w: jax.Array, x: jax.Array, in_scale: jax.Array, *, num_in: int, bits: int,
+               group_size: Optional[int]) -> jax.Array:
+  """||x W - x W_q||^2 with W quantized under in_scale; x [rows, I]."""
+  q = quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size, in_scale=in_scale)
+  matrix = w.reshape(x.shape[1], -1).astype(jnp.float32)  # [I, O]
+  return jnp.sum((x @ (q.dequantize(jnp.float32).reshape(matrix.shape) - matrix)) ** 2)
+
+
 def _awq_weight(w: jax.Array, x: jax.Array, num_in: int, bits: int,
                 group_size: Optional[int]) -> QuantizedWeight:
   """Search alpha: s = mean|x|^alpha minimizing the output error on x [rows, I]."""
-  matrix = w.reshape(x.shape[1], -1).astype(jnp.float32)  # [I, O]
-  want = x @ matrix
   mean_abs = jnp.maximum(jnp.mean(jnp.abs(x), axis=0), 1e-6)  # [I]
-  best, best_err = None, np.inf
-  for alpha in AWQ_ALPHAS:
+  candidates = []
+  for alpha in AWQ_ALPHAS:  # alpha 0: s = 1, plain rounding
     s = mean_abs ** alpha
     s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))  # keep the scales centred around 1
-    q = quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size,
-                        in_scale=None if alpha == 0.0 else s)
-    err = float(jnp.sum((x @ q.dequantize(jnp.float32).reshape(matrix.shape) - want) ** 2))
-    if err < best_err:
-      best, best_err = q, err
-  return best
+    err = float(_awq_error(w, x, s, num_in=num_in, bits=bits, group_size=group_size))
+    candidates.append((err, alpha, s))
+  _, alpha, s = min(candidates, key=lambda c: c[:2])
+  return quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size,
+                         in_scale=None if alpha == 0.0 else s)
 
 
 def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,
