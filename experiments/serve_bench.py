@@ -138,7 +138,7 @@ def part_c(model, c):
     for spec in (None, "mtp"):
       runs[spec or "plain"] = _timed(model, sessions, page_size=c.page_size,
                                      max_num_seqs=batch,
-                                     max_num_batched_tokens=c.max_num_batched_tokens,
+                                     max_num_batched_tokens=c.spec_max_num_batched_tokens,
                                      max_model_len=c.spec_input_len + c.spec_output_len,
                                      speculative=spec, num_draft=c.num_draft)
     plain, mtp = runs["plain"], runs["mtp"]

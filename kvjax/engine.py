@@ -1,4 +1,4 @@
-"""Engine: continuous batching over the pure steps, with prefix caching and MTP.
+"""Engine: continuous batching over the pure steps, prefix caching, speculative decoding.
 
 The host loop per `step()`:
   1. `Scheduler.schedule()` picks rows (decodes first, then prefill chunks),
@@ -36,7 +36,7 @@ from flax import struct
 
 from kvjax import speculative as spec
 from kvjax.attention.registry import get_backend
-from kvjax.cache import StepBatch
+from kvjax.cache import PagedKVCache
 from kvjax.config import ModelConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
@@ -58,6 +58,7 @@ class EngineState:
   decode: DecodeState  # paged KV (trunk + MTP layers), block tables, lengths per slot
   drafts: jax.Array  # [slots, K] int32 drafts each slot feeds at its next verify
   draft_probs: jax.Array  # [slots, K, V] f32 draft distributions (C10's p_draft)
+  draft_cache: Optional[PagedKVCache] = None  # a draft model's KV, same pages and tables
 
 
 @struct.dataclass
@@ -84,28 +85,17 @@ class RequestOutput:
   finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
 
 
-def _attend_fn(rows: RowBatch, t: int, config: ModelConfig, backend: str):
-  """The paged `attend` for rows whose column 0 sits at rows.starts (as model_step)."""
-  positions = rows.starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-  batch = StepBatch(slot_ids=rows.slot_ids, q_lens=rows.q_lens, positions=positions,
-                    kv_lens=rows.starts + t, block_tables=rows.block_tables)
-  attention_backend = get_backend(backend)
-
-  def attend(cache, layer, q, k, v):
-    return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
-                        window=config.window_of_layer(layer), backend=attention_backend)
-
-  return batch, attend
-
-
-@functools.partial(jax.jit, static_argnames=("config", "backend", "num_draft", "use_filter"),
-                   donate_argnames=("state",))
-def serve_step(params: Params, state: EngineState, rows: RowBatch, sampling: SamplingParams, *,
-               config: ModelConfig, backend: str, num_draft: int, use_filter: bool):
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "backend", "num_draft",
+                                             "use_filter"), donate_argnames=("state",))
+def serve_step(params: Params, draft_params: Optional[Params], state: EngineState,
+               rows: RowBatch, sampling: SamplingParams, *, config: ModelConfig,
+               draft_config: Optional[ModelConfig], backend: str, num_draft: int,
+               use_filter: bool):
   """Run one row group -> (state, emitted [B, K+1] int32 padded -1, num_emitted [B]).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
-  num_draft = K: rows verify their drafts (C9-C10) and every row drafts anew.
+  num_draft = K: rows verify their drafts (C9-C10) and every row drafts anew, with
+  the MTP modules (draft_config None) or the draft model.
   """
   decode = state.decode.replace(
       block_tables=state.decode.block_tables.at[rows.slot_ids].set(rows.block_tables),
@@ -125,31 +115,42 @@ def serve_step(params: Params, state: EngineState, rows: RowBatch, sampling: Sam
   logits = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   logits = spec.target_logits_for_accept(logits, sampling, use_filter)  # [B, K+1, V]
   emitted, accepted = spec.accept(logits, state.drafts[rows.slot_ids],
-                                         state.draft_probs[rows.slot_ids], rows.num_draft,
-                                         sampling, first)
+                                  state.draft_probs[rows.slot_ids], rows.num_draft, sampling,
+                                  first)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
-  t = tokens.shape[1]
-  shifted = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # x_{t+1}
-  at_last = jnp.arange(t)[None, :] == last[:, None]
   following = jnp.where(rows.next_tokens >= 0, rows.next_tokens, last_token)
-  next_tokens = jnp.where(at_last, following[:, None], shifted)  # [B, T]
-  batch, attend = _attend_fn(rows, t, config, backend)
-  cache, drafts, probs = spec.mtp_draft(params, config, decode.cache, batch, hidden,
-                                               next_tokens, last, sampling, attend, num_draft)
-  state = EngineState(decode=decode.replace(cache=cache),
-                      drafts=state.drafts.at[rows.slot_ids].set(drafts),
-                      draft_probs=state.draft_probs.at[rows.slot_ids].set(probs))
+  if draft_config is not None:
+    draft_cache, drafts, probs = spec.model_draft(
+        draft_params, draft_config, state.draft_cache, tokens, rows.slot_ids, rows.starts,
+        rows.q_lens, rows.block_tables, last, following, sampling, backend, num_draft)
+    state = state.replace(decode=decode, draft_cache=draft_cache)
+  else:
+    t = tokens.shape[1]
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # x_{t+1}
+    at_last = jnp.arange(t)[None, :] == last[:, None]
+    next_tokens = jnp.where(at_last, following[:, None], shifted)  # [B, T]
+    batch, attend = spec.paged_attend(rows.slot_ids, rows.starts, rows.q_lens,
+                                      rows.block_tables, t, config, backend)
+    cache, drafts, probs = spec.mtp_draft(params, config, decode.cache, batch, hidden,
+                                          next_tokens, last, sampling, attend, num_draft)
+    state = state.replace(decode=decode.replace(cache=cache))
+  state = state.replace(drafts=state.drafts.at[rows.slot_ids].set(drafts),
+                        draft_probs=state.draft_probs.at[rows.slot_ids].set(probs))
   return state, emitted, accepted + 1
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineState:
   """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits)."""
-  cache = state.decode.cache
-  cache = cache.replace(k_pages=cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src]),
-                        v_pages=cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src]))
-  return state.replace(decode=state.decode.replace(cache=cache))
+  def copy(cache):
+    return cache.replace(k_pages=cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src]),
+                         v_pages=cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src]))
+
+  state = state.replace(decode=state.decode.replace(cache=copy(state.decode.cache)))
+  if state.draft_cache is not None:
+    state = state.replace(draft_cache=copy(state.draft_cache))
+  return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +175,8 @@ class Engine:
     prefix_cache: share computed full blocks across requests (C8).
     prefix_match: "block" (vLLM) or "token" (also a partial last block).
     min_cacheable_tokens: shorter prefix hits are ignored.
-    speculative: None or "mtp" (draft with the model's MTP modules).
+    speculative: None, "mtp" (draft with the model's MTP modules) or a kvjax.Model
+      of the same vocabulary (a separate draft model with its own paged KV).
     num_draft: draft tokens per verify step (K).
     backend: attention backend name (kvjax/attention/registry.py).
   The engine keeps its pages and prefix cache across `generate` calls.
@@ -184,13 +186,19 @@ class Engine:
                max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
                max_model_len: Optional[int] = None, prefix_cache: bool = True,
                prefix_match: str = "block", min_cacheable_tokens: int = 0,
-               speculative: Optional[str] = None, num_draft: int = 2,
+               speculative=None, num_draft: int = 2,
                backend: str = "reference"):
     cfg = model.config
     get_backend(backend)  # ValueError naming an unknown backend
-    if speculative not in (None, "mtp"):
-      raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
-    if speculative:
+    self.draft_model = None if isinstance(speculative, (str, type(None))) else speculative
+    if self.draft_model is not None:
+      if not (hasattr(speculative, "config") and hasattr(speculative, "params")):
+        raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
+                         f"{type(speculative).__name__}")
+      spec.check_draft_model(cfg, self.draft_model.config, num_draft)
+    elif speculative not in (None, "mtp"):
+      raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got {speculative!r}")
+    elif speculative:
       spec.check_mtp(cfg, model.params, num_draft)
     max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
     if not 1 <= max_model_len <= cfg.max_position_embeddings:
@@ -216,10 +224,16 @@ class Engine:
     width = self.scheduler.max_pages_per_seq + -(-self._max_query // page_size)
     decode = init_paged_state(cfg, max_num_seqs + 1, num_pages, page_size, width, model.dtype)
     k = self.num_draft
+    draft_cache = None
+    if self.draft_model is not None:
+      d = self.draft_model.config
+      draft_cache = PagedKVCache.create(d.num_layers, d.num_kv_heads, num_pages, page_size,
+                                        d.head_dim, self.draft_model.dtype)
     self.state = EngineState(decode=decode,
                              drafts=jnp.zeros((max_num_seqs + 1, k), jnp.int32),
                              draft_probs=jnp.zeros((max_num_seqs + 1, k, cfg.vocab_size),
-                                                   jnp.float32))
+                                                   jnp.float32),
+                             draft_cache=draft_cache)
     self._ids = itertools.count()
     self.metrics: dict[str, RequestMetrics] = {}
     self.finished: dict[str, Request] = {}
@@ -363,9 +377,11 @@ class Engine:
                      starts=starts, next_tokens=next_tokens, block_tables=tables)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
     use_filter = bool((top_k > 0).any() or (top_p < 1).any())
+    draft = self.draft_model
     self.state, emitted, counts = serve_step(
-        self.model.params, self.state, batch, sampling, config=self.config,
-        backend=self.backend, num_draft=self.num_draft, use_filter=use_filter)
+        self.model.params, draft and draft.params, self.state, batch, sampling,
+        config=self.config, draft_config=draft and draft.config, backend=self.backend,
+        num_draft=self.num_draft, use_filter=use_filter)
     return emitted, counts
 
   # -- one-shot ---------------------------------------------------------------
@@ -413,6 +429,7 @@ class Engine:
                       prefix_queried_tokens=hits[1] - hits_before[1],
                       num_preemptions=self.scheduler.num_preemptions - preemptions_before)
     stats["cache"] = "paged"
-    stats["speculative"] = "mtp" if self.num_draft else None
+    stats["speculative"] = (None if not self.num_draft else "mtp" if self.draft_model is None
+                            else self.draft_model.config.name)
     return GenerateResult(tokens=[list(self.finished[rid].output_ids) for rid in ids],
                           stats=stats)

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (claims C9-C11) as pure pieces of one jitted step.
+"""Speculative decoding (claims C9-C11) as pure pieces of one jitted step.
 
 A step that samples ends with a draft: the MTP modules of the model (DeepSeek-V3
 style, kvjax/model.py `mtp_block`) chain from the last accepted position L,
@@ -11,6 +11,10 @@ one corrected or bonus token (C10), so a row emits 1..K+1 tokens.  Rejected
 positions need no device rollback: the scheduler frees their pages and the
 next step sets each slot's length from the host, so their K/V is overwritten
 before anything attends to it.
+
+A separate draft model (same vocabulary) is the other drafter: it keeps its own
+paged K/V on the same pages and block tables, and proposes d1..dK
+autoregressively from x_{L+1} (`model_draft`).
 
 The MTP modules attend over their own K/V (cache layers num_layers + depth,
 the C11 memory cost), written for every position the trunk computes, with the
@@ -28,14 +32,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention.registry import get_backend
 from kvjax.cache import StepBatch
 from kvjax.config import ModelConfig
-from kvjax.model import lm_logits, mtp_block
+from kvjax.model import decoder, lm_logits, mtp_block
 from kvjax.params import Params
 from kvjax.sampling import SamplingParams, filtered_logits
 
-__all__ = ["check_mtp", "fill_drafts", "gather_rows", "target_logits_for_accept",
-           "accept", "mtp_draft"]
+__all__ = ["check_mtp", "check_draft_model", "paged_attend", "fill_drafts", "gather_rows",
+           "target_logits_for_accept", "accept", "mtp_draft", "model_draft"]
 
 _ACCEPT_STREAM, _DRAFT_STREAM = 0, 1  # fold_in tags: independent draws per position
 
@@ -50,6 +55,43 @@ def check_mtp(config: ModelConfig, params: Params, num_draft: int) -> None:
         f"speculative='mtp' with num_draft={num_draft} needs {num_draft} MTP modules; "
         f"model {config.name!r} has mtp_num_hidden_layers={config.mtp_num_hidden_layers} "
         f"and {len(params.mtp)} MTP weight sets")
+
+
+def check_draft_model(config: ModelConfig, draft_config: ModelConfig, num_draft: int) -> None:
+  """ValueError unless a separate draft model can propose tokens for `config`."""
+  if num_draft < 1:
+    raise ValueError(f"num_draft must be >= 1 with speculative decoding, got {num_draft}")
+  if draft_config.vocab_size != config.vocab_size:
+    raise ValueError(f"draft model vocab_size {draft_config.vocab_size} != target "
+                     f"vocab_size {config.vocab_size}")
+  if draft_config.attention_type != "gqa":
+    raise ValueError(f"draft model attention_type must be 'gqa', got "
+                     f"{draft_config.attention_type!r}")
+
+
+def paged_attend(slot_ids: jax.Array, starts: jax.Array, q_lens: jax.Array,
+                 block_tables: jax.Array, t: int, config: ModelConfig, backend: str):
+  """(StepBatch, attend) for rows of t columns whose column 0 sits at starts (as model_step)."""
+  positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+  batch = StepBatch(slot_ids=slot_ids, q_lens=q_lens, positions=positions, kv_lens=starts + t,
+                    block_tables=block_tables)
+  attention_backend = get_backend(backend)
+
+  def attend(cache, layer, q, k, v):
+    return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
+                        window=config.window_of_layer(layer), backend=attention_backend)
+
+  return batch, attend
+
+
+def _draw(logits: jax.Array, sampling: SamplingParams, positions: jax.Array):
+  """Draft token and distribution per row: logits [B, V] -> (ids [B], probs [B, V])."""
+  greedy = sampling.temperature <= 0
+  scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
+  keys = _row_key(sampling.seeds, positions, _DRAFT_STREAM)
+  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+  draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)
+  return draft, jax.nn.softmax(scaled, axis=-1)
 
 
 def _row_key(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
@@ -118,23 +160,56 @@ def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidd
   accepted position.  Writes MTP K/V at every real position -> (cache,
   drafts [B, K] int32, draft_probs [B, K, V] f32).
   """
-  b, t = next_tokens.shape
+  t = next_tokens.shape[1]
   at_last = jnp.arange(t)[None, :] == last[:, None]  # [B, T]
-  greedy = sampling.temperature <= 0
-  temperature = jnp.where(greedy, 1.0, sampling.temperature)
+  last_position = jnp.take_along_axis(batch.positions, last[:, None], axis=1)[:, 0]
   drafts, probs = [], []
   for depth in range(num_draft):
     cache, hidden = mtp_block(params, config, depth, hidden, next_tokens, batch.positions,
                               cache, attend)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
-    scaled = lm_logits(params, config, h_last, params.mtp[depth].out_norm) / temperature[:, None]
-    position = jnp.take_along_axis(batch.positions, last[:, None], axis=1)[:, 0] + depth + 2
-    keys = _row_key(sampling.seeds, position, _DRAFT_STREAM)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)  # [B]
+    logits = lm_logits(params, config, h_last, params.mtp[depth].out_norm)
+    draft, prob = _draw(logits, sampling, last_position + depth + 2)
     drafts.append(draft)
-    probs.append(jax.nn.softmax(scaled, axis=-1))
+    probs.append(prob)
     # Module depth+1 at t reads x_{t+depth+2}: shift left, the new draft at `last`.
     shifted = jnp.concatenate([next_tokens[:, 1:], next_tokens[:, -1:]], axis=1)
     next_tokens = jnp.where(at_last, draft[:, None], shifted)
+  return cache, jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1)
+
+
+def model_draft(draft_params: Params, draft_config: ModelConfig, cache, tokens: jax.Array,
+                slot_ids: jax.Array, starts: jax.Array, q_lens: jax.Array,
+                block_tables: jax.Array, last: jax.Array, following: jax.Array,
+                sampling: SamplingParams, backend: str, num_draft: int):
+  """A separate draft model proposes K tokens autoregressively after the accepted prefix.
+
+  One forward over the row's accepted columns plus the emitted token (column
+  last + 1, which yields d1) keeps the draft cache in step with the target's;
+  K - 1 single-token forwards yield d2..dK.  Positions past the row's pages
+  write to the null page: only draft quality depends on them.
+  tokens [B, T] fed this step; last [B]; following [B] the emitted token ->
+  (cache, drafts [B, K], draft_probs [B, K, V]).
+  """
+  b, t = tokens.shape
+  col = jnp.arange(t + 1)[None, :]
+  fed = jnp.where(col == (last + 1)[:, None], following[:, None],
+                  jnp.pad(tokens, ((0, 0), (0, 1))))  # [B, T + 1]
+  real = jnp.where(q_lens > 0, last + 2, 0)
+  _, attend = paged_attend(slot_ids, starts, real, block_tables, t + 1, draft_config, backend)
+  positions = starts[:, None] + col
+  cache, hidden = decoder(draft_params, draft_config, fed, positions, cache, attend)
+  h = jnp.take_along_axis(hidden, (last + 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+  position = starts + last + 2  # sequence index of d1
+  draft, prob = _draw(lm_logits(draft_params, draft_config, h), sampling, position)
+  drafts, probs = [draft], [prob]
+  for _ in range(num_draft - 1):
+    _, attend = paged_attend(slot_ids, position, jnp.minimum(q_lens, 1), block_tables, 1,
+                             draft_config, backend)
+    cache, hidden = decoder(draft_params, draft_config, draft[:, None], position[:, None],
+                            cache, attend)
+    position = position + 1
+    draft, prob = _draw(lm_logits(draft_params, draft_config, hidden[:, 0]), sampling, position)
+    drafts.append(draft)
+    probs.append(prob)
   return cache, jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1)
