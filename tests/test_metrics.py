@@ -1,0 +1,48 @@
+"""Serving metrics follow vLLM's definitions, checked on hand-made timelines."""
+from __future__ import annotations
+
+import pytest
+
+from kvjax.metrics import RequestMetrics, StepLog, distribution, summarize
+
+
+def _request(arrival, times, **kwargs):
+  r = RequestMetrics("r", prompt_len=10, arrival_s=arrival, **kwargs)
+  for t in times:
+    r.record_tokens(1, t)
+  return r
+
+
+def test_ttft_tpot_itl_e2e_by_hand():
+  # Arrives at 1.0; tokens at 1.5, 1.7, 2.0, 2.1.
+  r = _request(1.0, [1.5, 1.7, 2.0, 2.1])
+  assert r.ttft == pytest.approx(0.5)
+  assert r.e2e == pytest.approx(1.1)
+  assert r.tpot == pytest.approx((1.1 - 0.5) / 3)  # (latency - TTFT) / (output_len - 1)
+  assert r.itls == pytest.approx([0.2, 0.3, 0.1])
+  assert _request(0.0, [0.4]).tpot is None  # one token: no TPOT
+
+
+def test_verify_steps_give_acceptance_per_position():
+  r = RequestMetrics("r", prompt_len=4, arrival_s=0.0)
+  r.record_verify(num_draft=2, num_accepted=2, num_positions=2)  # 3 tokens
+  r.record_verify(num_draft=2, num_accepted=0, num_positions=2)  # 1 token
+  r.record_verify(num_draft=1, num_accepted=1, num_positions=2)  # 2 tokens
+  r.record_tokens(6, 1.0)
+  steps = StepLog()
+  steps.record(waiting=2, running=1, utilization=0.5, pages_used=3, batched_tokens=3)
+  steps.record(waiting=0, running=1, utilization=0.25, pages_used=1, batched_tokens=3)
+  s = summarize([r], steps, wall_s=2.0, prefix_hit_tokens=16, prefix_queried_tokens=64,
+                num_preemptions=1)
+  assert s["acceptance_length"] == pytest.approx(6 / 3)
+  assert s["acceptance_rate_per_position"] == pytest.approx([2 / 3, 1 / 2])
+  assert s["acceptance_rate"] == pytest.approx(3 / 5)
+  assert s["tokens_per_s"] == pytest.approx(3.0) and s["request_throughput"] == 0.5
+  assert s["prefix_hit_rate"] == 0.25 and s["kv_pages_used"] == 3
+  assert s["queue_depth"]["mean"] == 1.0 and s["num_preemptions"] == 1
+
+
+def test_distribution_mean_median_p99():
+  d = distribution(range(101))
+  assert (d["mean"], d["median"], d["p99"]) == (50.0, 50.0, 99.0)
+  assert distribution([]) == {"mean": 0.0, "median": 0.0, "p99": 0.0}
