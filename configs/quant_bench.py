@@ -26,8 +26,8 @@ def get_config(arg=None):
   # Decode speed (batch 1, bf16 activations, schemes above): the model above unless
   # speed_preset holds ModelConfig fields (random weights).
   config.speed_preset = ml_collections.ConfigDict()
-  config.speed_new_tokens = 128
-  config.speed_repeats = 3
+  config.speed_new_tokens = 256
+  config.speed_repeats = 5
   config.out_dir = "results"
   config.name = "quant_bench"
   if arg == "runlocal":
@@ -44,6 +44,8 @@ def get_config(arg=None):
   if arg == "gpu":  # speed only: the device's stdlib is not the model's corpus
     config.sections = ("speed",)
     config.weight_schemes = ("int8", "int4-g32", "int4-g128")
+    config.speed_new_tokens = 128
+    config.speed_repeats = 2
     config.speed_preset = ml_collections.ConfigDict(dict(
         name="llama-1b-like", vocab_size=32000, hidden_size=2048, intermediate_size=8192,
         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,

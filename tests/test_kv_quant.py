@@ -134,6 +134,13 @@ def test_int8_greedy_agrees_with_the_float_cache(tiny_model):
   assert (got[:, :16] == want[:, :16]).all()
 
 
+def test_int8_pages_reach_the_pallas_contract_with_their_scales(tiny_model):
+  kwargs = dict(page_size=8, kv_dtype="int8")
+  want = kvjax.generate(tiny_model, PROMPTS[:1], 8, **kwargs).tokens
+  assert kvjax.generate(tiny_model, PROMPTS[:1], 8, backend="pallas_reference",
+                        **kwargs).tokens == want
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv_dtype="int3"), "unsupported kv_dtype"),
     (dict(kv_dtype="int8", cache="contiguous"), "cache='paged'"),

@@ -69,7 +69,7 @@ def test_needle_beyond_the_receptive_field_is_lost(tiny_model, name, cache):
     np.testing.assert_array_equal(far, base)
 
 
-@pytest.mark.parametrize("windows", [(4, None), (None, 6), (5, 3)])
+@pytest.mark.parametrize("windows", [(4, None), (5, 3)])
 def test_per_layer_windows_agree_across_caches(tiny_model, windows):
   model = _model(tiny_model, 2, windows)
   prompts = [BASE[:19], BASE[5:12]]

@@ -44,7 +44,7 @@ _INT8_BACKENDS = ("reference", "pallas", "pallas_interpret", "pallas_reference")
 
 def check_kv_dtype(kv_dtype: Optional[str], cfg: ModelConfig, cache: str, backend: str) -> None:
   """Raise ValueError naming the problem when kv_dtype cannot run with this setup."""
-  if kv_dtype is None or kv_dtype in _FLOATS and cfg.attention_type != "mla":
+  if kv_dtype is None or (kv_dtype in _FLOATS and cfg.attention_type != "mla"):
     return
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; use None or one of {KV_DTYPES}")
