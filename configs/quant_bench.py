@@ -2,6 +2,8 @@
 """KV-cache and weight-only quantization on the default model (claims C6, C12).
 
 get_config("runlocal"): a CPU smoke run (few short windows, 32 greedy tokens);
+get_config("cpu_speed"): decode speed only, of a ~150M random Llama-shaped model
+whose weights do not fit the CPU caches;
 get_config("gpu"): decode speed only, of a ~1B random Llama-shaped model on the
 GPU, where weight bytes rather than launch overhead set the step time.
 """
@@ -41,6 +43,16 @@ def get_config(arg=None):
     config.speed_new_tokens = 16
     config.speed_repeats = 1
     config.name = "quant_bench_runlocal"  # never overwrite the committed results
+  if arg == "cpu_speed":  # speed only, a ~150M model whose weights overflow the CPU caches
+    config.sections = ("speed",)
+    config.weight_schemes = ("int8", "int4-g128")
+    config.speed_new_tokens = 32
+    config.speed_repeats = 2
+    config.speed_preset = ml_collections.ConfigDict(dict(
+        name="llama-150m-like", vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+        num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
+        max_position_embeddings=4096))
+    config.name = "quant_bench_cpu_speed"
   if arg == "gpu":  # speed only: the device's stdlib is not the model's corpus
     config.sections = ("speed",)
     config.weight_schemes = ("int8", "int4-g32", "int4-g128")
