@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import ledger
 from kvjax.attention.paged import paged_attention
 from kvjax.cache import PagedKVCache, StepBatch
 from kvjax.quant.kv import KIVIPagedKVCache
@@ -132,6 +133,22 @@ def test_int8_greedy_agrees_with_the_float_cache(tiny_model):
   got = np.array(kvjax.generate(tiny_model, PROMPTS, 32, page_size=8, kv_dtype="int8").tokens)
   assert (got == want).mean() >= 0.9
   assert (got[:, :16] == want[:, :16]).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_cache_bytes_per_token_match_the_ledger(kv_dtype):
+  cfg = kvjax.get_preset("tiny-code")  # MTP layers cache too: include_mtp
+  page_size, num_pages = 16, 9
+  cache = init_paged_state(cfg, 2, num_pages, page_size, 4, jnp.float32, kv_dtype).cache
+  stored = sum(x.nbytes for name, x in vars(cache).items()
+               if x is not None and not name.endswith("residual"))
+  per_token = stored / (num_pages * page_size)
+  ideal = ledger.kv_bytes_per_token(cfg, kv_dtype, include_mtp=True)
+  scales = ledger.kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp=True)
+  if kv_dtype == "int4":  # KIVI keys: one scale per channel per page, not per token
+    vectors = cfg.num_cache_layers * cfg.num_kv_heads
+    scales += vectors * 4 * (cfg.head_dim / page_size - 1)
+  assert per_token == ideal + scales
 
 
 def test_int8_pages_reach_the_pallas_contract_with_their_scales(tiny_model):
