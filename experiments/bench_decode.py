@@ -37,14 +37,21 @@ def _hf_model(cfg, directory):
   return model
 
 
-def _median_time(fn, repeats):
-  fn()  # warm-up: compilation / first-call overheads excluded
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def _interleaved_times(runs, repeats, cheap_repeats):
+  """Warm every run once (compilation excluded), then time them in alternating
+  rounds so machine noise hits all engines alike; the no-cache baselines, which
+  are slow by design, get `cheap_repeats` rounds."""
+  for fn in runs.values():
     fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times
+  times = {name: [] for name in runs}
+  for round_index in range(repeats):
+    for name, fn in runs.items():
+      if "no cache" in name and round_index >= cheap_repeats:
+        continue
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return times
 
 
 def main(argv):
@@ -64,31 +71,29 @@ def main(argv):
       prompts = rng.integers(0, cfg.vocab_size, (batch, cfg.prompt_len)).tolist()
       outputs = {}
 
-      def run_hf(use_cache):
+      def run_hf():
         with torch.no_grad():
           out = hf_model.generate(torch.tensor(prompts), max_new_tokens=cfg.new_tokens,
                                   min_new_tokens=cfg.new_tokens, do_sample=False,
-                                  use_cache=use_cache,
                                   attention_mask=torch.ones(batch, cfg.prompt_len, dtype=torch.long))
-        outputs[f"hf_cache={use_cache}"] = out[:, cfg.prompt_len:].tolist()
+        outputs["hf"] = out[:, cfg.prompt_len:].tolist()
 
       def run_kvjax(cache):
         result = kvjax.generate(model, prompts, cfg.new_tokens, cache=cache,
                                 page_size=cfg.page_size)
         outputs[f"kvjax_{cache}"] = result.tokens
 
-      runs = {"kvjax paged": lambda: run_kvjax("paged"), "hf (kv cache)": lambda: run_hf(True)}
+      runs = {"kvjax paged": lambda: run_kvjax("paged"), "hf (kv cache)": run_hf}
       if cfg.include_no_cache:
         runs["kvjax no cache"] = lambda: run_kvjax("none")
-        runs["hf (no cache)"] = lambda: run_hf(False)
-      for name, fn in runs.items():
-        median, times = _median_time(fn, cfg.repeats)
+      for name, times in _interleaved_times(runs, cfg.repeats, cfg.no_cache_repeats).items():
+        median = statistics.median(times)
         tokens_per_s = batch * cfg.new_tokens / median
         logging.info("batch %d %-15s median %.3f s  %.1f tok/s", batch, name, median,
                      tokens_per_s)
         rows.append(dict(batch=batch, engine=name, median_s=median, times_s=times,
                          tokens_per_s=tokens_per_s))
-      agree = np.mean(np.array(outputs["kvjax_paged"]) == np.array(outputs["hf_cache=True"]))
+      agree = np.mean(np.array(outputs["kvjax_paged"]) == np.array(outputs["hf"]))
       rows.append(dict(batch=batch, engine="greedy token agreement kvjax vs hf",
                        agreement=float(agree)))
 
@@ -100,7 +105,7 @@ def main(argv):
   print(f"{'batch':>5} {'engine':>16} {'tok/s':>9} {'vs HF':>7}")
   for batch in cfg.batch_sizes:
     hf = by[(batch, "hf (kv cache)")]["tokens_per_s"]
-    for engine in ("kvjax paged", "hf (kv cache)", "kvjax no cache", "hf (no cache)"):
+    for engine in ("kvjax paged", "hf (kv cache)", "kvjax no cache"):
       if (batch, engine) in by:
         tps = by[(batch, engine)]["tokens_per_s"]
         print(f"{batch:>5} {engine:>16} {tps:>9.1f} {tps / hf:>6.2f}x")
@@ -132,7 +137,7 @@ def _plot(cfg, by, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  engines = [e for e in ("kvjax paged", "hf (kv cache)", "kvjax no cache", "hf (no cache)")
+  engines = [e for e in ("kvjax paged", "hf (kv cache)", "kvjax no cache")
              if (cfg.batch_sizes[0], e) in by]
   fig, ax = plt.subplots(figsize=(7, 4))
   width = 0.8 / len(engines)

@@ -49,7 +49,12 @@ def config_from_dict(d: dict) -> ModelConfig:
 
 
 def _abstract_params(cfg: ModelConfig, dtype) -> Params:
-  return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+  """Restore target on this process's default device: a checkpoint written on a
+  CPU must load on a GPU (orbax would otherwise ask for the saving topology)."""
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
 
 
 def save(path: str, config: ModelConfig, params: Params,
