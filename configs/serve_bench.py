@@ -35,9 +35,11 @@ def get_config(arg=None):
   config.num_draft = 2
   # Decode-bound: a smaller budget keeps the block tables' padding slack small.
   config.spec_max_num_batched_tokens = 128
+  config.repeats = 3  # median of interleaved timed runs per variant
   config.out_dir = "results"
   config.name = "serve_bench"
   if arg == "runlocal":
+    config.repeats = 1
     config.hf_num_requests = 4
     config.hf_batch = 2
     config.hf_input_len = 32
