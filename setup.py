@@ -24,7 +24,7 @@ setup(
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
-        "test": ["pytest", "hypothesis", "torch", "transformers", "safetensors"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},
