@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.pages import NULL_PAGE
 from kvjax.quant.symmetric import quantize
 
 __all__ = ["StepBatch", "PagedKVCache", "ContiguousKVCache", "NULL_PAGE"]
 
-NULL_PAGE = 0
 
 
 @struct.dataclass
