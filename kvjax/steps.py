@@ -7,6 +7,11 @@ a batch of B rows, each with T query tokens of which `q_lens[b]` are real,
 appended at the end of slot `slot_ids[b]`'s sequence.  Steps are jitted with a
 static config and backend name and donate the state, so the cache is updated
 in place; shapes are bucketed by the callers so compilations stay few.
+
+Randomness is not carried in the state: each request samples with
+`fold_in(PRNGKey(seed), position)` (kvjax/sampling.py), so a request's tokens
+never depend on which slot it occupies or which other requests share a step,
+and a preempted request recomputes to the very same samples.
 """
 from __future__ import annotations
 
