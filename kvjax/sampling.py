@@ -6,6 +6,8 @@ All parameters are per-row arrays, so changing them never recompiles.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -59,15 +61,21 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
   return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+@functools.partial(jax.jit, static_argnames=("use_filter",))
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
            use_filter: bool) -> jax.Array:
   """logits [B, V] float32, positions [B] (index of the token being sampled) -> [B] int32."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-  scaled = logits / temperature[:, None]
-  if use_filter:
-    scaled = filtered_logits(scaled, params.top_k, params.top_p)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
-      params.seeds, positions)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-  return jnp.where(params.temperature > 0, drawn, greedy)
+
+  def draw(_):
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    if use_filter:
+      scaled = filtered_logits(scaled, params.top_k, params.top_p)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+        params.seeds, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)
+
+  # An all-greedy batch skips the random bits and the [B, V] noise entirely.
+  return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
