@@ -3,13 +3,8 @@
 #   run(command="bash experiments/run_kernel_device.sh", carry=[".whl"], timeout_s=300)
 # Writes under $OUT: kernel_bench.json/.png/.log, env.txt.  ml_collections is not
 # in the device image: it travels as a wheel in .whl/ (see .library/device/README.md).
-set -o pipefail
 OUT=${OUT:-/tmp/kernel_bench_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/ml_collections-*.whl || exit 1
-export PYTHONPATH=/tmp/site:.
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source experiments/device_env.sh
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv
   python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__); print(jax.devices())"
