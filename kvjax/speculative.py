@@ -25,11 +25,14 @@ row) the draft stands in; that only affects draft quality, never the output.
 Randomness is per request, as in kvjax/sampling.py: every draw folds the
 request's seed with the sequence position it decides, so a request's tokens do
 not depend on its batch.  The accept rule is pallas_kernels'
-`rejection_sample_reference`, run per row (vmap) to take a per-row key.
+`rejection_sample_reference`, run per row (vmap) to take a per-row key; a
+batch whose rows are all greedy takes `greedy_verify` and an argmax drafter
+instead (lax.cond), which draw nothing and give the same tokens.
 """
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from kvjax.attention.registry import get_backend
@@ -85,13 +88,24 @@ def paged_attend(slot_ids: jax.Array, starts: jax.Array, q_lens: jax.Array,
 
 
 def _draw(logits: jax.Array, sampling: SamplingParams, positions: jax.Array):
-  """Draft token and distribution per row: logits [B, V] -> (ids [B], probs [B, V])."""
-  greedy = sampling.temperature <= 0
-  scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
-  keys = _row_key(sampling.seeds, positions, _DRAFT_STREAM)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-  draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)
-  return draft, jax.nn.softmax(scaled, axis=-1)
+  """Draft token and distribution per row: logits [B, V] -> (ids [B], probs [B, V]).
+
+  An all-greedy batch skips the per-row keys and the softmax: its drafter is
+  deterministic, so its distribution is the one-hot of the argmax.
+  """
+  def greedy_only():
+    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return draft, jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
+
+  def mixed():
+    greedy = sampling.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
+    keys = _row_key(sampling.seeds, positions, _DRAFT_STREAM)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)
+    return draft, jax.nn.softmax(scaled, axis=-1)
+
+  return lax.cond(jnp.all(sampling.temperature <= 0), greedy_only, mixed)
 
 
 def _row_key(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
@@ -138,16 +152,23 @@ def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
   draft_probs [B, K, V], num_draft [B], positions [B] = sequence index of the
   first token emitted -> (tokens [B, K+1] padded with -1, num_accepted [B]).
   """
-  from pallas_kernels import rejection_sample_reference  # lazy, as attention/registry.py
+  from pallas_kernels import greedy_verify, rejection_sample_reference  # lazy, as registry.py
 
-  keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
+  def greedy_only():
+    return greedy_verify(drafts, logits, num_draft)
 
-  def one(d, p, x, n, key, temperature):
-    tokens, accepted = rejection_sample_reference(d[None], p[None], x[None], n[None], key,
-                                                  temperature=temperature[None])
-    return tokens[0], accepted[0]
+  def mixed():
+    keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
 
-  return jax.vmap(one)(drafts, draft_probs, logits, num_draft, keys, sampling.temperature)
+    def one(d, p, x, n, key, temperature):
+      tokens, accepted = rejection_sample_reference(d[None], p[None], x[None], n[None], key,
+                                                    temperature=temperature[None])
+      return tokens[0], accepted[0]
+
+    return jax.vmap(one)(drafts, draft_probs, logits, num_draft, keys, sampling.temperature)
+
+  # An all-greedy batch needs no noise (per-row threefry draws are many small ops on CPU).
+  return lax.cond(jnp.all(sampling.temperature <= 0), greedy_only, mixed)
 
 
 def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidden: jax.Array,

@@ -8,10 +8,12 @@ Each module holds a kernel, its jitted wrapper and a pure-jnp reference:
 """
 from pallas_kernels.paged_attention import ragged_paged_attention
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
+from pallas_kernels.spec_verify import greedy_verify
 from pallas_kernels.spec_verify import rejection_sample
 from pallas_kernels.spec_verify import rejection_sample_reference
 
 __all__ = [
+    "greedy_verify",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "rejection_sample",

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-__all__ = ["rejection_sample", "rejection_sample_reference", "draw_noise"]
+__all__ = ["rejection_sample", "rejection_sample_reference", "greedy_verify", "draw_noise"]
 
 _NEG_INF = float("-inf")
 
@@ -197,6 +197,24 @@ def _layout_tokens(draft_tokens, n_acc, token):
   drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
   tokens = jnp.where(pos < n_acc[:, None], drafts, -1)
   return jnp.where(pos == n_acc[:, None], token[:, None], tokens).astype(jnp.int32)
+
+
+def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array,
+                  num_draft: jax.Array):
+  """The temperature-0 rule alone: no noise, no softmax (an all-greedy batch's fast path).
+
+  Equals `rejection_sample_reference` with every temperature 0: accept while
+  draft == first argmax of its target row (NaN scores count as -inf), then emit
+  the argmax of the stop row.  draft_tokens [B, K], target_logits [B, K+1, V],
+  num_draft [B] -> (tokens [B, K+1] padded with -1, num_accepted [B]).
+  """
+  batch, num_k = draft_tokens.shape
+  x = target_logits
+  amax = jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1).astype(jnp.int32)
+  ok = (draft_tokens == amax[:, :num_k]) & (jnp.arange(num_k)[None, :] < num_draft[:, None])
+  n_acc = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1).astype(jnp.int32)
+  token = amax[jnp.arange(batch), n_acc]  # [B]
+  return _layout_tokens(draft_tokens, n_acc, token), n_acc
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "chunk_tiles",

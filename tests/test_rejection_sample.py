@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import greedy_verify
 from pallas_kernels import rejection_sample
 from pallas_kernels import rejection_sample_reference
 
@@ -140,6 +141,36 @@ def test_greedy_scenario(name):
   got = rejection_sample_reference(*args, temperature=jnp.zeros(1))
   np.testing.assert_array_equal(np.asarray(got[0]), tokens)
   np.testing.assert_array_equal(np.asarray(got[1]), n_acc)
+
+
+def test_greedy_verify_scenarios():
+  """The noise-free fast path meets the same table as the full sampler."""
+  names = list(GREEDY_SCENARIOS)
+  (drafts, _, logits, num_draft, _), (tokens, n_acc) = greedy_batch(names)
+  got = greedy_verify(drafts, logits, num_draft)
+  np.testing.assert_array_equal(np.asarray(got[0]), tokens)
+  np.testing.assert_array_equal(np.asarray(got[1]), n_acc)
+
+
+def test_greedy_verify_equals_reference_at_temperature_0():
+  """Random logits with NaN entries, ties and out-of-range drafts: same tokens."""
+  rng = np.random.default_rng(7)
+  batch, num_k, vocab = 256, 3, 9
+  logits = rng.integers(-2, 3, (batch, num_k + 1, vocab)).astype(np.float32)  # many ties
+  logits[rng.random(logits.shape) < 0.05] = np.nan
+  logits[5] = np.nan  # whole rows of NaN emit id 0
+  amax = np.nanargmax(np.where(np.isnan(logits), -np.inf, logits), axis=-1)
+  drafts = np.where(rng.random((batch, num_k)) < 0.7, amax[:, :num_k],
+                    rng.integers(-2, vocab + 2, (batch, num_k))).astype(np.int32)
+  num_draft = rng.integers(0, num_k + 1, batch).astype(np.int32)
+  args = (jnp.asarray(drafts), jnp.asarray(logits), jnp.asarray(num_draft))
+  got = greedy_verify(*args)
+  want = rejection_sample_reference(args[0], None, args[1], args[2], jax.random.key(0),
+                                    temperature=jnp.zeros(batch))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert 0 < np.asarray(want[1]).mean() < num_k, "degenerate case"
+  assert np.asarray(got[0]).max() < vocab
 
 
 def test_greedy_mixed_batch_kernel():

@@ -30,6 +30,20 @@ def test_speculative_greedy_equals_plain_greedy(overrides):
   h.assert_no_pages_held(eng)
 
 
+def test_greedy_rows_beside_a_sampled_row():
+  # A sampled row sends the whole batch through the noisy accept path (an
+  # all-greedy batch takes greedy_verify); greedy rows must not notice.
+  eng = spec_engine(prefix_cache=False, num_pages=None)
+  batch = h.prompts(3, seed=21)
+  greedy = [eng.add_request(p, h.MAX_NEW) for p in batch]
+  sampled = eng.add_request(h.prompts(1, seed=22)[0], h.MAX_NEW, temperature=1.0, seed=5)
+  for _ in eng.stream():
+    pass
+  assert [list(eng.finished[r].output_ids) for r in greedy] == [h.reference(p) for p in batch]
+  assert len(eng.finished[sampled].output_ids) == h.MAX_NEW
+  assert sum(m.verify_steps for m in eng.metrics.values()) > 0
+
+
 def test_draft_model_as_drafter():
   # The target drafting for itself: every draft is accepted, output unchanged.
   eng = spec_engine(speculative=h.mtp_model())
