@@ -101,7 +101,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
   `seed` is one int for every prompt or one per prompt; a prompt's samples depend
   only on its own seed and tokens, never on the rest of the batch.  `kv_dtype`
   (None = model dtype, "bf16", "int8", "int4", ...; kvjax/quant/kv.py) is how the
-  paged cache stores K/V.  Engine
+  paged cache stores K/V, in the static batch and the Engine alike.  Engine
   keywords (speculative, num_draft, prefix_cache, prefix_match, max_num_seqs,
   max_num_batched_tokens, num_pages, ...; see kvjax.Engine) run the prompts
   through a one-shot continuous-batching Engine instead of the static batch.
@@ -110,8 +110,6 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
   if cache not in generation.CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")
   if engine_options:
-    if kv_dtype is not None:
-      raise ValueError("kv_dtype applies to the static batch; the Engine path does not take it")
     if cache != "paged":
       raise ValueError(f"engine options {sorted(engine_options)} need cache='paged', "
                        f"got cache={cache!r}")
@@ -120,7 +118,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     engine_options.setdefault("max_num_seqs", min(len(prompts), 64))
     engine_options.setdefault("max_model_len", min(model.config.max_position_embeddings,
                                                    generation.next_pow2(longest)))
-    engine = Engine(model, page_size=page_size, backend=backend, **engine_options)
+    engine = Engine(model, page_size=page_size, backend=backend, kv_dtype=kv_dtype,
+                    **engine_options)
     return engine.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed)
   sampling = SamplingParams.make(len(prompts), temperature=temperature, top_k=top_k,

@@ -21,7 +21,7 @@ from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.pages import NULL_PAGE
 from kvjax.quant.symmetric import quantize
 
-__all__ = ["StepBatch", "PagedKVCache", "ContiguousKVCache", "NULL_PAGE"]
+__all__ = ["StepBatch", "PagedKVCache", "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages"]
 
 
 
@@ -47,6 +47,8 @@ class PagedKVCache:
   int8 is the layout the Pallas kernel reads (claim C6: half of bf16's bytes plus
   4 B of scale per token per head); int4 lives in kvjax/quant/kv.py.
   """
+  PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
+  PAGE_AXIS = 2
   k_pages: jax.Array  # [L, K, P, G, H]
   v_pages: jax.Array  # [L, K, P, G, H]
   k_scales: Optional[jax.Array] = None  # [L, K, P, G] f32 (int8 pages only)
@@ -95,6 +97,21 @@ class PagedKVCache:
     out = backend(q, cache.k_pages[layer], cache.v_pages[layer], batch.kv_lens,
                   batch.block_tables, sm_scale=sm_scale, sliding_window=window, **scales)
     return cache, out
+
+
+def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
+  """Copy pages src [C] -> dst [C], every layer, in each array of `cache.PAGE_ARRAYS`.
+
+  A paged cache lists its per-page arrays (pages, scales; None ones are
+  skipped) and their page axis `PAGE_AXIS`; per-slot state is not a page and
+  is left alone.
+  """
+  lead = (slice(None),) * cache.PAGE_AXIS
+
+  def copy(x):
+    return None if x is None else x.at[lead + (dst,)].set(x[lead + (src,)])
+
+  return cache.replace(**{name: copy(getattr(cache, name)) for name in cache.PAGE_ARRAYS})
 
 
 @struct.dataclass

@@ -110,6 +110,12 @@ class ModelConfig:
       return self.layer_windows[layer]
     return self.sliding_window
 
+  @property
+  def kv_window(self) -> Optional[int]:
+    """Widest window over every cache layer; None if one attends to the whole prefix."""
+    windows = [self.window_of_layer(layer) for layer in range(self.num_cache_layers)]
+    return None if None in windows else max(windows)
+
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 

@@ -36,12 +36,13 @@ from flax import struct
 
 from kvjax import speculative as spec
 from kvjax.attention.registry import get_backend
-from kvjax.cache import PagedKVCache
+from kvjax.cache import PagedKVCache, copy_cache_pages
 from kvjax.config import ModelConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.model import lm_logits
 from kvjax.params import Params
+from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
 from kvjax.scheduler import Request, Scheduler, SchedulerOutput, bucket
 from kvjax.steps import DecodeState, init_paged_state, model_step
@@ -142,15 +143,37 @@ def serve_step(params: Params, draft_params: Optional[Params], state: EngineStat
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineState:
-  """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits)."""
-  def copy(cache):
-    return cache.replace(k_pages=cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src]),
-                         v_pages=cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src]))
+  """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits).
 
-  state = state.replace(decode=state.decode.replace(cache=copy(state.decode.cache)))
+  Every per-page array moves (quantized caches' scales too; kvjax/cache.py).
+  """
+  cache = copy_cache_pages(state.decode.cache, src, dst)
+  state = state.replace(decode=state.decode.replace(cache=cache))
   if state.draft_cache is not None:
-    state = state.replace(draft_cache=copy(state.draft_cache))
+    state = state.replace(draft_cache=copy_cache_pages(state.draft_cache, src, dst))
   return state
+
+
+def _widest_window(cfg: ModelConfig, draft: Optional[ModelConfig]) -> Optional[int]:
+  """Widest window over every layer reading the pages; None if one sees everything."""
+  windows = [cfg.kv_window] + ([draft.kv_window] if draft is not None else [])
+  return None if None in windows else max(windows)
+
+
+def _check_int4(kv_dtype: Optional[str], speculative, token_prefix_hits: bool) -> None:
+  """ValueError for what int4 (KIVI) pages cannot serve; see Engine's kv_dtype."""
+  if kv_dtype != "int4":
+    return
+  if speculative is not None:
+    drafter = speculative if isinstance(speculative, str) else "a draft model"
+    raise ValueError(f"kv_dtype 'int4' cannot verify drafts (speculative={drafter!r}): a "
+                     "rejected draft that completed a page leaves the slot's full-precision "
+                     "residual holding the wrong page; use kv_dtype='int8' or no speculation")
+  if token_prefix_hits:
+    raise ValueError("kv_dtype 'int4' cannot reuse partial pages (prefix_match='token'): a "
+                     "resumed page's leading tokens must sit in the slot's full-precision "
+                     "residual, not in a copied, already-quantized page; use "
+                     "prefix_match='block' or prefix_cache=False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +202,19 @@ class Engine:
       of the same vocabulary (a separate draft model with its own paged KV).
     num_draft: draft tokens per verify step (K).
     backend: attention backend name (kvjax/attention/registry.py).
-  The engine keeps its pages and prefix cache across `generate` calls.
+    kv_dtype: how pages store K/V: None (the model dtype), "fp32", "bf16",
+      "fp16", "int8" or "int4" (kvjax/quant/kv.py).  int4 (KIVI) keeps each
+      slot's incomplete page in a per-slot full-precision residual, not in the
+      pool, so it refuses what would resume a slot mid-page on stale residual
+      data: token-mode prefix hits (the copied page's leading tokens would have
+      to be in the residual) and speculative decoding (a rejected draft that
+      completed a page leaves the residual holding the next page).  Its
+      outputs also depend on chunking (a query reads its own incomplete page
+      in full precision), so they match the static batch only for unchunked
+      prompts; int8 matches it always.
+  The engine keeps its pages and prefix cache across `generate` calls.  When
+  every layer (MTP modules and a draft model too) has a sliding window, pages
+  behind a request's window return to the pool as it runs (kvjax/scheduler.py).
   """
 
   def __init__(self, model, *, page_size: int = 16, num_pages: Optional[int] = None,
@@ -187,9 +222,11 @@ class Engine:
                max_model_len: Optional[int] = None, prefix_cache: bool = True,
                prefix_match: str = "block", min_cacheable_tokens: int = 0,
                speculative=None, num_draft: int = 2,
-               backend: str = "reference"):
+               backend: str = "reference", kv_dtype: Optional[str] = None):
     cfg = model.config
     get_backend(backend)  # ValueError naming an unknown backend
+    check_kv_dtype(kv_dtype, cfg, "paged", backend)
+    _check_int4(kv_dtype, speculative, prefix_cache and prefix_match == "token")
     self.draft_model = None if isinstance(speculative, (str, type(None))) else speculative
     if self.draft_model is not None:
       if not (hasattr(speculative, "config") and hasattr(speculative, "params")):
@@ -211,18 +248,21 @@ class Engine:
     self.model = model
     self.config = cfg
     self.backend = backend
+    self.kv_dtype = kv_dtype
     self.num_draft = num_draft if speculative else 0
     self.scheduler = Scheduler(
         num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=prefix_cache, prefix_match=prefix_match,
         min_cacheable_tokens=min_cacheable_tokens, num_lookahead_slots=self.num_draft,
-        eos_token_id=cfg.eos_token_id)
+        eos_token_id=cfg.eos_token_id,
+        sliding_window=_widest_window(cfg, self.draft_model and self.draft_model.config))
     self.max_num_seqs = max_num_seqs
     self._max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too (kvjax/steps.py).
     width = self.scheduler.max_pages_per_seq + -(-self._max_query // page_size)
-    decode = init_paged_state(cfg, max_num_seqs + 1, num_pages, page_size, width, model.dtype)
+    decode = init_paged_state(cfg, max_num_seqs + 1, num_pages, page_size, width, model.dtype,
+                              kv_dtype)
     k = self.num_draft
     draft_cache = None
     if self.draft_model is not None:
@@ -400,16 +440,16 @@ class Engine:
     seeds = [seed] * len(prompts) if isinstance(seed, (int, np.integer)) else list(seed)
     if len(seeds) != len(prompts):
       raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-    g, usable = self.scheduler.page_size, self.scheduler.allocator.num_usable
+    usable = self.scheduler.allocator.num_usable
     for i, prompt in enumerate(prompts):
       total = len(prompt) + max_new_tokens
       if total > self.scheduler.max_model_len:
         raise ValueError(f"prompt {i}: length {len(prompt)} + max_new_tokens "
                          f"{max_new_tokens} exceeds max_model_len "
                          f"{self.scheduler.max_model_len}")
-      if -(-(total - 1) // g) > usable:
-        raise ValueError(f"prompt {i} needs up to {-(-(total - 1) // g)} KV pages but the "
-                         f"pool has {usable}")
+      if self.scheduler.max_pages_held(total) > usable:
+        raise ValueError(f"prompt {i} needs up to {self.scheduler.max_pages_held(total)} KV "
+                         f"pages but the pool has {usable}")
     cache = self.scheduler.prefix_cache
     hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     preemptions_before = self.scheduler.num_preemptions

@@ -151,13 +151,15 @@ class PrefixCache:
     return PrefixHit(num_tokens, tuple(pages), tuple(hashes), src, k,
                      len(token_ids))
 
-  def acquire(self, hit: PrefixHit) -> None:
-    """Holds the hit's full-block pages for a request and counts the hit.
+  def acquire(self, hit: PrefixHit, first_page: int = 0) -> None:
+    """Holds the hit's full-block pages from `first_page` on and counts the hit.
 
-    The token-mode `copy_src` is not held here: the scheduler pins it only
-    until the engine has copied it.
+    Pages before `first_page` lie wholly outside the request's attention
+    window (kvjax/scheduler.py): their tokens count as hit, but nothing reads
+    them, so they are not held.  The token-mode `copy_src` is not held here
+    either: the scheduler pins it only until the engine has copied it.
     """
-    self.allocator.incref(hit.pages)
+    self.allocator.incref(hit.pages[first_page:])
     self.hit_tokens += hit.num_tokens
     self.queried_tokens += hit.num_queried
 

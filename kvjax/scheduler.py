@@ -21,6 +21,18 @@ full blocks, rolls back pages of rejected drafts and frees finished requests.
 Blocks are cached only once their KV is computed, so a hit never reads KV that
 the same step is still writing.
 
+Sliding windows (`sliding_window` W: no layer, MTP module or draft model looks
+further back): a query at position p sees keys j > p - W, and every query of a
+request from now on sits at or after its `num_computed_tokens` s, so keys
+j <= s - W are dead and so are its first (s - W + 1) // G pages.  They return
+to the allocator (a cached one stays cached, evictable) and their block-table
+entries become the null page, which attention masks as outside the window.  A
+row of n positions starting at s then holds pages (s - W + 1) // G through
+(s + n - 1) // G: at most ceil((W + n - 2) / G) + 1, however long the request
+(`max_pages_held`).  Prefix hits acquire only the live part of their chain;
+released blocks reach the LRU before the request's live ones and are evicted
+first, and a lookup stops at its first missing block, so no hit has holes.
+
 Protocol: schedule() and update_from_output() alternate; the engine applies
 `SchedulerOutput.copies` before this step's forward (the copy sources are only
 pinned until the next schedule()).
@@ -194,18 +206,24 @@ class Scheduler:
     min_cacheable_tokens: shorter prefix hits are ignored.
     num_lookahead_slots: draft slots per decode row (speculative decoding).
     eos_token_id: ends every request (kept as its last output id).
+    sliding_window: widest attention window W of every layer that reads these
+      pages; pages wholly before the window of a request's next query are
+      released.  None (some layer attends to the whole prefix): keep them all.
   """
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
                max_num_batched_tokens: int, max_model_len: Optional[int] = None,
                enable_prefix_caching: bool = True, prefix_match: str = "block",
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
-               eos_token_id: Optional[int] = None):
+               eos_token_id: Optional[int] = None,
+               sliding_window: Optional[int] = None):
     for name, value in (("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
       if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    if sliding_window is not None and sliding_window < 1:
+      raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_lookahead_slots < 0:
       raise ValueError(f"num_lookahead_slots must be >= 0, got "
                        f"{num_lookahead_slots}")
@@ -215,6 +233,7 @@ class Scheduler:
     self.max_model_len = max_model_len
     self.num_lookahead_slots = num_lookahead_slots
     self.eos_token_id = eos_token_id
+    self.sliding_window = sliding_window
     self.allocator = BlockAllocator(num_pages)
     self.prefix_cache = (
         PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
@@ -252,11 +271,14 @@ class Scheduler:
           f"request {request_id!r}: prompt {len(prompt)} + max_new_tokens "
           f"{max_new_tokens} = {total} exceeds max_model_len "
           f"{self.max_model_len}")
-    # The last generated token is never fed, so total - 1 positions hold KV.
-    pages = self._pages_for(total - 1)
+    pages = self.max_pages_held(total)
     if pages > self.allocator.num_usable:
       raise ValueError(f"request {request_id!r} needs up to {pages} KV pages "
                        f"but the pool has {self.allocator.num_usable}")
+    width = self._pages_for(total - 1)
+    if width > self.max_pages_per_seq:
+      raise ValueError(f"request {request_id!r} spans {width} pages but block "
+                       f"tables hold {self.max_pages_per_seq}; set max_model_len")
     stops = set(stop_token_ids)
     if self.eos_token_id is not None:
       stops.add(self.eos_token_id)
@@ -278,6 +300,16 @@ class Scheduler:
   @property
   def has_unfinished(self) -> bool:
     return bool(self.requests)
+
+  def max_pages_held(self, num_tokens: int) -> int:
+    """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
+    # The last generated token is never fed, so num_tokens - 1 positions hold KV.
+    pages = self._pages_for(num_tokens - 1)
+    if self.sliding_window is None:
+      return pages
+    # A row writes n <= max_num_batched_tokens positions (see the module doc).
+    span = self.sliding_window + self.max_num_batched_tokens - 2
+    return min(pages, self._pages_for(span) + 1)
 
   # -- one step ---------------------------------------------------------------
 
@@ -314,19 +346,20 @@ class Scheduler:
              if self.prefix_cache else PrefixHit(num_queried=req.num_tokens))
       n = min(req.num_tokens - hit.num_tokens, budget)
       need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
-      pin = hit.pages + ((hit.copy_src,) if hit.copy_tokens else ())
+      dead = self._first_live_page(hit.num_tokens)  # <= len(hit.pages)
+      pin = hit.pages[dead:] + ((hit.copy_src,) if hit.copy_tokens else ())
       if not self.allocator.can_allocate(need, pinning=pin):
         break
       self.waiting.popleft()
       if self.prefix_cache:
-        self.prefix_cache.acquire(hit)
+        self.prefix_cache.acquire(hit, first_page=dead)
       if hit.copy_tokens:
         self.allocator.incref([hit.copy_src])
         pins.append(hit.copy_src)
       new_pages = self.allocator.allocate(need)
       if hit.copy_tokens:
         copies.append(PageCopy(hit.copy_src, new_pages[0], hit.copy_tokens))
-      req.pages = list(hit.pages) + new_pages
+      req.pages = [NULL_PAGE] * dead + list(hit.pages[dead:]) + new_pages
       req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
       req.block_hashes = list(hit.block_hashes)
       req.num_cached_blocks = len(hit.pages)
@@ -404,6 +437,7 @@ class Scheduler:
         if len(req.pages) > keep:
           self.allocator.decref(reversed(req.pages[keep:]))
           del req.pages[keep:]
+        self._release_out_of_window(req)
     return finished
 
   # -- checks -----------------------------------------------------------------
@@ -421,6 +455,9 @@ class Scheduler:
       assert r.status is RequestStatus.RUNNING and r.slot is not None
       assert self._pages_for(r.num_computed_tokens) <= len(r.pages)
       assert len(r.pages) <= self.max_pages_per_seq
+      dead = self._first_live_page(r.num_computed_tokens)
+      assert set(r.pages[:dead]) <= {NULL_PAGE}, f"{r.request_id} holds a dead page"
+      assert NULL_PAGE not in r.pages[dead:], f"{r.request_id} lost a live page"
     for r in self.waiting:
       assert not r.pages and r.slot is None and r.num_computed_tokens == 0
     slots = sorted([r.slot for r in self.running] + self._free_slots)
@@ -431,6 +468,18 @@ class Scheduler:
 
   def _pages_for(self, num_tokens: int) -> int:
     return -(-num_tokens // self.page_size)
+
+  def _first_live_page(self, start: int) -> int:
+    """Pages before this one are unseen by every query at positions >= start."""
+    if self.sliding_window is None:
+      return 0
+    return max(0, start - self.sliding_window + 1) // self.page_size
+
+  def _release_out_of_window(self, req: Request) -> None:
+    """Frees the pages no future query of `req` sees (see the module doc)."""
+    dead = self._first_live_page(req.num_computed_tokens)
+    self.allocator.decref(p for p in reversed(req.pages[:dead]) if p != NULL_PAGE)
+    req.pages[:dead] = [NULL_PAGE] * dead
 
   def _row(self, req: Request, n: int, num_draft: int,
            decoding: bool) -> ScheduledRow:
@@ -477,7 +526,7 @@ class Scheduler:
 
   def _release(self, req: Request) -> None:
     # Deepest first, so the LRU evicts tail blocks before their prefixes.
-    self.allocator.decref(reversed(req.pages))
+    self.allocator.decref(p for p in reversed(req.pages) if p != NULL_PAGE)
     req.pages = []
     req.num_computed_tokens = 0
     req.is_decoding = False

@@ -1,9 +1,11 @@
-"""Scheduler: budgets, chunked prefill, prefix hits, preemption, speculation.
+"""Scheduler: budgets, chunked prefill, prefix hits, preemption, speculation, windows.
 
 The oracle is a fake device that stores token ids in place of K/V: it writes
 every fed id at (block_table[pos // G], pos % G), applies page copies, and
-reads the context back through the block table before "sampling".  A wrong
-block table, a reused cached page or a bad rollback shows up as a read-back
+reads the context back through the block table before "sampling" (with a
+sliding window W, only the keys the row's first query sees: positions
+>= start - W + 1).  A wrong block table, a reused cached page, a bad rollback
+or a page released while still in the window shows up as a read-back
 mismatch, and outputs must equal each request generated alone.
 """
 import hypothesis
@@ -44,9 +46,9 @@ class FakeDevice:
     g = self.sched.page_size
     self.kv[table[pos // g], pos % g] = token
 
-  def _read(self, table, n):
+  def _read(self, table, lo, n):
     g = self.sched.page_size
-    return [int(self.kv[table[p // g], p % g]) for p in range(n)]
+    return [int(self.kv[table[p // g], p % g]) for p in range(lo, n)]
 
   def step(self):
     out = self.sched.schedule()
@@ -68,7 +70,9 @@ class FakeDevice:
         drafts.append(guess + 1 if self.wrong_draft(len(ctx) + j) else guess)
       for j, t in enumerate(known + drafts):
         self._write(table, row.start + j, t)
-      assert self._read(table, len(ctx)) == ctx, "KV read-back mismatch"
+      window = self.sched.sliding_window
+      lo = 0 if window is None else max(0, row.start - window + 1)
+      assert self._read(table, lo, len(ctx)) == ctx[lo:], "KV read-back mismatch"
       if row.sample:
         ids = []
         for d in drafts:
@@ -369,13 +373,17 @@ op = st.one_of(
     num_pages=st.integers(6, 24), page_size=st.sampled_from([2, 4]),
     max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12),
     caching=st.booleans(), mode=st.sampled_from(["block", "token"]),
-    lookahead=st.integers(0, 2), ops=st.lists(op, min_size=10, max_size=60))
+    lookahead=st.integers(0, 2), window=st.sampled_from([None, 3, 6]),
+    ops=st.lists(op, min_size=10, max_size=60))
 def test_random_sequences_keep_invariants_and_never_leak(
-    num_pages, page_size, max_num_seqs, budget, caching, mode, lookahead, ops):
+    num_pages, page_size, max_num_seqs, budget, caching, mode, lookahead, window,
+    ops):
+  # The fake model reads the last 3 ids, so any window >= 3 keeps its outputs.
   sched = make(num_pages=num_pages, page_size=page_size,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                enable_prefix_caching=caching, prefix_match=mode,
-               num_lookahead_slots=lookahead)
+               num_lookahead_slots=lookahead, sliding_window=window,
+               max_model_len=48)  # windowed requests may outgrow the pool
   dev = FakeDevice(sched)
   added, aborted, outputs = {}, set(), {}
   for o in ops:
@@ -400,3 +408,75 @@ def test_random_sequences_keep_invariants_and_never_leak(
   for rid, (prompt, max_new) in added.items():
     if rid not in aborted:
       assert outputs[rid] == generate_alone(prompt, max_new), rid
+
+
+# -- sliding windows ------------------------------------------------------------
+
+def test_window_bounds_the_pages_a_request_holds():
+  # W = 6, G = 4, chunks of <= 4: a row starting at s holds pages (s - 5) // 4
+  # through (s + n - 1) // 4, at most ceil((W + n - 2) / G) + 1 = 3; the request
+  # spans 13 pages, the pool has 4.
+  sched = make(num_pages=5, page_size=4, max_num_batched_tokens=4,
+               sliding_window=6, max_model_len=64)
+  prompt = list(range(2, 12))
+  sched.add_request("a", prompt, 40)
+  assert sched.max_pages_held(50) == 3
+  held, schedule = [], sched.schedule
+
+  def schedule_and_record():  # pages held while the step runs
+    out = schedule()
+    for row in out.rows:
+      first = max(0, row.start - 5) // 4
+      assert set(row.request.pages[:first]) <= {NULL_PAGE}
+      assert NULL_PAGE not in row.request.pages[first:]
+      held.append(len(row.request.pages) - first)
+    return out
+
+  sched.schedule = schedule_and_record
+  assert FakeDevice(sched).run() == {"a": generate_alone(prompt, 40)}
+  assert max(held) == 3
+  assert_no_leak(sched)
+
+
+def test_windowed_prefix_hit_acquires_only_live_blocks():
+  sched = make(page_size=4, sliding_window=6, max_num_batched_tokens=64)
+  prompt = list(range(2, 32))  # 30 tokens: 7 full blocks once computed
+  sched.add_request("a", prompt, 2)
+  dev = FakeDevice(sched)
+  dev.run()
+  cached = sched.prefix_cache.lookup(prompt + [5])
+  assert cached.num_tokens == 28
+  sched.add_request("b", prompt + [5], 3)
+  out, _ = dev.step()
+  [row] = out.rows
+  # Queries start at 28, so keys < 23 are dead: blocks 0..4 (positions 0..19).
+  assert row.start == 28
+  table = out.block_tables[0]
+  assert (table[:5] == NULL_PAGE).all()
+  assert list(table[5:7]) == list(cached.pages[5:])
+  assert table[7] not in cached.pages
+  assert all(sched.allocator.refcount(p) == 0 and sched.allocator.is_cached(p)
+             for p in cached.pages[:5])
+  assert sched.prefix_cache.hit_tokens == 28
+  assert dev.run()["b"] == generate_alone(prompt + [5], 3)
+  assert_no_leak(sched)
+
+
+def test_evicted_block_ends_the_hit_at_the_hole():
+  sched = make(num_pages=10, page_size=4, sliding_window=6, max_model_len=64)
+  prompt = list(range(2, 32))
+  sched.add_request("a", prompt, 2)
+  dev = FakeDevice(sched)
+  dev.run()
+  blocks = sched.prefix_cache.lookup(prompt).pages
+  assert len(blocks) == 7
+  # 2 free pages, then the LRU's first: a block a released mid-run (deepest first
+  # among those released together), which leaves a hole in a's chain.
+  sched.add_request("other", [45] * 9, 1)
+  dev.run()
+  cached = [sched.allocator.is_cached(p) for p in blocks]
+  hole = cached.index(False)
+  assert cached == [True] * hole + [False] + [True] * (6 - hole)
+  hit = sched.prefix_cache.lookup(prompt)
+  assert hit.pages == blocks[:hole] and hit.num_tokens == 4 * hole
+  assert_no_leak(sched)

@@ -81,6 +81,8 @@ def mla_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array,
 @struct.dataclass
 class MLAPagedCache:
   """Latent pages: one [G, R + Hr] row per token, shared by every head."""
+  PAGE_ARRAYS = ("pages",)  # see kvjax/cache.py copy_cache_pages
+  PAGE_AXIS = 1
   pages: jax.Array  # [L, P, G, R + Hr]
   value_dim: int = struct.field(pytree_node=False, default=0)  # R
 

@@ -71,6 +71,10 @@ def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int
 
 @struct.dataclass
 class KIVIPagedKVCache:
+  # Per-page arrays (kvjax/cache.py copy_cache_pages); the residual belongs to a slot.
+  PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
+  PAGE_AXIS = 2
+
   k_pages: jax.Array  # [L, K, P, G, H/2] int8, two int4 codes per byte
   v_pages: jax.Array  # [L, K, P, G, H/2]
   k_scales: jax.Array  # [L, K, P, H] f32, per channel over the page's G tokens
