@@ -162,6 +162,10 @@ def part_c(model, c):
         "acceptance_length": mtp["acceptance_length"],
         "acceptance_rate_per_position": mtp["acceptance_rate_per_position"],
         "plain_tpot_s": plain["tpot_s"], "mtp_tpot_s": mtp["tpot_s"],
+        # C9 on this device: one verify-and-draft step over one plain decode step.
+        "plain_decode_step_s": plain["decode_step_s"]["median"],
+        "mtp_decode_step_s": mtp["decode_step_s"]["median"],
+        "verify_step_cost": mtp["decode_step_s"]["median"] / plain["decode_step_s"]["median"],
         "greedy_outputs_equal": plain["outputs"] == mtp["outputs"]}
   return out
 
@@ -223,6 +227,10 @@ def main(argv):
        f"{b1['speedup']:.2f}x"),
       ("issue", f"MTP speedup TPOT, batch {c.spec_batches[0]}", ">= 1.5x",
        f"{b1['decode_speedup']:.2f}x"),
+      ("C9", f"verify+draft step / decode step, batch {c.spec_batches[0]}", "~1x",
+       f"{b1['verify_step_cost']:.2f}x"),
+      ("C9", f"verify+draft step / decode step, batch {c.spec_batches[-1]}", "~1x",
+       f"{bn['verify_step_cost']:.2f}x"),
       ("issue", f"MTP speedup tok/s, batch {c.spec_batches[-1]}", "-", f"{bn['speedup']:.2f}x"),
       ("issue", f"MTP speedup TPOT, batch {c.spec_batches[-1]}", "-",
        f"{bn['decode_speedup']:.2f}x"),

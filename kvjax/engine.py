@@ -334,6 +334,7 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Run one scheduled step -> outputs of the requests that got tokens."""
+    start = time.perf_counter()
     plan = self.scheduler.schedule()
     if plan.copies:
       # At most one copy per admitted row: pad to max_num_seqs, one shape.
@@ -377,7 +378,8 @@ class Engine:
     allocator = self.scheduler.allocator
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                       utilization=allocator.utilization, pages_used=allocator.num_used,
-                      batched_tokens=plan.num_batched_tokens)
+                      batched_tokens=plan.num_batched_tokens, step_s=now - start,
+                      decode_only=bool(plan.rows) and all(r.is_decode for r in plan.rows))
     return outputs
 
   def stream(self) -> Iterator[RequestOutput]:

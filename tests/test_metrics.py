@@ -30,8 +30,10 @@ def test_verify_steps_give_acceptance_per_position():
   r.record_verify(num_draft=1, num_accepted=1, num_positions=2)  # 2 tokens
   r.record_tokens(6, 1.0)
   steps = StepLog()
-  steps.record(waiting=2, running=1, utilization=0.5, pages_used=3, batched_tokens=3)
-  steps.record(waiting=0, running=1, utilization=0.25, pages_used=1, batched_tokens=3)
+  steps.record(waiting=2, running=1, utilization=0.5, pages_used=3, batched_tokens=3,
+               step_s=0.5, decode_only=False)
+  steps.record(waiting=0, running=1, utilization=0.25, pages_used=1, batched_tokens=3,
+               step_s=0.25, decode_only=True)
   s = summarize([r], steps, wall_s=2.0, prefix_hit_tokens=16, prefix_queried_tokens=64,
                 num_preemptions=1)
   assert s["acceptance_length"] == pytest.approx(6 / 3)
@@ -40,6 +42,7 @@ def test_verify_steps_give_acceptance_per_position():
   assert s["tokens_per_s"] == pytest.approx(3.0) and s["request_throughput"] == 0.5
   assert s["prefix_hit_rate"] == 0.25 and s["kv_pages_used"] == 3
   assert s["queue_depth"]["mean"] == 1.0 and s["num_preemptions"] == 1
+  assert s["decode_step_s"]["mean"] == 0.25  # the prefill step does not count
 
 
 def test_distribution_mean_median_p99():
