@@ -157,12 +157,16 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
       state = init_paged_state(cfg, rows, 1 + rows * pages_per_seq, page_size, pages_per_seq,
                                dtype, kv_dtype)
       tables = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
-      state = state.replace(block_tables=jnp.asarray(tables))
+      # Prefill sees only the pages its prompts fill: attention work scales with the table.
+      prompt_pages = -(-prompt_bucket // page_size)
+      state = state.replace(block_tables=jnp.asarray(tables[:, :prompt_pages]))
     else:
       state = init_contiguous_state(cfg, rows, total_bucket, dtype)
     slot_ids = jnp.arange(rows, dtype=jnp.int32)
     state, logits, _ = prefill(params, state, jnp.asarray(tokens), jnp.asarray(lens * live),
                                slot_ids, config=cfg, backend=backend)
+    if cache == "paged":
+      state = state.replace(block_tables=jnp.asarray(tables))
     first = sample(logits, sampling, jnp.asarray(lens), use_filter=use_filter)
     first.block_until_ready()
     ttft = time.perf_counter() - start

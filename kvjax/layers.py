@@ -53,16 +53,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def dense(spec: str, x: jax.Array, w, **einsum_kwargs) -> jax.Array:
+def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
   """einsum(spec, x, w) where w is an array or a QuantizedWeight (dequantized here).
 
   Every projection goes through this one site, so a quantized Params pytree
   (kvjax/weights/quantize.py) runs through the unchanged model code; an
-  ActivationProbe (calibration, eager only) records x on the way.
+  ActivationProbe (calibration, eager only) records x on the way.  A spec that
+  contracts x's trailing axes with w's leading ones ("btnh,nhd->btd") runs as
+  one 2-D matmul [rows, I] @ [I, O] of the row-major arrays: left to einsum,
+  XLA:CPU may pick an axis order that transposes the weight on every call.
   """
   if isinstance(w, ActivationProbe):
     w.observe(x)
     w = w.weight
   if isinstance(w, QuantizedWeight):
     w = w.dequantize(x.dtype)
-  return jnp.einsum(spec, x, w, **einsum_kwargs)
+  inputs, out_axes = spec.split("->")
+  x_axes, w_axes = inputs.split(",")
+  num_in = sum(axis in x_axes for axis in w_axes)  # contracted axes
+  row_axes = x_axes[:len(x_axes) - num_in]
+  if not (x_axes.endswith(w_axes[:num_in]) and out_axes == row_axes + w_axes[num_in:]):
+    return jnp.einsum(spec, x, w, **dot_kwargs)
+  size_in = math.prod(w.shape[:num_in])
+  out = jnp.matmul(x.reshape(-1, size_in), w.reshape(size_in, -1), **dot_kwargs)
+  return out.reshape(x.shape[:x.ndim - num_in] + w.shape[num_in:])

@@ -4,6 +4,11 @@ Used by the no-cache forward (keys are the query tokens themselves) and by the
 contiguous cache (keys are a per-row [S] buffer).  Query row i of batch row b sits
 at `q_positions[b, i]`; key j at `k_positions[b, j]`; it is visible iff it is
 valid, not in the future and (with a window W) fewer than W tokens back.
+
+`grouped_attention` is the shared core, written kv-head-major ([K, B, ...]) so
+both of its matmuls are plain batched matmuls over (K, B) with row-major
+operands: on XLA:CPU any other order makes the compiler transpose the whole
+key/value block (or a weight) on every call.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["masked_attention", "visibility_mask"]
+__all__ = ["masked_attention", "grouped_attention", "visibility_mask"]
 
 
 def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
@@ -26,26 +31,39 @@ def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
   return visible
 
 
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
+                      sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
+  """q [K, B, Q, T, H], k [K, B, S, H], v [K, B, S, Hv], visible [B, T, S] -> f32 [K, B, Q, T, Hv].
+
+  Softmax normalization is applied after the value matmul (on [.., Hv], not
+  [.., S]); rows with no visible key (padding) get zeros instead of NaN.
+  """
+  num_kv, b, group, t, h = q.shape
+  scores = jnp.einsum("kbih,kbsh->kbis", q.reshape(num_kv, b, group * t, h), k,
+                      preferred_element_type=jnp.float32)
+  scores = scores.reshape(num_kv, b, group, t, -1) * sm_scale  # [K, B, Q, T, S]
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
+  scores = jnp.where(visible[None, :, None], scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.exp(scores - row_max)  # exactly 0 where not visible
+  denom = jnp.sum(weights, axis=-1, keepdims=True)
+  out = jnp.einsum("kbis,kbsh->kbih", weights.reshape(num_kv, b, group * t, -1),
+                   v.astype(jnp.float32))
+  out = out.reshape(num_kv, b, group, t, -1)
+  return out / jnp.where(denom == 0.0, 1.0, denom)
+
+
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
                      sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
-  """q, k [.., H], v [B, S, K, Hv], visible [B, T, S] -> [B, T, N, Hv] (q's dtype).
+  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], visible [B, T, S] -> [B, T, N, Hv] (q's dtype).
 
   Hv may differ from H (MLA attends with latent values narrower than its keys).
   """
   b, t, n, h = q.shape
   num_kv = k.shape[2]
-  qg = q.reshape(b, t, num_kv, n // num_kv, h)  # [B, T, K, Q, H]
-  scores = jnp.einsum("btkqh,bskh->bkqts", qg, k,
-                      preferred_element_type=jnp.float32) * sm_scale
-  if soft_cap is not None:
-    scores = soft_cap * jnp.tanh(scores / soft_cap)
-  mask = visible[:, None, None, :, :]  # [B, 1, 1, T, S]
-  scores = jnp.where(mask, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  # Rows with no visible key (padding) get zeros instead of NaN.
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(weights, axis=-1, keepdims=True)
-  weights = weights / jnp.where(denom == 0.0, 1.0, denom)
-  out = jnp.einsum("bkqts,bskh->btkqh", weights, v.astype(jnp.float32))
-  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Q, T, H]
+  out = grouped_attention(qg, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible,
+                          sm_scale=sm_scale, soft_cap=soft_cap)
+  return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, v.shape[-1]).astype(q.dtype)

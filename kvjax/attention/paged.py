@@ -13,19 +13,26 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.attention.dense import grouped_attention, visibility_mask
 
 __all__ = ["paged_attention", "gather_pages"]
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array,
                  scales: Optional[jax.Array] = None) -> jax.Array:
-  """pages [K, P, G, H] gathered by block_tables [B, Pmax] -> [B, Pmax*G, K, H] (f32 if scaled)."""
-  gathered = pages[:, block_tables]  # [K, B, Pmax, G, H]
+  """pages [K, P, G, H] gathered by block_tables [B, Pmax] -> [K, B, Pmax*G, H] (f32 if scaled).
+
+  One gather per kv head: each copies whole [G, H] pages in order, where a
+  single gather over [K, P, ...] comes out page-major and XLA:CPU then
+  transposes it element by element (4x the time of the gathers themselves).
+  """
+  num_kv, _, g, h = pages.shape
+  b, pmax = block_tables.shape
+  gathered = jnp.stack([pages[j][block_tables] for j in range(num_kv)])  # [K, B, Pmax, G, H]
   if scales is not None:
-    gathered = gathered.astype(jnp.float32) * scales[:, block_tables][..., None]
-  k, b, pmax, g, h = gathered.shape
-  return gathered.transpose(1, 2, 3, 0, 4).reshape(b, pmax * g, k, h)
+    page_scales = jnp.stack([scales[j][block_tables] for j in range(num_kv)])  # [K, B, Pmax, G]
+    gathered = gathered.astype(jnp.float32) * page_scales[..., None]
+  return gathered.reshape(num_kv, b, pmax * g, h)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -34,13 +41,16 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     k_scales: Optional[jax.Array] = None,
                     v_scales: Optional[jax.Array] = None) -> jax.Array:
   """q [B, T, N, H]; k/v_pages [K, P, G, H]; kv_lens [B]; block_tables [B, Pmax] -> [B, T, N, H]."""
-  b, t = q.shape[:2]
-  keys = gather_pages(k_pages, block_tables, k_scales)  # [B, S, K, H]
+  b, t, n, h = q.shape
+  num_kv = k_pages.shape[0]
+  keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
-  s = keys.shape[1]
+  s = keys.shape[2]
   q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
   k_positions = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))  # [B, S]
   visible = visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None],
                             sliding_window)
-  return masked_attention(q, keys.astype(q.dtype) if k_scales is None else keys,
-                          values, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Q, T, H]
+  out = grouped_attention(qg, keys.astype(q.dtype) if k_scales is None else keys, values,
+                          visible, sm_scale=sm_scale, soft_cap=soft_cap)
+  return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, h).astype(q.dtype)
