@@ -5,10 +5,9 @@ contiguous cache (keys are a per-row [S] buffer).  Query row i of batch row b si
 at `q_positions[b, i]`; key j at `k_positions[b, j]`; it is visible iff it is
 valid, not in the future and (with a window W) fewer than W tokens back.
 
-`grouped_attention` is the shared core, written kv-head-major ([K, B, ...]) so
-both of its matmuls are plain batched matmuls over (K, B) with row-major
-operands: on XLA:CPU any other order makes the compiler transpose the whole
-key/value block (or a weight) on every call.
+`grouped_attention` is the shared core (the paged reference backend calls it
+too), written kv-head-major ([K, B, ...]) so both matmuls batch over leading
+(K, B) axes, and normalizing the [.., Hv] output instead of the [.., S] weights.
 """
 from __future__ import annotations
 

@@ -22,16 +22,13 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array,
                  scales: Optional[jax.Array] = None) -> jax.Array:
   """pages [K, P, G, H] gathered by block_tables [B, Pmax] -> [K, B, Pmax*G, H] (f32 if scaled).
 
-  One gather per kv head: each copies whole [G, H] pages in order, where a
-  single gather over [K, P, ...] comes out page-major and XLA:CPU then
-  transposes it element by element (4x the time of the gathers themselves).
+  Kv-head-major, the order `grouped_attention` multiplies in without a copy.
   """
   num_kv, _, g, h = pages.shape
   b, pmax = block_tables.shape
-  gathered = jnp.stack([pages[j][block_tables] for j in range(num_kv)])  # [K, B, Pmax, G, H]
+  gathered = pages[:, block_tables]  # [K, B, Pmax, G, H]
   if scales is not None:
-    page_scales = jnp.stack([scales[j][block_tables] for j in range(num_kv)])  # [K, B, Pmax, G]
-    gathered = gathered.astype(jnp.float32) * page_scales[..., None]
+    gathered = gathered.astype(jnp.float32) * scales[:, block_tables][..., None]
   return gathered.reshape(num_kv, b, pmax * g, h)
 
 
