@@ -101,8 +101,12 @@ class ModelConfig:
 
   @property
   def num_cache_layers(self) -> int:
-    """Layers that own KV pages: the trunk plus every MTP module's block."""
-    return self.num_layers + self.mtp_num_hidden_layers
+    """Layers that own KV pages when drafting with MTP: the trunk plus every MTP block."""
+    return self.cache_layers(with_mtp=True)
+
+  def cache_layers(self, with_mtp: bool) -> int:
+    """KV layers a cache allocates: MTP modules' only when they draft (claim C11's cost)."""
+    return self.num_layers + (self.mtp_num_hidden_layers if with_mtp else 0)
 
   def window_of_layer(self, layer: int) -> Optional[int]:
     """Sliding window of cache layer `layer` (MTP blocks use the global window)."""

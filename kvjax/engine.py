@@ -262,7 +262,7 @@ class Engine:
     # Block tables cover a padded row's last position too (kvjax/steps.py).
     width = self.scheduler.max_pages_per_seq + -(-self._max_query // page_size)
     decode = init_paged_state(cfg, max_num_seqs + 1, num_pages, page_size, width, model.dtype,
-                              kv_dtype)
+                              kv_dtype, with_mtp=speculative == "mtp")
     k = self.num_draft
     draft_cache = None
     if self.draft_model is not None:

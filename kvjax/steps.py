@@ -42,28 +42,35 @@ class DecodeState:
 
 
 def init_paged_state(cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int,
-                     max_pages_per_seq: int, dtype, kv_dtype: Optional[str] = None) -> DecodeState:
-  """Empty pages; kv_dtype None keeps `dtype`, else see kvjax/quant/kv.py (int8, int4, ...)."""
+                     max_pages_per_seq: int, dtype, kv_dtype: Optional[str] = None, *,
+                     with_mtp: bool = False) -> DecodeState:
+  """Empty pages; kv_dtype None keeps `dtype`, else see kvjax/quant/kv.py (int8, int4, ...).
+
+  The MTP modules' KV layers are allocated only `with_mtp` (speculative
+  drafting): a plain decoder never writes them (claim C11's memory cost).
+  """
   if cfg.attention_type == "mla":
     check_kv_dtype(kv_dtype, cfg, "paged", "reference")
-    cache = MLAPagedCache.create(cfg, num_pages, page_size, dtype)
+    cache = MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)
   else:
-    cache = create_paged_cache(cfg, kv_dtype, num_slots, num_pages, page_size, dtype)
+    cache = create_paged_cache(cfg, kv_dtype, num_slots, num_pages, page_size, dtype,
+                               with_mtp=with_mtp)
   return DecodeState(cache=cache,
                      block_tables=jnp.zeros((num_slots, max_pages_per_seq), jnp.int32),
                      seq_lens=jnp.zeros((num_slots,), jnp.int32))
 
 
 def init_contiguous_state(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> DecodeState:
+  """Every slot reserves max_len tokens of the trunk's layers (the C7 baseline)."""
   if cfg.attention_type == "mla":
     # One latent "kv head": keys [latent; rope key], values the latent (stored twice;
     # the contiguous cache is a baseline, MLAPagedCache stores it once).
-    shape = (cfg.num_cache_layers, num_slots, max_len, 1)
+    shape = (cfg.num_layers, num_slots, max_len, 1)
     r = cfg.kv_lora_rank
     cache = ContiguousKVCache(k=jnp.zeros(shape + (r + cfg.qk_rope_head_dim,), dtype),
                               v=jnp.zeros(shape + (r,), dtype))
   else:
-    cache = ContiguousKVCache.create(cfg.num_cache_layers, cfg.num_kv_heads, num_slots,
+    cache = ContiguousKVCache.create(cfg.num_layers, cfg.num_kv_heads, num_slots,
                                      max_len, cfg.head_dim, dtype)
   return DecodeState(cache=cache, block_tables=jnp.zeros((num_slots, 0), jnp.int32),
                      seq_lens=jnp.zeros((num_slots,), jnp.int32))

@@ -170,3 +170,16 @@ def test_engine_compiles_a_bounded_number_of_steps(monkeypatch):
   for n in (1, 5, 9, 30):
     eng.generate([[7] * n, list(range(3, 3 + n))], 5)
   assert engine_lib.serve_step._cache_size() - before == 2
+
+
+def test_mtp_kv_layers_are_allocated_only_when_drafting():
+  # C11: the MTP modules' KV is speculation's memory cost, not a plain decoder's.
+  model = h.mtp_model()
+  cfg = model.config
+  assert cfg.mtp_num_hidden_layers > 0
+  plain = kvjax.Engine(model, **h.ENGINE_DEFAULTS)
+  drafting = kvjax.Engine(model, speculative="mtp", **h.ENGINE_DEFAULTS)
+  assert plain.state.decode.cache.k_pages.shape[0] == cfg.num_layers
+  assert drafting.state.decode.cache.k_pages.shape[0] == cfg.num_layers + cfg.mtp_num_hidden_layers
+  batch = h.prompts(2, seed=31)
+  assert plain.generate(batch, h.MAX_NEW).tokens == [h.reference(p) for p in batch]

@@ -135,18 +135,20 @@ def test_int8_greedy_agrees_with_the_float_cache(tiny_model):
   assert (got[:, :16] == want[:, :16]).all()
 
 
+@pytest.mark.parametrize("with_mtp", [True, False], ids=["mtp", "plain"])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
-def test_cache_bytes_per_token_match_the_ledger(kv_dtype):
-  cfg = kvjax.get_preset("tiny-code")  # MTP layers cache too: include_mtp
+def test_cache_bytes_per_token_match_the_ledger(kv_dtype, with_mtp):
+  cfg = kvjax.get_preset("tiny-code")  # MTP layers hold KV only when drafting
   page_size, num_pages = 16, 9
-  cache = init_paged_state(cfg, 2, num_pages, page_size, 4, jnp.float32, kv_dtype).cache
+  cache = init_paged_state(cfg, 2, num_pages, page_size, 4, jnp.float32, kv_dtype,
+                           with_mtp=with_mtp).cache
   stored = sum(x.nbytes for name, x in vars(cache).items()
                if x is not None and not name.endswith("residual"))
   per_token = stored / (num_pages * page_size)
-  ideal = ledger.kv_bytes_per_token(cfg, kv_dtype, include_mtp=True)
-  scales = ledger.kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp=True)
+  ideal = ledger.kv_bytes_per_token(cfg, kv_dtype, include_mtp=with_mtp)
+  scales = ledger.kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp=with_mtp)
   if kv_dtype == "int4":  # KIVI keys: one scale per channel per page, not per token
-    vectors = cfg.num_cache_layers * cfg.num_kv_heads
+    vectors = cfg.cache_layers(with_mtp) * cfg.num_kv_heads
     scales += vectors * 4 * (cfg.head_dim / page_size - 1)
   assert per_token == ideal + scales
 

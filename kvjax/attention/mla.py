@@ -87,9 +87,11 @@ class MLAPagedCache:
   value_dim: int = struct.field(pytree_node=False, default=0)  # R
 
   @classmethod
-  def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "MLAPagedCache":
+  def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
+             with_mtp: bool = False) -> "MLAPagedCache":
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return cls(pages=jnp.zeros((cfg.num_cache_layers, num_pages, page_size, width), dtype),
+    layers = cfg.cache_layers(with_mtp)
+    return cls(pages=jnp.zeros((layers, num_pages, page_size, width), dtype),
                value_dim=cfg.kv_lora_rank)
 
   @property

@@ -60,9 +60,9 @@ def check_kv_dtype(kv_dtype: Optional[str], cfg: ModelConfig, cache: str, backen
 
 
 def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
-                       num_pages: int, page_size: int, dtype):
-  """Empty GQA pages for kv_dtype (None: the model dtype)."""
-  args = (cfg.num_cache_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+                       num_pages: int, page_size: int, dtype, *, with_mtp: bool = False):
+  """Empty GQA pages for kv_dtype (None: the model dtype); MTP layers only `with_mtp`."""
+  args = (cfg.cache_layers(with_mtp), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
   if kv_dtype == "int4":
     return KIVIPagedKVCache.create(*args, num_slots=num_slots, residual_dtype=dtype)
   store = {None: dtype, "int8": jnp.int8, **_FLOATS}[kv_dtype]
