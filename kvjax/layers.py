@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "dense"]
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "dense", "matmul_precision"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -51,6 +51,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def matmul_precision(dtype):
+  """Trace-time context: full-f32 matmuls for float32 models, the backend default otherwise.
+
+  GPUs run float32 dots in TF32 by default, rounding operands to 10 mantissa
+  bits by amounts that depend on the kernel a shape selects, so a 3-token
+  verify and a 1-token decode of the same positions could disagree on a greedy
+  argmax (speculative greedy must equal plain greedy).  On CPU float32 dots are
+  full precision either way; bf16 models keep the default.
+  """
+  return jax.default_matmul_precision(
+      "highest" if jnp.dtype(dtype) == jnp.float32 else "default")
 
 
 def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:

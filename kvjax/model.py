@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.attention.mla import mla_attention
 from kvjax.config import ModelConfig
-from kvjax.layers import apply_rope, dense, rms_norm, rope_inv_freq
+from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
 from kvjax.params import AttentionParams, BlockParams, MTPParams, Params
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
@@ -61,8 +61,9 @@ def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm."""
   x = params.embed[tokens]
   inv_freq = rope_inv_freq(cfg)
-  for layer, block in enumerate(params.blocks):
-    cache, x = _block(cfg, block, x, positions, inv_freq, cache, layer, attend)
+  with matmul_precision(params.embed.dtype):
+    for layer, block in enumerate(params.blocks):
+      cache, x = _block(cfg, block, x, positions, inv_freq, cache, layer, attend)
   return cache, x
 
 
@@ -70,7 +71,8 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array,
               norm: Optional[jax.Array] = None) -> jax.Array:
   """hidden [..., D] -> float32 logits [..., V] through `norm` (default: final norm)."""
   h = rms_norm(hidden, params.final_norm if norm is None else norm, cfg.rms_norm_eps)
-  return dense("...d,dv->...v", h, params.head(), preferred_element_type=jnp.float32)
+  with matmul_precision(params.embed.dtype):
+    return dense("...d,dv->...v", h, params.head(), preferred_element_type=jnp.float32)
 
 
 def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Array,
@@ -83,9 +85,10 @@ def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Arr
   m: MTPParams = params.mtp[depth]
   e = rms_norm(params.embed[next_tokens], m.embed_norm, cfg.rms_norm_eps)
   h = rms_norm(prev_hidden, m.hidden_norm, cfg.rms_norm_eps)
-  x = jnp.concatenate([e, h], axis=-1) @ m.proj
-  return _block(cfg, m.block, x, positions, rope_inv_freq(cfg), cache,
-                cfg.num_layers + depth, attend)
+  with matmul_precision(params.embed.dtype):
+    x = jnp.concatenate([e, h], axis=-1) @ m.proj
+    return _block(cfg, m.block, x, positions, rope_inv_freq(cfg), cache,
+                  cfg.num_layers + depth, attend)
 
 
 def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:

@@ -146,3 +146,26 @@ def test_default_model_speculative_greedy_on_heldout_code():
   # Reported, and held to the issue's goal (the card measured 2.82 offline).
   print(f"default model MTP acceptance length {result.stats['acceptance_length']:.3f}")
   assert result.stats["acceptance_length"] >= 2.4
+
+
+def _dot_precisions(jaxpr) -> set:
+  """Precision of every dot_general in a closed jaxpr, sub-jaxprs included."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.add(eqn.params["precision"])
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      found |= _dot_precisions(sub)
+  return found
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float32_models_trace_every_matmul_at_full_precision(dtype):
+  # GPUs round float32 dots to TF32 by default, by shape-dependent amounts: a
+  # verify row and a decode row would then disagree on near-tie argmaxes.
+  model = h.mtp_model()
+  params = jax.tree.map(lambda x: x.astype(dtype), model.params)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda p: kvjax.model.forward_with_mtp(p, model.config, tokens))(params)
+  want = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+  assert _dot_precisions(jaxpr.jaxpr) == {(want, want)}
