@@ -13,8 +13,11 @@ The host loop per `step()`:
 from the plan, so preemption, abort and rejected drafts need no device
 rollback.  Shapes are bucketed to powers of two (rows from min(8,
 max_num_seqs) up to max_num_seqs, prefill chunks from 16 up to the token
-budget; decode rows are always 1 + K wide), so a run compiles at most
-(row buckets) x (chunk buckets + 1) steps.
+budget; decode rows are always 1 + K wide; block tables from 8 pages up to
+the widest a row can need), so a run compiles at most (row buckets) x (chunk
+buckets + 1) x (table buckets) steps.  The table width matters because the
+reference backend gathers every column: a decode row of a 192-token context
+would otherwise carry the 32 extra pages a 512-token prefill chunk needs.
 
 Sampling matches kvjax.generate: the token at sequence index p of a request
 is drawn with fold_in(PRNGKey(seed), p), so greedy and sampled outputs do not
@@ -52,6 +55,7 @@ __all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "
 # Fewest padded rows and shortest padded prefill chunk: fewer shapes to compile.
 _MIN_ROWS_BUCKET = 8
 _MIN_PREFILL_BUCKET = 16
+_MIN_TABLE_BUCKET = 8  # pages
 
 
 @struct.dataclass
@@ -72,7 +76,7 @@ class RowBatch:
   slot_ids: jax.Array  # [B] int32 state slot (padding rows: the scratch slot)
   starts: jax.Array  # [B] int32 position of column 0 (= tokens already cached)
   next_tokens: jax.Array  # [B] int32 id after a mid-prompt chunk, -1 if the row samples
-  block_tables: jax.Array  # [B, W] int32 page ids, null-page padded
+  block_tables: jax.Array  # [B, W'] int32 page ids, null-page padded, W' <= state's W
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +102,19 @@ def serve_step(params: Params, draft_params: Optional[Params], state: EngineStat
   num_draft = K: rows verify their drafts (C9-C10) and every row drafts anew, with
   the MTP modules (draft_config None) or the draft model.
   """
-  decode = state.decode.replace(
-      block_tables=state.decode.block_tables.at[rows.slot_ids].set(rows.block_tables),
+  width = state.decode.block_tables.shape[1]
+  tables = jnp.zeros((rows.slot_ids.shape[0], width), jnp.int32)
+  tables = state.decode.block_tables.at[rows.slot_ids].set(
+      tables.at[:, :rows.block_tables.shape[1]].set(rows.block_tables))
+  decode = state.decode.replace(  # the step reads only the rows' bucketed table width
+      block_tables=tables[:, :rows.block_tables.shape[1]],
       seq_lens=state.decode.seq_lens.at[rows.slot_ids].set(rows.starts))
   tokens = rows.tokens
   if num_draft:
     tokens = spec.fill_drafts(tokens, state.drafts[rows.slot_ids], rows.num_draft)
   decode, hidden = model_step(params, decode, tokens, rows.q_lens, rows.slot_ids,
                               config=config, backend=backend)  # hidden [B, T, D]
+  decode = decode.replace(block_tables=tables)
   base = jnp.maximum(rows.q_lens - 1 - rows.num_draft, 0)  # column of the last known token
   first = rows.starts + base + 1  # sequence index of the first emitted token
   if not num_draft:
@@ -398,13 +407,14 @@ class Engine:
     else:
       t = bucket(max(r.num_tokens for r in rows), self._max_query,
                  min(_MIN_PREFILL_BUCKET, self._max_query))
-    width = self.state.decode.block_tables.shape[1]
+    width = self._table_width(plan.block_tables[group], rows, t)
     tokens = np.zeros((b, t), np.int32)
     q_lens, num_draft, starts = (np.zeros(b, np.int32) for _ in range(3))
     slot_ids = np.full(b, self.max_num_seqs, np.int32)  # padding: the scratch slot
     next_tokens = np.full(b, -1, np.int32)
     tables = np.zeros((b, width), np.int32)
-    tables[:len(rows), :plan.block_tables.shape[1]] = plan.block_tables[group]
+    held = plan.block_tables[group][:, :width]
+    tables[:len(rows), :held.shape[1]] = held
     temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
     top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
     for j, row in enumerate(rows):
@@ -425,6 +435,21 @@ class Engine:
         config=self.config, draft_config=draft and draft.config, backend=self.backend,
         num_draft=self.num_draft, use_filter=use_filter)
     return emitted, counts
+
+  def _table_width(self, tables: np.ndarray, rows, t: int) -> int:
+    """Block-table columns a row group's step reads, bucketed (fewer compiled shapes).
+
+    The reference backend gathers every column, so a decode group (rows 1 + K
+    wide) should not carry the columns a max_num_batched_tokens prefill row
+    needs: cover each row's padded last position start + t - 1 and every page
+    it holds, in powers of two from _MIN_TABLE_BUCKET pages.
+    """
+    full = self.state.decode.block_tables.shape[1]
+    g = self.scheduler.page_size
+    needed = max(-(-(r.start + t) // g) for r in rows)
+    held = np.flatnonzero(tables.any(axis=0))
+    needed = max(needed, int(held[-1]) + 1 if held.size else 0)
+    return bucket(needed, full, min(_MIN_TABLE_BUCKET, full))
 
   # -- one-shot ---------------------------------------------------------------
 
