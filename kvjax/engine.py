@@ -50,7 +50,8 @@ from kvjax.sampling import SamplingParams, sample
 from kvjax.scheduler import Request, Scheduler, SchedulerOutput, bucket
 from kvjax.steps import DecodeState, init_paged_state, model_step
 
-__all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "copy_pages"]
+__all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "serve_burst",
+           "copy_pages"]
 
 # Fewest padded rows and shortest padded prefill chunk: fewer shapes to compile.
 _MIN_ROWS_BUCKET = 8
@@ -90,12 +91,10 @@ class RequestOutput:
   finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "backend", "num_draft",
-                                             "use_filter"), donate_argnames=("state",))
-def serve_step(params: Params, draft_params: Optional[Params], state: EngineState,
-               rows: RowBatch, sampling: SamplingParams, *, config: ModelConfig,
-               draft_config: Optional[ModelConfig], backend: str, num_draft: int,
-               use_filter: bool):
+def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
+                rows: RowBatch, sampling: SamplingParams, *, config: ModelConfig,
+                draft_config: Optional[ModelConfig], backend: str, num_draft: int,
+                use_filter: bool):
   """Run one row group -> (state, emitted [B, K+1] int32 padded -1, num_emitted [B]).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
@@ -148,6 +147,63 @@ def serve_step(params: Params, draft_params: Optional[Params], state: EngineStat
   state = state.replace(drafts=state.drafts.at[rows.slot_ids].set(drafts),
                         draft_probs=state.draft_probs.at[rows.slot_ids].set(probs))
   return state, emitted, accepted + 1
+
+
+_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter")
+serve_step = functools.partial(jax.jit, static_argnames=_STATIC,
+                               donate_argnames=("state",))(_serve_rows)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
+def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
+                rows: RowBatch, sampling: SamplingParams, left: jax.Array,
+                stop_ids: jax.Array, num_steps: jax.Array, *, config: ModelConfig,
+                draft_config: Optional[ModelConfig], backend: str, num_draft: int,
+                use_filter: bool, max_steps: int):
+  """Up to num_steps decode steps of one row group in one device loop (multi-step).
+
+  rows: the first step's decode rows ([B, 1 + K]); each later step feeds a
+  row's last emitted token at its new length.  Row b runs until it has emitted
+  left[b] tokens or one of stop_ids[b] ([B, S], -1 padded), then becomes a
+  padding row; the loop ends early once no row runs.  Drafts per step are
+  min(K, tokens still allowed - 1), as the scheduler plans a single step.
+  -> (state, emitted [max_steps, B, K+1] (-1 padded), counts [max_steps, B]
+  (0 once a row stopped), drafted [max_steps, B], steps run).
+  """
+  b, t = rows.tokens.shape
+  scratch = state.drafts.shape[0] - 1  # the padding rows' slot
+  col = jnp.arange(t)[None, :]
+
+  def cond(carry):
+    step, active = carry[0], carry[4]
+    return (step < num_steps) & jnp.any(active)
+
+  def body(carry):
+    step, state, last, starts, active, left, emitted_all, counts_all, drafted_all = carry
+    drafted = jnp.where(active, jnp.maximum(jnp.minimum(num_draft, left - 1), 0), 0)
+    step_rows = rows.replace(
+        tokens=rows.tokens.at[:, 0].set(last), q_lens=jnp.where(active, 1 + drafted, 0),
+        num_draft=drafted, slot_ids=jnp.where(active, rows.slot_ids, scratch), starts=starts,
+        block_tables=jnp.where(active[:, None], rows.block_tables, 0))
+    state, emitted, counts = _serve_rows(
+        params, draft_params, state, step_rows, sampling, config=config,
+        draft_config=draft_config, backend=backend, num_draft=num_draft,
+        use_filter=use_filter)
+    counts = jnp.where(active, counts, 0)
+    emitted = jnp.where(col < counts[:, None], emitted, -1)
+    stopped = jnp.any((emitted[:, :, None] == stop_ids[:, None, :]) & (emitted >= 0)[..., None],
+                      axis=(1, 2))
+    left = left - counts
+    last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    return (step + 1, state, jnp.where(active, last, rows.tokens[:, 0]), starts + counts,
+            active & ~stopped & (left > 0), left, emitted_all.at[step].set(emitted),
+            counts_all.at[step].set(counts), drafted_all.at[step].set(drafted))
+
+  carry = (jnp.int32(0), state, rows.tokens[:, 0], rows.starts, (rows.q_lens > 0) & (left > 0),
+           left, jnp.full((max_steps, b, t), -1, jnp.int32),
+           jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.int32))
+  steps_run, state, *_, emitted, counts, drafted = jax.lax.while_loop(cond, body, carry)
+  return state, emitted, counts, drafted, steps_run
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -211,6 +267,12 @@ class Engine:
       of the same vocabulary (a separate draft model with its own paged KV).
     num_draft: draft tokens per verify step (K).
     backend: attention backend name (kvjax/attention/registry.py).
+    num_scheduler_steps: most decode steps one device call runs (multi-step
+      scheduling, kvjax/scheduler.py): when every running request decodes and
+      nothing could be admitted meanwhile, the emitted tokens feed the next
+      step on device, so host scheduling and dispatch are paid once per burst.
+      Outputs do not change; a burst's tokens stream out together.  1: one
+      step per call.
     kv_dtype: how pages store K/V: None (the model dtype), "fp32", "bf16",
       "fp16", "int8" or "int4" (kvjax/quant/kv.py).  int4 (KIVI) keeps each
       slot's incomplete page in a per-slot full-precision residual, not in the
@@ -230,8 +292,8 @@ class Engine:
                max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
                max_model_len: Optional[int] = None, prefix_cache: bool = True,
                prefix_match: str = "block", min_cacheable_tokens: int = 0,
-               speculative=None, num_draft: int = 2,
-               backend: str = "reference", kv_dtype: Optional[str] = None):
+               speculative=None, num_draft: int = 2, backend: str = "reference",
+               num_scheduler_steps: int = 16, kv_dtype: Optional[str] = None):
     cfg = model.config
     get_backend(backend)  # ValueError naming an unknown backend
     check_kv_dtype(kv_dtype, cfg, "paged", backend)
@@ -264,7 +326,7 @@ class Engine:
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=prefix_cache, prefix_match=prefix_match,
         min_cacheable_tokens=min_cacheable_tokens, num_lookahead_slots=self.num_draft,
-        eos_token_id=cfg.eos_token_id,
+        num_scheduler_steps=num_scheduler_steps, eos_token_id=cfg.eos_token_id,
         sliding_window=_widest_window(cfg, self.draft_model and self.draft_model.config))
     self.max_num_seqs = max_num_seqs
     self._max_query = bucket(max_num_batched_tokens)
@@ -355,17 +417,21 @@ class Engine:
               for decode in (True, False)]
     launched = [(group, self._launch(plan, group)) for group in groups if group]
     new_ids, verified = {}, []
-    for group, (emitted, counts) in launched:
-      emitted, counts = np.asarray(emitted), np.asarray(counts)  # the step's host sync
+    steps_run = 1
+    for group, (emitted, counts, drafted, steps) in launched:
+      # emitted [S, B, K+1], counts and drafted [S, B]: S = 1 but for a burst.
+      emitted, counts, drafted = np.asarray(emitted), np.asarray(counts), np.asarray(drafted)
+      steps_run = int(steps)  # the step's host sync is above
       for j, i in enumerate(group):
         row = plan.rows[i]
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
         if row.sample:
-          new_ids[row.request_id] = emitted[j, :counts[j]].tolist()
-          if row.num_draft:
-            verified.append((row.request_id, row.num_draft, int(counts[j]) - 1))
+          new_ids[row.request_id] = [t for s in range(steps_run)
+                                     for t in emitted[s, j, :counts[s, j]].tolist()]
+          verified += [(row.request_id, int(drafted[s, j]), int(counts[s, j]) - 1)
+                       for s in range(steps_run) if drafted[s, j]]
     before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in new_ids}
     sampled = {rid: self.scheduler.requests[rid] for rid in new_ids}
     self.scheduler.update_from_output(plan, new_ids)
@@ -388,7 +454,8 @@ class Engine:
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                       utilization=allocator.utilization, pages_used=allocator.num_used,
                       batched_tokens=plan.num_batched_tokens, step_s=now - start,
-                      decode_only=bool(plan.rows) and all(r.is_decode for r in plan.rows))
+                      decode_only=bool(plan.rows) and all(r.is_decode for r in plan.rows),
+                      num_steps=steps_run)
     return outputs
 
   def stream(self) -> Iterator[RequestOutput]:
@@ -399,7 +466,11 @@ class Engine:
   __iter__ = stream
 
   def _launch(self, plan: SchedulerOutput, group: list[int]):
-    """Pad one row group to its bucket and dispatch serve_step (no host sync)."""
+    """Pad one row group to its bucket and dispatch serve_step or serve_burst (no host sync).
+
+    -> (emitted [S, B, K+1], counts [S, B], drafted [S, B], steps run), S = 1
+    unless the plan is a burst.
+    """
     rows = [plan.rows[i] for i in group]
     b = bucket(len(rows), self.max_num_seqs, min(_MIN_ROWS_BUCKET, self.max_num_seqs))
     if rows[0].is_decode:
@@ -407,6 +478,7 @@ class Engine:
     else:
       t = bucket(max(r.num_tokens for r in rows), self._max_query,
                  min(_MIN_PREFILL_BUCKET, self._max_query))
+    # A burst's table covers every position reserved (start + num_tokens).
     width = self._table_width(plan.block_tables[group], rows, t)
     tokens = np.zeros((b, t), np.int32)
     q_lens, num_draft, starts = (np.zeros(b, np.int32) for _ in range(3))
@@ -419,8 +491,8 @@ class Engine:
     top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
     for j, row in enumerate(rows):
       tokens[j, :len(row.token_ids)] = row.token_ids
-      q_lens[j], num_draft[j], slot_ids[j], starts[j] = (row.num_tokens, row.num_draft,
-                                                         row.slot, row.start)
+      q_lens[j], num_draft[j], slot_ids[j], starts[j] = (
+          len(row.token_ids) + row.num_draft, row.num_draft, row.slot, row.start)
       if not row.sample:
         next_tokens[j] = row.request.token_ids[row.start + row.num_tokens]
       s = row.request.sampling
@@ -430,11 +502,22 @@ class Engine:
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
     use_filter = bool((top_k > 0).any() or (top_p < 1).any())
     draft = self.draft_model
-    self.state, emitted, counts = serve_step(
-        self.model.params, draft and draft.params, self.state, batch, sampling,
-        config=self.config, draft_config=draft and draft.config, backend=self.backend,
-        num_draft=self.num_draft, use_filter=use_filter)
-    return emitted, counts
+    static = dict(config=self.config, draft_config=draft and draft.config,
+                  backend=self.backend, num_draft=self.num_draft, use_filter=use_filter)
+    if plan.num_steps == 1:
+      self.state, emitted, counts = serve_step(
+          self.model.params, draft and draft.params, self.state, batch, sampling, **static)
+      return emitted[None], counts[None], num_draft[None], 1
+    left = np.zeros(b, np.int32)
+    stops = [sorted(r.request.stop_token_ids) for r in rows]
+    stop_ids = np.full((b, bucket(max(map(len, stops)))), -1, np.int32)
+    for j, (row, ids) in enumerate(zip(rows, stops)):
+      left[j] = row.request.max_new_tokens - row.request.num_output_tokens
+      stop_ids[j, :len(ids)] = ids
+    self.state, emitted, counts, drafted, steps = serve_burst(
+        self.model.params, draft and draft.params, self.state, batch, sampling, left, stop_ids,
+        np.int32(plan.num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
+    return emitted, counts, drafted, steps
 
   def _table_width(self, tables: np.ndarray, rows, t: int) -> int:
     """Block-table columns a row group's step reads, bucketed (fewer compiled shapes).

@@ -7,6 +7,16 @@ Each `schedule()` call plans one engine step under a token budget
   2. prefill chunks: running requests still prefilling (chunked prefill), then
      waiting requests first come first served, using the prefix cache on
      admission; a waiting request that does not fit blocks those behind it.
+Multi-step decode (`num_scheduler_steps` S > 1, vLLM's multi-step scheduling):
+when every running request decodes and no waiting request could be admitted
+meanwhile (none waits, or every slot is taken), one plan covers up to S decode
+steps that the engine runs in one device loop, feeding each step's emitted
+token to the next; host scheduling and dispatch then cost once per S tokens.
+A burst row reserves pages for every position it may write (at most S x (1 + K)
+and at most its remaining max_new_tokens) only if they are free without
+preempting anyone; otherwise the step is a single one.  The tokens of a burst
+arrive together, so a request that stops early (EOS) holds its slot until the
+burst ends.
 Pages are allocated for exactly the positions a row writes.  A running request
 short of pages preempts, by recompute, the latest-admitted running request not
 yet scheduled this step (possibly itself): its pages are freed and it returns
@@ -130,12 +140,15 @@ class ScheduledRow:
     request: the request (read-only for the engine).
     slot: the request's row in the engine's per-sequence state.
     start: position of the first token fed (= tokens already in the cache).
-    num_tokens: positions written this step, draft slots included.
-    num_draft: trailing draft slots the engine fills with its own drafts.
+    num_tokens: positions written this step, draft slots included (a burst
+      row: every position its num_steps steps may write, pages reserved).
+    num_draft: trailing draft slots the engine fills with its own drafts (a
+      burst row: in its first step).
     token_ids: [num_tokens - num_draft] int32 known ids to feed.
     sample: the last known position yields a token (end of a prefill or a
       decode/verify row); otherwise it is a mid-prompt chunk.
     is_decode: a steady-decode row (may carry drafts), not a prefill chunk.
+    num_steps: decode steps this row may run in a burst (1: a single step).
   """
 
   request: Request
@@ -146,6 +159,7 @@ class ScheduledRow:
   token_ids: np.ndarray
   sample: bool
   is_decode: bool
+  num_steps: int = 1
 
   @property
   def request_id(self) -> str:
@@ -173,7 +187,9 @@ class SchedulerOutput:
       num_tokens, draft slots included).
     copies: page copies for token-mode prefix hits, to apply first.
     preempted_ids: requests preempted this step (their slots are free).
-    num_batched_tokens: sum of num_tokens, <= max_num_batched_tokens.
+    num_batched_tokens: positions one forward of the step computes, <=
+      max_num_batched_tokens (a burst: its first step's).
+    num_steps: decode steps of a burst plan (1: a single step).
   """
 
   rows: tuple[ScheduledRow, ...]
@@ -182,6 +198,7 @@ class SchedulerOutput:
   copies: tuple[PageCopy, ...]
   preempted_ids: tuple[str, ...]
   num_batched_tokens: int
+  num_steps: int = 1
 
   @property
   def decode_rows(self) -> tuple[ScheduledRow, ...]:
@@ -205,6 +222,8 @@ class Scheduler:
     prefix_match: "block" or "token" (see kvjax/prefix_cache.py).
     min_cacheable_tokens: shorter prefix hits are ignored.
     num_lookahead_slots: draft slots per decode row (speculative decoding).
+    num_scheduler_steps: most decode steps one plan may cover (see the module
+      doc); 1 plans every step on its own.
     eos_token_id: ends every request (kept as its last output id).
     sliding_window: widest attention window W of every layer that reads these
       pages; pages wholly before the window of a request's next query are
@@ -215,10 +234,11 @@ class Scheduler:
                max_num_batched_tokens: int, max_model_len: Optional[int] = None,
                enable_prefix_caching: bool = True, prefix_match: str = "block",
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
-               eos_token_id: Optional[int] = None,
+               num_scheduler_steps: int = 1, eos_token_id: Optional[int] = None,
                sliding_window: Optional[int] = None):
     for name, value in (("page_size", page_size),
                         ("max_num_seqs", max_num_seqs),
+                        ("num_scheduler_steps", num_scheduler_steps),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
       if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
@@ -232,6 +252,7 @@ class Scheduler:
     self.max_num_batched_tokens = max_num_batched_tokens
     self.max_model_len = max_model_len
     self.num_lookahead_slots = num_lookahead_slots
+    self.num_scheduler_steps = num_scheduler_steps
     self.eos_token_id = eos_token_id
     self.sliding_window = sliding_window
     self.allocator = BlockAllocator(num_pages)
@@ -314,7 +335,10 @@ class Scheduler:
   # -- one step ---------------------------------------------------------------
 
   def schedule(self) -> SchedulerOutput:
-    """Plans one step: decode rows, then prefill chunks (see module doc)."""
+    """Plans one step (or a decode burst): decode rows, then prefill chunks."""
+    burst = self._plan_burst()
+    if burst is not None:
+      return burst
     budget = self.max_num_batched_tokens
     rows, copies, preempted, pins = [], [], [], []
     scheduled: set[str] = set()
@@ -370,6 +394,11 @@ class Scheduler:
       budget -= n
 
     self.allocator.decref(pins)
+    return self._output(rows, copies, preempted, self.max_num_batched_tokens - budget)
+
+  def _output(self, rows: list[ScheduledRow], copies: list[PageCopy],
+              preempted: list[str], num_batched_tokens: int,
+              num_steps: int = 1) -> SchedulerOutput:
     tables = np.full((len(rows), self.max_pages_per_seq), NULL_PAGE, np.int32)
     for i, row in enumerate(rows):
       tables[i, :len(row.request.pages)] = row.request.pages
@@ -377,7 +406,35 @@ class Scheduler:
         rows=tuple(rows), block_tables=tables,
         seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
         copies=tuple(copies), preempted_ids=tuple(preempted),
-        num_batched_tokens=self.max_num_batched_tokens - budget)
+        num_batched_tokens=num_batched_tokens, num_steps=num_steps)
+
+  def _plan_burst(self) -> Optional[SchedulerOutput]:
+    """A multi-step decode plan of every running request, or None (see module doc)."""
+    k = self.num_lookahead_slots
+    running = self.running
+    if (self.num_scheduler_steps < 2 or not running
+        or not all(r.is_decoding for r in running)
+        or (self.waiting and len(running) < self.max_num_seqs)
+        or len(running) * (1 + k) > self.max_num_batched_tokens):
+      return None
+    lefts = [r.max_new_tokens - r.num_output_tokens for r in running]
+    # A row writes at most the budget (the window bound of max_pages_held).
+    steps = min(self.num_scheduler_steps, max(lefts), self.max_num_batched_tokens // (1 + k))
+    if steps < 2:
+      return None
+    spans = [min(steps * (1 + k), left) for left in lefts]
+    needs = [max(0, self._pages_for(r.num_computed_tokens + n) - len(r.pages))
+             for r, n in zip(running, spans)]
+    if not self.allocator.can_allocate(sum(needs)):
+      return None
+    rows = []
+    for req, n, left, need in zip(running, spans, lefts, needs):
+      req.pages += self.allocator.allocate(need)
+      start = req.num_computed_tokens
+      rows.append(ScheduledRow(req, req.slot, start, n, min(k, left - 1),
+                               np.asarray(req.token_ids[start:], np.int32), sample=True,
+                               is_decode=True, num_steps=steps))
+    return self._output(rows, [], [], sum(1 + r.num_draft for r in rows), steps)
 
   def update_from_output(
       self, output: SchedulerOutput,
@@ -385,7 +442,8 @@ class Scheduler:
     """Applies a step's sampled ids; returns the requests that finished.
 
     `new_token_ids[request_id]` holds, for every row with `sample`, 1 to
-    1 + num_draft ids: the accepted drafts then the bonus/corrected token.
+    1 + num_draft ids: the accepted drafts then the bonus/corrected token (a
+    burst row: every step's, 1 to num_tokens ids in all).
     Rows without `sample` must have no entry (or an empty one).  Rows of
     requests aborted since `schedule()` are ignored.  Validation happens before
     any change, so a ValueError leaves the scheduler untouched.
@@ -398,9 +456,9 @@ class Scheduler:
       if len(ids) and not row.sample:
         raise ValueError(f"request {rid!r} was a mid-prompt chunk; it samples "
                          "nothing")
-      if row.sample and not 1 <= len(ids) <= 1 + row.num_draft:
-        raise ValueError(f"request {rid!r} needs 1..{1 + row.num_draft} new "
-                         f"ids, got {len(ids)}")
+      most = row.num_tokens - len(row.token_ids) + 1
+      if row.sample and not 1 <= len(ids) <= most:
+        raise ValueError(f"request {rid!r} needs 1..{most} new ids, got {len(ids)}")
     missing = [r.request_id for r in output.rows
                if r.sample and r.request_id not in new_token_ids
                and r.request.status is RequestStatus.RUNNING]
@@ -415,8 +473,9 @@ class Scheduler:
       computed = row.start + row.num_tokens
       if row.sample:
         ids = [int(t) for t in new_token_ids[row.request_id]]
-        # KV is valid for the fed known tokens and the accepted drafts.
-        computed += len(ids) - 1 - row.num_draft
+        # KV is valid for the fed known tokens and every emitted id but the last
+        # (accepted drafts; a burst's earlier steps fed theirs).
+        computed = row.start + len(row.token_ids) + len(ids) - 1
         req.is_decoding = True
         for t in ids:
           req.token_ids.append(t)
@@ -432,7 +491,7 @@ class Scheduler:
         self._remove(req)
         finished.append(req)
       else:
-        # Roll back pages reserved for rejected drafts.
+        # Roll back pages reserved for rejected drafts (or a burst's unused steps).
         keep = self._pages_for(req.num_tokens)
         if len(req.pages) > keep:
           self.allocator.decref(reversed(req.pages[keep:]))

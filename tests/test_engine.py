@@ -160,16 +160,45 @@ _HYPOTHESIS_ENGINE = [h.engine(num_pages=h.TINY_POOL, prefix_match="token")]
 
 def test_engine_compiles_a_bounded_number_of_steps(monkeypatch):
   # A fresh config name: only this test's compiles count.  4 rows (one row bucket),
-  # prefill chunks of 16, decode rows of 1: 2 step programs, however long the prompts.
+  # prefill chunks of 16, decode rows of 1: 2 step programs and 1 multi-step decode
+  # loop, however long the prompts.
   model = h.mtp_model()
   fresh = kvjax.Model(model.config.replace(name="trace-count-engine"), model.params)
   eng = kvjax.Engine(fresh, **h.ENGINE_DEFAULTS)
-  before = engine_lib.serve_step._cache_size()
+  before = engine_lib.serve_step._cache_size(), engine_lib.serve_burst._cache_size()
   monkeypatch.setattr(engine_lib, "model_step",
-                      chex.assert_max_traces(engine_lib.model_step, n=2))
+                      chex.assert_max_traces(engine_lib.model_step, n=3))
   for n in (1, 5, 9, 30):
     eng.generate([[7] * n, list(range(3, 3 + n))], 5)
-  assert engine_lib.serve_step._cache_size() - before == 2
+  assert engine_lib.serve_step._cache_size() - before[0] == 2
+  assert engine_lib.serve_burst._cache_size() - before[1] == 1
+  assert max(eng.steps.num_steps) > 1
+
+
+@pytest.mark.parametrize("speculative", [None, "mtp"])
+def test_multi_step_bursts_equal_single_steps(speculative):
+  # Bursts change when tokens reach the host, never which: greedy, stop-token and
+  # sampled (top-k, top-p) requests, plain and drafting, acceptance counted alike.
+  batch = h.prompts(4, seed=41)
+  stop = h.reference(batch[1])[3]
+  want_stopped = h.reference(batch[1])[:h.reference(batch[1]).index(stop) + 1]
+  requests = [dict(), dict(stop=stop), dict(temperature=1.0, top_k=20, seed=3),
+              dict(temperature=0.7, top_p=0.9, seed=4)]
+  runs = {}
+  for steps in (1, 16):
+    eng = h.engine(speculative=speculative, num_scheduler_steps=steps)
+    ids = [eng.add_request(p, h.MAX_NEW, **kw) for p, kw in zip(batch, requests)]
+    for _ in eng.stream():
+      eng.scheduler.check_invariants()
+    h.assert_no_pages_held(eng)
+    assert (max(eng.steps.num_steps) > 1) == (steps > 1)
+    runs[steps] = [(eng.finished[r].output_ids, eng.metrics[r].proposed,
+                    eng.metrics[r].accepted) for r in ids]
+  assert runs[1] == runs[16]
+  outputs = [out for out, _, _ in runs[16]]
+  assert outputs[0] == h.reference(batch[0]) and outputs[1] == want_stopped
+  assert all(len(out) == h.MAX_NEW for out in outputs[2:])
+  assert (sum(sum(p) for _, p, _ in runs[16]) > 0) == (speculative is not None)
 
 
 def test_mtp_kv_layers_are_allocated_only_when_drafting():

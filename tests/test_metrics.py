@@ -34,6 +34,8 @@ def test_verify_steps_give_acceptance_per_position():
                step_s=0.5, decode_only=False)
   steps.record(waiting=0, running=1, utilization=0.25, pages_used=1, batched_tokens=3,
                step_s=0.25, decode_only=True)
+  steps.record(waiting=0, running=1, utilization=0.25, pages_used=1, batched_tokens=3,
+               step_s=1.0, decode_only=True, num_steps=4)  # a 4-step burst
   s = summarize([r], steps, wall_s=2.0, prefix_hit_tokens=16, prefix_queried_tokens=64,
                 num_preemptions=1)
   assert s["acceptance_length"] == pytest.approx(6 / 3)
@@ -41,8 +43,8 @@ def test_verify_steps_give_acceptance_per_position():
   assert s["acceptance_rate"] == pytest.approx(3 / 5)
   assert s["tokens_per_s"] == pytest.approx(3.0) and s["request_throughput"] == 0.5
   assert s["prefix_hit_rate"] == 0.25 and s["kv_pages_used"] == 3
-  assert s["queue_depth"]["mean"] == 1.0 and s["num_preemptions"] == 1
-  assert s["decode_step_s"]["mean"] == 0.25  # the prefill step does not count
+  assert s["queue_depth"]["mean"] == 2 / 3 and s["num_preemptions"] == 1
+  assert s["decode_step_s"]["mean"] == 0.25  # the prefill step does not count, a burst per step
 
 
 def test_distribution_mean_median_p99():

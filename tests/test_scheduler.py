@@ -50,12 +50,46 @@ class FakeDevice:
     g = self.sched.page_size
     return [int(self.kv[table[p // g], p % g]) for p in range(lo, n)]
 
+  def _forward(self, table, start, known, ctx, num_draft):
+    """Write known ids + drafts from `start`, check the context reads back -> sampled ids."""
+    drafts = []
+    for j in range(num_draft):
+      guess = next_token(ctx + drafts)
+      drafts.append(guess + 1 if self.wrong_draft(len(ctx) + j) else guess)
+    for j, t in enumerate(known + drafts):
+      self._write(table, start + j, t)
+    window = self.sched.sliding_window
+    lo = 0 if window is None else max(0, start - window + 1)
+    assert self._read(table, lo, len(ctx)) == ctx[lo:], "KV read-back mismatch"
+    ids = []
+    for d in drafts:
+      if next_token(ctx + ids) != d:
+        break
+      ids.append(d)
+    return ids + [next_token(ctx + ids)]
+
+  def _burst(self, table, row):
+    """A multi-step row: single steps on its reserved pages until it stops (as serve_burst)."""
+    req, g = row.request, self.sched.page_size
+    left = req.max_new_tokens - req.num_output_tokens
+    emitted = []
+    for _ in range(row.num_steps):
+      start, ctx = row.start + len(emitted), req.token_ids + emitted
+      num_draft = min(self.sched.num_lookahead_slots, left - len(emitted) - 1)
+      reserved = table[start // g:(start + num_draft) // g + 1]
+      assert NULL_PAGE not in reserved, "a burst wrote past its reserved pages"
+      emitted += self._forward(table, start, ctx[-1:], ctx, num_draft)
+      if len(emitted) >= left or set(emitted) & req.stop_token_ids:
+        break
+    return emitted
+
   def step(self):
     out = self.sched.schedule()
     assert len(out.rows) <= self.sched.max_num_seqs
-    assert out.num_batched_tokens == sum(r.num_tokens for r in out.rows)
+    assert out.num_batched_tokens == sum(len(r.token_ids) + r.num_draft for r in out.rows)
     assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
     assert not {r.request_id for r in out.rows} & set(out.preempted_ids)
+    assert {r.num_steps for r in out.rows} <= {out.num_steps}
     for copy in out.copies:
       self.kv[copy.dst] = self.kv[copy.src]
     new = {}
@@ -63,23 +97,13 @@ class FakeDevice:
       req = row.request
       known = [int(t) for t in row.token_ids]
       assert known == req.token_ids[row.start:row.start + len(known)]
+      if row.num_steps > 1:
+        new[row.request_id] = self._burst(table, row)
+        continue
       ctx = req.token_ids[:row.start + len(known)]
-      drafts = []
-      for j in range(row.num_draft):
-        guess = next_token(ctx + drafts)
-        drafts.append(guess + 1 if self.wrong_draft(len(ctx) + j) else guess)
-      for j, t in enumerate(known + drafts):
-        self._write(table, row.start + j, t)
-      window = self.sched.sliding_window
-      lo = 0 if window is None else max(0, row.start - window + 1)
-      assert self._read(table, lo, len(ctx)) == ctx[lo:], "KV read-back mismatch"
+      ids = self._forward(table, row.start, known, ctx, row.num_draft)
       if row.sample:
-        ids = []
-        for d in drafts:
-          if next_token(ctx + ids) != d:
-            break
-          ids.append(d)
-        new[row.request_id] = ids + [next_token(ctx + ids)]
+        new[row.request_id] = ids
     finished = self.sched.update_from_output(out, new)
     self.sched.check_invariants()
     return out, finished
@@ -355,6 +379,65 @@ def test_speculative_outputs_match_and_respect_max_new_tokens():
     assert_no_leak(sched)
 
 
+# -- multi-step decode -----------------------------------------------------------
+
+def test_burst_reserves_its_steps_and_returns_what_it_did_not_use():
+  sched = make(num_pages=16, page_size=4, max_num_seqs=2, num_scheduler_steps=4)
+  dev = FakeDevice(sched)
+  sched.add_request("a", [2, 3, 4, 5, 6], 6, stop_token_ids=[])
+  dev.step()  # prefill: 5 positions (2 pages), 1 token emitted
+  out = sched.schedule()
+  [row] = out.rows
+  # Up to 4 steps of 1 position from 5: positions 5..8 reserved (3 pages).
+  assert (out.num_steps, row.num_steps, row.start, row.num_tokens) == (4, 4, 5, 4)
+  assert len(row.request.pages) == 3
+  with pytest.raises(ValueError, match="needs 1..4 new ids"):
+    sched.update_from_output(out, {"a": [7] * 5})
+  sched.update_from_output(out, {"a": [7, 8]})  # as if it stopped after 2 steps
+  assert row.request.num_computed_tokens == 7 and len(row.request.pages) == 2
+  sched.check_invariants()
+  # 3 tokens left: the next burst runs at most 3 steps; it writes positions 7..9.
+  out = sched.schedule()
+  assert (out.num_steps, out.rows[0].num_tokens) == (3, 3)
+  sched.update_from_output(out, {"a": [9, 10, 11]})
+  assert_no_leak(sched)
+
+
+def test_no_burst_while_a_waiting_request_could_be_admitted():
+  sched = make(num_pages=32, page_size=4, max_num_seqs=2, num_scheduler_steps=4)
+  dev = FakeDevice(sched)
+  sched.add_request("a", [2, 3, 4], 20)
+  dev.step()
+  assert dev.step()[0].num_steps == 4  # alone: a burst
+  sched.add_request("b", [5, 6, 7], 20)
+  out, _ = dev.step()  # a free slot: decode a, prefill b
+  assert out.num_steps == 1 and len(out.rows) == 2
+  out, _ = dev.step()  # both decoding
+  assert out.num_steps == 4
+  sched.add_request("c", [8, 9], 3)  # waits: both slots are taken, bursts go on
+  out, _ = dev.step()
+  assert out.num_steps > 1 and len(out.rows) == 2
+  assert dev.run()["c"] == generate_alone([8, 9], 3)
+  assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_bursts_give_the_outputs_of_single_steps(lookahead):
+  prompts = {"a": [2, 3, 4, 5, 6], "b": [7, 8, 9], "c": [10, 11]}
+  stop = generate_alone(prompts["b"], 12)[6]  # b stops mid-burst
+  outputs = {}
+  for steps in (1, 8):
+    sched = make(num_pages=24, page_size=4, max_num_seqs=2, num_lookahead_slots=lookahead,
+                 num_scheduler_steps=steps)
+    for rid, prompt in prompts.items():
+      sched.add_request(rid, prompt, 12, stop_token_ids=[stop] if rid == "b" else [])
+    outputs[steps] = FakeDevice(sched).run()
+    assert_no_leak(sched)
+  assert outputs[1] == outputs[8]
+  assert outputs[8]["b"] == generate_alone(prompts["b"], 12, stops=(stop,))
+  assert outputs[8]["b"][-1] == stop
+
+
 # -- random sequences -----------------------------------------------------------
 
 BASE = list(range(2, 40))
@@ -374,15 +457,16 @@ op = st.one_of(
     max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12),
     caching=st.booleans(), mode=st.sampled_from(["block", "token"]),
     lookahead=st.integers(0, 2), window=st.sampled_from([None, 3, 6]),
-    ops=st.lists(op, min_size=10, max_size=60))
+    steps=st.sampled_from([1, 2, 5]), ops=st.lists(op, min_size=10, max_size=60))
 def test_random_sequences_keep_invariants_and_never_leak(
     num_pages, page_size, max_num_seqs, budget, caching, mode, lookahead, window,
-    ops):
+    steps, ops):
   # The fake model reads the last 3 ids, so any window >= 3 keeps its outputs.
   sched = make(num_pages=num_pages, page_size=page_size,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                enable_prefix_caching=caching, prefix_match=mode,
                num_lookahead_slots=lookahead, sliding_window=window,
+               num_scheduler_steps=steps,
                max_model_len=48)  # windowed requests may outgrow the pool
   dev = FakeDevice(sched)
   added, aborted, outputs = {}, set(), {}

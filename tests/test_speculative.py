@@ -68,7 +68,7 @@ DRAFT_SCENARIOS = {
 def test_injected_drafts_accept_the_longest_correct_prefix():
   prompt = h.prompts(1, seed=9)[0]
   truth = h.reference(prompt)
-  eng = spec_engine()
+  eng = spec_engine(num_scheduler_steps=1)  # one verify per step: drafts injected before each
   rid = eng.add_request(prompt, h.MAX_NEW)
   outputs = []
   while not outputs:  # chunked prefill, then the first token

@@ -53,19 +53,24 @@ def _record_pages(eng):
   return used
 
 
-def test_long_generation_holds_bounded_pages_and_keeps_its_tokens():
+@pytest.mark.parametrize("num_scheduler_steps", [1, 16])
+def test_long_generation_holds_bounded_pages_and_keeps_its_tokens(num_scheduler_steps):
+  # Single decode steps write 1 position (DECODE_BOUND); a 16-step burst reserves
+  # its 16 positions up front, as a 16-token prefill chunk does (PREFILL_BOUND).
+  bound = DECODE_BOUND if num_scheduler_steps == 1 else PREFILL_BOUND
   model, want = _model(), _oracle()
   # 7 usable pages (max_pages_held), while LONG + 300 spans 39 pages.
-  eng = kvjax.Engine(model, num_pages=8, **ENGINE)
+  eng = kvjax.Engine(model, num_pages=8, num_scheduler_steps=num_scheduler_steps, **ENGINE)
   assert eng.scheduler.sliding_window == W
   assert eng.scheduler.max_pages_held(len(LONG) + 300) == PREFILL_BOUND
   used = _record_pages(eng)
   assert eng.generate([LONG], 300).tokens == [want[0]]  # one 10-token chunk, then decodes
-  assert max(n for _, n in used) == DECODE_BOUND
+  assert max(n for _, n in used) == bound
+  assert max(eng.steps.num_steps) == num_scheduler_steps
   used.clear()
   assert eng.generate([SHORT], 40).tokens == [want[1][:40]]  # 16-token chunks
   assert max(n for decode, n in used if not decode) <= PREFILL_BOUND
-  assert max(n for decode, n in used if decode) == DECODE_BOUND
+  assert max(n for decode, n in used if decode) == bound
   eng.scheduler.check_invariants()
   assert eng.scheduler.allocator.num_used == 0
 
@@ -80,7 +85,7 @@ def test_pallas_kernel_skips_the_released_pages():
 def test_a_full_attention_layer_releases_nothing():
   model = _model((W, None))
   assert model.config.kv_window is None and _model((None, W)).config.kv_window is None
-  eng = kvjax.Engine(model, **ENGINE)
+  eng = kvjax.Engine(model, num_scheduler_steps=1, **ENGINE)  # a page count per token
   assert eng.scheduler.sliding_window is None
   used = _record_pages(eng)
   eng.generate([LONG], 48)
