@@ -1,7 +1,8 @@
 # python -m experiments.serve_bench --config=configs/serve_bench.py
 """Serving benchmark (claims C9-C10, C14, C15) on the default model and the CPU.
 
-(a) engine vs HF transformers static batching on one random-prompt workload,
+(a) engine vs HF transformers static batching on random-prompt workloads of
+    fixed and of varied lengths, at two concurrencies,
 (b) TTFT per turn with and without the prefix cache on 10-turn chats (C15),
 (c) tokens/s and acceptance with and without MTP speculation at batch 1 and 8.
 `get_config("runlocal")` shrinks every part so the script runs end to end in
@@ -17,11 +18,13 @@ def get_config(arg=None):
   config.seed = 0
   config.page_size = 16
   config.max_num_batched_tokens = 512
-  # (a) throughput: same prompts, same greedy lengths (EOS off), same batch size.
+  # (a) throughput: same requests (EOS off), engine max_num_seqs = HF batch; fixed
+  # lengths, then lengths uniform within +-hf_range_ratio of the means.
   config.hf_num_requests = 32
-  config.hf_batch = 8
+  config.hf_batches = (8, 32)
   config.hf_input_len = 128
   config.hf_output_len = 64
+  config.hf_range_ratio = 0.75
   # (b) chats: each turn adds a user message and the model's answer to the history.
   config.chat_num_chats = 4
   config.chat_num_turns = 10
@@ -33,6 +36,7 @@ def get_config(arg=None):
   config.spec_input_len = 64
   config.spec_output_len = 128
   config.num_draft = 2
+  config.num_scheduler_steps = 16  # decode steps per device call (multi-step scheduling)
   # Decode-bound: a smaller budget keeps the block tables' padding slack small.
   config.spec_max_num_batched_tokens = 128
   config.repeats = 3  # median of interleaved timed runs per variant
@@ -41,7 +45,7 @@ def get_config(arg=None):
   if arg == "runlocal":
     config.repeats = 1
     config.hf_num_requests = 4
-    config.hf_batch = 2
+    config.hf_batches = (2, 4)
     config.hf_input_len = 32
     config.hf_output_len = 8
     config.chat_num_chats = 2

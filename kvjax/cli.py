@@ -6,8 +6,10 @@ Each sub-command registers itself with `add_parser(subparsers)` and runs with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import time
 from typing import Optional, Sequence
 
 from kvjax import cli_bench, cli_memory
@@ -33,6 +35,8 @@ def _add_generate(subparsers) -> None:
   p.add_argument("--backend", default="reference", help="attention backend name")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.add_argument("--no-warmup", action="store_true",
+                 help="time the first call (XLA compilation included in TTFT)")
   p.set_defaults(func=_run_generate)
 
 
@@ -53,9 +57,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(text)
     if model.config.bos_token_id is not None and byte_level:
       prompt = [tokenizer.bos_id] + prompt
-  result = kvjax.generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache,
-                          page_size=args.page_size, backend=args.backend)
+  run = functools.partial(kvjax.generate, model, [prompt], args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, cache=args.cache, page_size=args.page_size,
+                          backend=args.backend)
+  warmup_s = None
+  if not args.no_warmup:  # compiles every shape, so the timed run measures serving
+    start = time.perf_counter()
+    run()
+    warmup_s = time.perf_counter() - start
+  result = run()
+  result.stats["warmup_s"] = warmup_s
   tokens = result.tokens[0]
   text = tokenizer.decode(tokens) if byte_level else None
   if args.json:
@@ -69,7 +81,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = result.stats
     print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
           f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "
-          f"{stats['kv_pages_used']} KV pages]", file=sys.stderr)
+          f"{stats['kv_pages_used']} KV pages"
+          + ("]" if warmup_s is None else f" | warm-up (compile) {warmup_s:.1f} s]"),
+          file=sys.stderr)
   return 0
 
 

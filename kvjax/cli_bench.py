@@ -7,6 +7,8 @@ previous turn finishes):
   multi-turn-chat       --num-requests chats of --num-turns turns; each turn's
                         prompt is the whole history plus a new user message, so
                         the prefix cache can skip everything but the new turn
+With --range-ratio r (vLLM's random dataset), each request's input and output
+lengths are drawn uniformly from [len x (1 - r), len x (1 + r)] instead.
 Prompt ids are slices of the held-out stdlib code for byte-level models (the
 default model) and random ids otherwise.  A warm-up pass of the same workload
 on a throwaway engine compiles every shape first, so timings exclude compiles.
@@ -51,23 +53,37 @@ def _token_source(vocab_size: int, seed: int) -> np.ndarray:
 
 def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: int,
                   output_len: int, system_len: int = 256, num_turns: int = 10,
-                  seed: int = 0) -> list[Session]:
-  """Sessions of a named workload; deterministic given the arguments."""
+                  range_ratio: float = 0.0, seed: int = 0) -> list[Session]:
+  """Sessions of a named workload; deterministic given the arguments.
+
+  range_ratio r in [0, 1): every user message and output length is drawn
+  uniformly from [len x (1 - r), len x (1 + r)] (at least 1); 0 = fixed lengths.
+  """
   if name not in WORKLOADS:
     raise ValueError(f"unknown workload {name!r}; use one of {WORKLOADS}")
+  if not 0 <= range_ratio < 1:
+    raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
   source = _token_source(vocab_size, seed)
   rng = np.random.default_rng(seed)
+
+  def length(mean: int) -> int:
+    if not range_ratio:
+      return mean
+    lo, hi = round(mean * (1 - range_ratio)), round(mean * (1 + range_ratio))
+    return max(1, int(rng.integers(lo, hi + 1)))
 
   def piece(n: int) -> list[int]:
     start = int(rng.integers(0, len(source) - n))
     return [int(t) for t in source[start:start + n]]
 
   if name == "random":
-    return [Session([piece(input_len)], output_len) for _ in range(num_requests)]
+    return [Session([piece(length(input_len))], length(output_len))
+            for _ in range(num_requests)]
   if name == "shared-system-prompt":
     system = piece(system_len)
-    return [Session([system + piece(input_len)], output_len) for _ in range(num_requests)]
-  return [Session([piece(input_len) for _ in range(num_turns)], output_len)
+    return [Session([system + piece(length(input_len))], length(output_len))
+            for _ in range(num_requests)]
+  return [Session([piece(length(input_len)) for _ in range(num_turns)], length(output_len))
           for _ in range(num_requests)]
 
 
@@ -88,6 +104,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   history = [[] for _ in sessions]
   outputs = [[] for _ in sessions]
   owner: dict[str, tuple[int, int]] = {}
+  finals = {}  # request id -> its final RequestOutput (with its metrics)
 
   def submit(i: int) -> None:
     turn = len(outputs[i])
@@ -104,8 +121,9 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
     submit(i)
   while engine.has_unfinished:
     for out in engine.step():
-      if not out.finished:
+      if not out.finished or out.request_id not in owner:
         continue
+      finals[out.request_id] = out
       i, _ = owner[out.request_id]
       outputs[i].append(out.output_ids)
       history[i] += out.output_ids
@@ -119,7 +137,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
   steps = StepLog(*(getattr(engine.steps, f.name)[steps_before:]
                     for f in dataclasses.fields(StepLog)))
-  metrics = [engine.metrics[rid] for rid in owner]
+  metrics = [finals[rid].metrics for rid in owner]
   summary = summarize(metrics, steps, wall, prefix_hit_tokens=hits[0] - hits_before[0],
                       prefix_queried_tokens=hits[1] - hits_before[1],
                       num_preemptions=engine.scheduler.num_preemptions - preemptions_before)
@@ -146,6 +164,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
   p.add_argument("--system-len", type=int, default=256, help="shared system prompt ids")
   p.add_argument("--num-turns", type=int, default=10, help="turns per chat")
+  p.add_argument("--range-ratio", type=float, default=0.0,
+                 help="lengths uniform in [len x (1 - r), len x (1 + r)] (0: fixed)")
   p.add_argument("--max-num-seqs", type=int, default=8)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--page-size", type=int, default=16)
@@ -154,6 +174,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--prefix-match", default="block", choices=("block", "token"))
   p.add_argument("--speculative", default=None, choices=("mtp",))
   p.add_argument("--num-draft", type=int, default=2)
+  p.add_argument("--num-scheduler-steps", type=int, default=16,
+                 help="most decode steps per device call (multi-step scheduling)")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--backend", default="reference")
   p.add_argument("--seed", type=int, default=0)
@@ -215,7 +237,8 @@ def _engine(model, args: argparse.Namespace, max_model_len: int):
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=max_model_len, prefix_cache=not args.no_prefix_cache,
                 prefix_match=args.prefix_match, speculative=args.speculative,
-                num_draft=args.num_draft, backend=args.backend)
+                num_draft=args.num_draft, backend=args.backend,
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
   sessions = make_workload(args.workload, vocab_size=model.config.vocab_size,
                            num_requests=args.num_requests, input_len=args.input_len,
                            output_len=args.output_len, system_len=args.system_len,
-                           num_turns=args.num_turns, seed=args.seed)
+                           num_turns=args.num_turns, range_ratio=args.range_ratio,
+                           seed=args.seed)
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings

@@ -6,17 +6,20 @@ The host loop per `step()`:
   2. token-mode prefix hits are page copies, applied first (`copy_pages`);
   3. decode rows and prefill rows run as two calls of one jitted `serve_step`
      (state donated, config static); splitting them keeps a 1-token decode row
-     from being padded to a 256-token prefill chunk;
+     from being padded to a 256-token prefill chunk.  A multi-step plan (decode
+     rows only) runs `serve_burst`: a device loop of serve_step's body that
+     feeds each step's emitted tokens to the next;
   4. one host sync reads the emitted ids, `update_from_output` appends them,
      applies stops and frees pages.
 `serve_step` overwrites each row's block table and length in the device state
 from the plan, so preemption, abort and rejected drafts need no device
 rollback.  Shapes are bucketed to powers of two (rows from min(8,
-max_num_seqs) up to max_num_seqs, prefill chunks from 16 up to the token
-budget; decode rows are always 1 + K wide; block tables from 8 pages up to
-the widest a row can need), so a run compiles at most (row buckets) x (chunk
-buckets + 1) x (table buckets) steps.  The table width matters because the
-reference backend gathers every column: a decode row of a 192-token context
+max_num_seqs) up to max_num_seqs, fewer for long prefill chunks; prefill
+chunks from 16 up to the token budget; decode rows are always 1 + K wide;
+block tables from 8 pages up to the widest a row can need), so a run compiles
+at most (row buckets) x (chunk buckets + 1) x (table buckets) steps, plus a
+multi-step decode loop per row and table bucket.  The table width matters
+because the reference backend gathers every column: a decode row of a 192-token context
 would otherwise carry the 32 extra pages a 512-token prefill chunk needs.
 
 Sampling matches kvjax.generate: the token at sequence index p of a request
@@ -47,15 +50,18 @@ from kvjax.model import lm_logits
 from kvjax.params import Params
 from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
-from kvjax.scheduler import Request, Scheduler, SchedulerOutput, bucket
+from kvjax.scheduler import Scheduler, SchedulerOutput, bucket
 from kvjax.steps import DecodeState, init_paged_state, model_step
 
 __all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "serve_burst",
            "copy_pages"]
 
 # Fewest padded rows and shortest padded prefill chunk: fewer shapes to compile.
+# Prefill groups of long chunks pad fewer rows: at most _MIN_PREFILL_TOKENS of
+# padding-only rows (4 rows of 128-token chunks run as 4, not 8).
 _MIN_ROWS_BUCKET = 8
 _MIN_PREFILL_BUCKET = 16
+_MIN_PREFILL_TOKENS = 128
 _MIN_TABLE_BUCKET = 8  # pages
 
 
@@ -89,6 +95,7 @@ class RequestOutput:
   output_ids: list  # every id generated so far
   finished: bool
   finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
+  metrics: Optional[RequestMetrics] = None  # the request's timeline, once finished
 
 
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
@@ -283,7 +290,9 @@ class Engine:
       outputs also depend on chunking (a query reads its own incomplete page
       in full precision), so they match the static batch only for unchunked
       prompts; int8 matches it always.
-  The engine keeps its pages and prefix cache across `generate` calls.  When
+  The engine keeps its pages and prefix cache across `generate` calls, and
+  forgets a request once its final RequestOutput (which carries its metrics)
+  has been returned, so a long-running engine holds no per-request history.  When
   every layer (MTP modules and a draft model too) has a sliding window, pages
   behind a request's window return to the pool as it runs (kvjax/scheduler.py).
   """
@@ -346,8 +355,8 @@ class Engine:
                                                    jnp.float32),
                              draft_cache=draft_cache)
     self._ids = itertools.count()
-    self.metrics: dict[str, RequestMetrics] = {}
-    self.finished: dict[str, Request] = {}
+    self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
+    self._pending: list[RequestOutput] = []  # returned by the next step()
     self.steps = StepLog()
 
   # -- requests ---------------------------------------------------------------
@@ -390,22 +399,34 @@ class Engine:
     return request_id
 
   def abort(self, request_id: str) -> bool:
-    """Finish a waiting or running request now; its pages are freed."""
+    """Finish a waiting or running request now; its pages are freed.
+
+    Its final RequestOutput (finish_reason "abort") comes with the next step().
+    """
     req = self.scheduler.requests.get(request_id)
     if req is None or not self.scheduler.abort(request_id):
       return False
-    self.finished[request_id] = req
+    metrics = self.metrics.pop(request_id)
+    metrics.finish_s = time.perf_counter()
+    self._pending.append(RequestOutput(request_id, [], list(req.output_ids), True,
+                                       req.status.value, metrics))
     return True
 
   @property
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished
+    """Requests still running or waiting, or final outputs not yet returned."""
+    return self.scheduler.has_unfinished or bool(self._pending)
 
   # -- stepping ---------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Run one scheduled step -> outputs of the requests that got tokens."""
+    """Run one scheduled step -> outputs of the requests that got tokens.
+
+    Also returns outputs held back since the last step (aborts, and other
+    requests' outputs produced while `generate` ran).
+    """
     start = time.perf_counter()
+    outputs, self._pending = self._pending, []
     plan = self.scheduler.schedule()
     if plan.copies:
       # At most one copy per admitted row: pad to max_num_seqs, one shape.
@@ -438,7 +459,6 @@ class Engine:
     now = time.perf_counter()
     for rid, num_draft, num_accepted in verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
-    outputs = []
     for rid, req in sampled.items():
       new = req.output_ids[before[rid]:]
       metrics = self.metrics[rid]
@@ -447,9 +467,10 @@ class Engine:
       finished = req.status.is_finished
       if finished:
         metrics.finish_s = now
-        self.finished[rid] = req
+        del self.metrics[rid]
       outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
-                                   req.status.value if finished else None))
+                                   req.status.value if finished else None,
+                                   metrics if finished else None))
     allocator = self.scheduler.allocator
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                       utilization=allocator.utilization, pages_used=allocator.num_used,
@@ -472,12 +493,14 @@ class Engine:
     unless the plan is a burst.
     """
     rows = [plan.rows[i] for i in group]
-    b = bucket(len(rows), self.max_num_seqs, min(_MIN_ROWS_BUCKET, self.max_num_seqs))
+    min_rows = _MIN_ROWS_BUCKET
     if rows[0].is_decode:
       t = 1 + self.num_draft  # one shape whatever drafts the budget allowed
     else:
       t = bucket(max(r.num_tokens for r in rows), self._max_query,
                  min(_MIN_PREFILL_BUCKET, self._max_query))
+      min_rows = max(1, min(min_rows, _MIN_PREFILL_TOKENS // t))
+    b = bucket(len(rows), self.max_num_seqs, min(min_rows, self.max_num_seqs))
     # A burst's table covers every position reserved (start + num_tokens).
     width = self._table_width(plan.block_tables[group], rows, t)
     tokens = np.zeros((b, t), np.int32)
@@ -568,18 +591,23 @@ class Engine:
     ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
            for p, s in zip(prompts, seeds)]
-    while any(rid not in self.finished for rid in ids):
-      self.step()
+    done, others, mine = {}, [], set(ids)
+    while len(done) < len(ids):
+      for out in self.step():
+        if out.request_id not in mine:
+          others.append(out)  # another caller's: handed out by the next step()
+        elif out.finished:
+          done[out.request_id] = out
     wall = time.perf_counter() - start
     hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     steps = StepLog(*(getattr(self.steps, f.name)[steps_before:]
                       for f in dataclasses.fields(StepLog)))
-    stats = summarize([self.metrics[rid] for rid in ids], steps, wall,
+    self._pending = others + self._pending
+    stats = summarize([done[rid].metrics for rid in ids], steps, wall,
                       prefix_hit_tokens=hits[0] - hits_before[0],
                       prefix_queried_tokens=hits[1] - hits_before[1],
                       num_preemptions=self.scheduler.num_preemptions - preemptions_before)
     stats["cache"] = "paged"
     stats["speculative"] = (None if not self.num_draft else "mtp" if self.draft_model is None
                             else self.draft_model.config.name)
-    return GenerateResult(tokens=[list(self.finished[rid].output_ids) for rid in ids],
-                          stats=stats)
+    return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)

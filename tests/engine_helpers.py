@@ -53,17 +53,35 @@ def engine(**overrides) -> Engine:
   return Engine(mtp_model(), **{**ENGINE_DEFAULTS, **overrides})
 
 
-def run_staggered(eng: Engine, batch: list[list[int]], max_new: int = MAX_NEW,
-                  **sampling) -> dict:
-  """Add half the prompts, step twice, add the rest, run to the end -> id: output."""
+def run_staggered_finals(eng: Engine, batch: list[list[int]], max_new: int = MAX_NEW,
+                         **sampling) -> list:
+  """Add half the prompts, step twice, add the rest, run to the end -> final outputs."""
   half = len(batch) // 2
   ids = [eng.add_request(p, max_new, **sampling) for p in batch[:half]]
-  for _ in range(2):
-    eng.step()
+  finals = {out.request_id: out for _ in range(2) for out in eng.step() if out.finished}
   ids += [eng.add_request(p, max_new, **sampling) for p in batch[half:]]
-  for _ in eng.stream():
+  finals.update(run_to_end(eng))
+  return [finals[rid] for rid in ids]
+
+
+def run_staggered(eng: Engine, batch: list[list[int]], max_new: int = MAX_NEW,
+                  **sampling) -> dict:
+  """run_staggered_finals -> prompt index: output ids."""
+  return {i: out.output_ids
+          for i, out in enumerate(run_staggered_finals(eng, batch, max_new, **sampling))}
+
+
+def run_to_end(eng: Engine) -> dict:
+  """Step until nothing is left, checking invariants -> request id: final RequestOutput."""
+  finals = {}
+  for out in eng.stream():
     eng.scheduler.check_invariants()
-  return {i: list(eng.finished[rid].output_ids) for i, rid in enumerate(ids)}
+    if out.finished:
+      assert out.request_id not in finals and out.metrics is not None
+      assert out.request_id not in eng.metrics  # forgotten once reported
+      finals[out.request_id] = out
+  assert not eng.metrics
+  return finals
 
 
 def assert_no_pages_held(eng: Engine) -> None:

@@ -13,6 +13,11 @@ def test_generate_json_matches_library(tiny_model, capsys):
   printed = json.loads(capsys.readouterr().out)
   assert printed["tokens"] == kvjax.generate(tiny_model, [[1, 2, 3]], 6).tokens[0]
   assert {"ttft_s", "tpot_s", "tokens_per_s", "kv_pages_used"} <= set(printed["stats"])
+  # Timed after a warm-up call (compiles); --no-warmup times the first call.
+  assert printed["stats"]["warmup_s"] > 0
+  assert main(["generate", "--checkpoint", "tiny", "--prompt-ids", "1,2,3",
+               "--max-new-tokens", "6", "--json", "--no-warmup"]) == 0
+  assert json.loads(capsys.readouterr().out)["stats"]["warmup_s"] is None
 
 
 def test_generate_bad_input_exits_2_with_the_value(capsys):

@@ -27,10 +27,10 @@ def test_mixed_requests_equal_generate_alone(name):
   overrides, preempts, hits = SCENARIOS[name]
   eng = h.engine(**overrides)
   batch = (h.prompts(5, seed=1, shared=20) + h.prompts(3, seed=2, lengths=(12, 15)))
-  outputs = h.run_staggered(eng, batch)
-  assert outputs == {i: h.reference(p) for i, p in enumerate(batch)}
+  finals = h.run_staggered_finals(eng, batch)
+  assert [out.output_ids for out in finals] == [h.reference(p) for p in batch]
   assert (eng.scheduler.num_preemptions > 0) == preempts
-  hit = sum(m.prefix_hit_tokens for m in eng.metrics.values())
+  hit = sum(out.metrics.prefix_hit_tokens for out in finals)
   assert (hit > 0) == hits
   h.assert_no_pages_held(eng)
 
@@ -63,9 +63,8 @@ def test_salted_requests_never_share_blocks():
   assert not pages["a"] & pages["e"]
   assert eng.scheduler.requests[ids["a"]].num_cached_tokens == 16
   assert all(eng.scheduler.requests[ids[s]].num_cached_tokens == 0 for s in "de")
-  for _ in eng.stream():
-    pass
-  assert all(eng.finished[rid].output_ids == h.reference(prompt) for rid in ids.values())
+  finals = h.run_to_end(eng)
+  assert all(finals[rid].output_ids == h.reference(prompt) for rid in ids.values())
   h.assert_no_pages_held(eng)
 
 
@@ -88,9 +87,8 @@ def test_bad_requests_fail_alone_and_others_finish_unchanged():
     with pytest.raises(ValueError, match=message):
       eng.add_request(prompt, max_new)
     eng.step()
-  for _ in eng.stream():
-    pass
-  assert [eng.finished[rid].output_ids for rid in ids] == [h.reference(p) for p in batch]
+  finals = h.run_to_end(eng)
+  assert [finals[rid].output_ids for rid in ids] == [h.reference(p) for p in batch]
   h.assert_no_pages_held(eng)
 
 
@@ -101,20 +99,40 @@ def test_generate_validates_every_prompt_before_queueing():
   assert not eng.has_unfinished and not eng.metrics
 
 
+def test_generate_hands_other_requests_outputs_to_the_next_step():
+  eng = h.engine()
+  mine, theirs = h.prompts(2, seed=61)
+  rid = eng.add_request(theirs, h.MAX_NEW)
+  assert eng.generate([mine], h.MAX_NEW).tokens == [h.reference(mine)]
+  streamed, finals = [], {}
+  for out in eng.stream():
+    assert out.request_id == rid
+    streamed += out.new_token_ids
+    if out.finished:
+      finals[rid] = out
+  assert streamed == finals[rid].output_ids == h.reference(theirs)
+  assert finals[rid].metrics.output_len == h.MAX_NEW
+  assert not eng.has_unfinished and not eng.metrics
+
+
 def test_stream_and_abort():
   eng = h.engine()
   batch = h.prompts(3, seed=6)
   ids = [eng.add_request(p, h.MAX_NEW) for p in batch]
   streamed = {rid: [] for rid in ids}
+  reasons = {}
   for i, out in enumerate(eng.stream()):
     streamed[out.request_id] += out.new_token_ids
     assert out.output_ids == streamed[out.request_id]
+    if out.finished:
+      reasons[out.request_id] = out.finish_reason
     if i == 4:
       assert eng.abort(ids[1])
+      assert ids[1] not in eng.metrics and eng.has_unfinished
   assert streamed[ids[0]] == h.reference(batch[0])
   assert streamed[ids[2]] == h.reference(batch[2])
   assert streamed[ids[1]] == h.reference(batch[1])[:len(streamed[ids[1]])]
-  assert eng.finished[ids[1]].status.value == "abort"
+  assert reasons == {ids[0]: "length", ids[1]: "abort", ids[2]: "length"}
   assert not eng.abort(ids[1])
   h.assert_no_pages_held(eng)
 
@@ -188,17 +206,34 @@ def test_multi_step_bursts_equal_single_steps(speculative):
   for steps in (1, 16):
     eng = h.engine(speculative=speculative, num_scheduler_steps=steps)
     ids = [eng.add_request(p, h.MAX_NEW, **kw) for p, kw in zip(batch, requests)]
-    for _ in eng.stream():
-      eng.scheduler.check_invariants()
+    finals = h.run_to_end(eng)
     h.assert_no_pages_held(eng)
     assert (max(eng.steps.num_steps) > 1) == (steps > 1)
-    runs[steps] = [(eng.finished[r].output_ids, eng.metrics[r].proposed,
-                    eng.metrics[r].accepted) for r in ids]
+    runs[steps] = [(finals[r].output_ids, finals[r].metrics.proposed,
+                    finals[r].metrics.accepted) for r in ids]
   assert runs[1] == runs[16]
   outputs = [out for out, _, _ in runs[16]]
   assert outputs[0] == h.reference(batch[0]) and outputs[1] == want_stopped
   assert all(len(out) == h.MAX_NEW for out in outputs[2:])
   assert (sum(sum(p) for _, p, _ in runs[16]) > 0) == (speculative is not None)
+
+
+def test_long_prefill_chunks_pad_few_rows(monkeypatch):
+  # Padding rows cost t tokens each: 2 rows of 64-token chunks run as 2 rows
+  # (<= 128 padding tokens), 2 rows of 16-token chunks as 8 (fewer shapes).
+  shapes, step = [], engine_lib.serve_step
+
+  def record(params, draft_params, state, rows, *args, **kwargs):
+    shapes.append(rows.tokens.shape)
+    return step(params, draft_params, state, rows, *args, **kwargs)
+
+  monkeypatch.setattr(engine_lib, "serve_step", record)
+  eng = h.engine(max_num_seqs=8, max_num_batched_tokens=128, num_scheduler_steps=1)
+  for lengths, prefill_shape in (((40, 48), (2, 64)), ((9, 12), (8, 16))):
+    batch = h.prompts(2, seed=51, lengths=lengths)
+    shapes.clear()
+    assert eng.generate(batch, 2).tokens == [h.reference(p)[:2] for p in batch]
+    assert shapes == [prefill_shape, (8, 1)]  # one prefill step, one decode step
 
 
 def test_mtp_kv_layers_are_allocated_only_when_drafting():

@@ -24,9 +24,10 @@ def spec_engine(**overrides):
 def test_speculative_greedy_equals_plain_greedy(overrides):
   eng = spec_engine(**overrides)
   batch = h.prompts(5, seed=1, shared=20) + h.prompts(3, seed=2, lengths=(12, 15))
-  assert h.run_staggered(eng, batch) == {i: h.reference(p) for i, p in enumerate(batch)}
+  finals = h.run_staggered_finals(eng, batch)
+  assert [out.output_ids for out in finals] == [h.reference(p) for p in batch]
   assert eng.scheduler.num_preemptions > 0
-  assert sum(m.verify_steps for m in eng.metrics.values()) > 0
+  assert sum(out.metrics.verify_steps for out in finals) > 0
   h.assert_no_pages_held(eng)
 
 
@@ -37,21 +38,21 @@ def test_greedy_rows_beside_a_sampled_row():
   batch = h.prompts(3, seed=21)
   greedy = [eng.add_request(p, h.MAX_NEW) for p in batch]
   sampled = eng.add_request(h.prompts(1, seed=22)[0], h.MAX_NEW, temperature=1.0, seed=5)
-  for _ in eng.stream():
-    pass
-  assert [list(eng.finished[r].output_ids) for r in greedy] == [h.reference(p) for p in batch]
-  assert len(eng.finished[sampled].output_ids) == h.MAX_NEW
-  assert sum(m.verify_steps for m in eng.metrics.values()) > 0
+  finals = h.run_to_end(eng)
+  assert [finals[r].output_ids for r in greedy] == [h.reference(p) for p in batch]
+  assert len(finals[sampled].output_ids) == h.MAX_NEW
+  assert sum(out.metrics.verify_steps for out in finals.values()) > 0
 
 
 def test_draft_model_as_drafter():
   # The target drafting for itself: every draft is accepted, output unchanged.
   eng = spec_engine(speculative=h.mtp_model())
   batch = h.prompts(3, seed=11, shared=18) + h.prompts(2, seed=12, lengths=(12, 15))
-  assert h.run_staggered(eng, batch) == {i: h.reference(p) for i, p in enumerate(batch)}
-  proposed = sum(sum(m.proposed) for m in eng.metrics.values())
+  finals = h.run_staggered_finals(eng, batch)
+  assert [out.output_ids for out in finals] == [h.reference(p) for p in batch]
+  proposed = sum(sum(out.metrics.proposed) for out in finals)
   assert proposed > 0
-  assert sum(sum(m.accepted) for m in eng.metrics.values()) == proposed
+  assert sum(sum(out.metrics.accepted) for out in finals) == proposed
   h.assert_no_pages_held(eng)
   with pytest.raises(ValueError, match="draft model vocab_size 512 != target vocab_size 259"):
     kvjax.Engine(kvjax.load_checkpoint("tiny-code"), speculative=h.mtp_model())
@@ -86,9 +87,7 @@ def test_injected_drafts_accept_the_longest_correct_prefix():
   metrics = eng.metrics[rid]
   # The last step had room for one draft only (2 tokens left).
   assert (metrics.proposed, metrics.accepted, metrics.emitted) == ([3, 2], [2, 1], 6)
-  for _ in eng.stream():
-    pass
-  assert eng.finished[rid].output_ids == truth
+  assert h.run_to_end(eng)[rid].output_ids == truth
 
 
 def test_sampling_with_speculation_keeps_the_target_distribution():
@@ -100,9 +99,8 @@ def test_sampling_with_speculation_keeps_the_target_distribution():
   n, vocab = 1000, model.config.vocab_size
   eng = spec_engine(prefix_cache=False)
   ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
-  for _ in eng.stream():
-    pass
-  first = np.array([eng.finished[rid].output_ids[:2] for rid in ids])  # [n, 2]
+  finals = h.run_to_end(eng)
+  first = np.array([finals[rid].output_ids[:2] for rid in ids])  # [n, 2]
   p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
   extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
   p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
@@ -112,8 +110,9 @@ def test_sampling_with_speculation_keeps_the_target_distribution():
     bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
     assert np.all(np.abs(counts - n * probs) <= bound), k
   # Acceptance was exercised both ways.
-  accepted = sum(m.accepted[0] for m in eng.metrics.values() if m.proposed)
-  proposed = sum(m.proposed[0] for m in eng.metrics.values() if m.proposed)
+  metrics = [out.metrics for out in finals.values()]
+  accepted = sum(m.accepted[0] for m in metrics if m.proposed)
+  proposed = sum(m.proposed[0] for m in metrics if m.proposed)
   assert 0 < accepted < proposed
 
 

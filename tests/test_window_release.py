@@ -109,16 +109,16 @@ def test_abort_and_preemption_free_every_page_once():
   eng = kvjax.Engine(_model(), num_pages=8, prefix_match="token", **ENGINE)
   ids = [eng.add_request(LONG, 120), eng.add_request(SHORT, 60),
          eng.add_request(SHORT[5:], 60)]
-  aborted = False
+  aborted, finals = False, {}
   while eng.has_unfinished:
     victim = eng.scheduler.requests.get(ids[2])
     if victim is not None and NULL_PAGE in victim.pages:  # running, pages released
       assert eng.abort(ids[2])
       aborted = True
-    eng.step()
+    finals.update({out.request_id: out for out in eng.step() if out.finished})
     eng.scheduler.check_invariants()
   assert aborted and eng.scheduler.num_preemptions > 0
   want = _oracle()
-  assert [eng.finished[rid].output_ids for rid in ids[:2]] == [want[0][:120], want[1][:60]]
-  assert eng.finished[ids[2]].status.value == "abort"
+  assert [finals[rid].output_ids for rid in ids[:2]] == [want[0][:120], want[1][:60]]
+  assert finals[ids[2]].finish_reason == "abort"
   assert eng.scheduler.allocator.num_used == 0

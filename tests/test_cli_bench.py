@@ -1,0 +1,65 @@
+"""`kvjax bench` workloads: lengths as specified, chats served turn by turn, the CLI end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvjax
+from kvjax import cli_bench
+from kvjax.cli import main
+from tests import engine_helpers as h
+
+
+def test_fixed_and_ranged_lengths():
+  fixed = cli_bench.make_workload("random", vocab_size=512, num_requests=6, input_len=20,
+                                  output_len=10, seed=1)
+  assert [(len(s.turns[0]), s.max_new_tokens) for s in fixed] == [(20, 10)] * 6
+  kwargs = dict(vocab_size=512, num_requests=200, input_len=40, output_len=20,
+                range_ratio=0.5, seed=2)
+  ranged = cli_bench.make_workload("random", **kwargs)
+  inputs = [len(s.turns[0]) for s in ranged]
+  outputs = [s.max_new_tokens for s in ranged]
+  assert min(inputs) >= 20 and max(inputs) <= 60 and min(outputs) >= 10 and max(outputs) <= 30
+  assert len(set(inputs)) > 10 and len(set(outputs)) > 10  # really drawn, not fixed
+  assert abs(sum(inputs) / 200 - 40) < 4 and abs(sum(outputs) / 200 - 20) < 2
+  again = cli_bench.make_workload("random", **kwargs)
+  assert [(s.turns, s.max_new_tokens) for s in again] == [
+      (s.turns, s.max_new_tokens) for s in ranged]
+  with pytest.raises(ValueError, match="range_ratio must be in"):
+    cli_bench.make_workload("random", **{**kwargs, "range_ratio": 1.0})
+  with pytest.raises(ValueError, match="unknown workload 'chat'"):
+    cli_bench.make_workload("chat", **kwargs)
+
+
+def test_chat_turns_see_their_whole_history():
+  # Turn t's prompt is every earlier message and answer: the engine's answer
+  # must equal greedy generation of that history alone.
+  sessions = cli_bench.make_workload("multi-turn-chat", vocab_size=512, num_requests=2,
+                                     input_len=8, output_len=h.MAX_NEW, num_turns=3, seed=3)
+  summary = cli_bench.run_workload(h.engine(), sessions)
+  for session, answers in zip(sessions, summary["outputs"]):
+    history = []
+    for message, answer in zip(session.turns, answers):
+      history += message
+      assert answer == h.reference(history)
+      history += answer
+  assert len(summary["turn_ttft_s"]) == 3
+  assert summary["turn_prompt_tokens"] == [8.0, 24.0, 40.0]
+  assert summary["prefix_hit_rate"] > 0  # later turns reuse the history's blocks
+
+
+def test_bench_cli_writes_results(tmp_path, capsys):
+  assert main(["bench", "--checkpoint", "tiny", "--num-requests", "3", "--input-len", "12",
+               "--output-len", "4", "--range-ratio", "0.5", "--no-warmup",
+               "--out-dir", str(tmp_path)]) == 0
+  assert "output tok/s" in capsys.readouterr().out
+  result = json.loads((tmp_path / "bench_random.json").read_text())
+  assert result["summary"]["num_requests"] == 3
+  assert result["args"]["range_ratio"] == 0.5
+  assert (tmp_path / "bench_random.png").stat().st_size > 0
+  model = kvjax.load_checkpoint("tiny")
+  sessions = cli_bench.make_workload("random", vocab_size=model.config.vocab_size,
+                                     num_requests=3, input_len=12, output_len=4,
+                                     range_ratio=0.5, seed=0)
+  assert result["summary"]["num_generated_tokens"] == sum(s.max_new_tokens for s in sessions)
