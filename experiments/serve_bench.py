@@ -23,6 +23,7 @@ so load from other processes on a shared machine hits every variant alike.
 Prints claim id, seed value and ours side by
 side; writes results/<name>.json and .png.
 """
+import functools
 import json
 import os
 import platform
@@ -101,37 +102,27 @@ def _hf_static(hf, sessions, batch: int, threads: int):
   return outs, time.perf_counter() - start
 
 
-def _interleaved(model, sessions, variants: dict, repeats: int) -> dict:
-  """name -> the median-throughput run of each engine variant.
+def _interleaved(variants: dict, repeats: int) -> dict:
+  """name -> the median-wall run of each variant (a callable -> dict with "wall_s").
 
-  A warm-up run per variant compiles its shapes; then the variants run in turn,
-  `repeats` times, each on a fresh engine, so load from other processes on a
-  shared machine hits every variant alike.
+  An untimed run per variant first (compiles, warms caches); then the variants
+  run in turn, `repeats` times, so load from other processes on a shared
+  machine, and its drift over minutes, hits every variant alike.
   """
-  for kwargs in variants.values():
-    cli_bench.run_workload(Engine(model, **kwargs), sessions)
+  for run in variants.values():
+    run()
   runs = {name: [] for name in variants}
   for _ in range(repeats):
-    for name, kwargs in variants.items():
-      runs[name].append(cli_bench.run_workload(Engine(model, **kwargs), sessions))
-  return {name: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2]
-          for name, r in runs.items()}
+    for name, run in variants.items():
+      runs[name].append(run())
+  return {name: sorted(r, key=lambda x: x["wall_s"])[len(r) // 2] for name, r in runs.items()}
 
 
-def _hf_best_threads(hf, sessions, batch: int, repeats: int) -> dict:
-  """HF at 1 and all torch threads -> the faster one's median run.
-
-  On shared cores torch's 2-thread runs can stall for tens of seconds
-  (spinning workers), which would flatter the engine.
-  """
-  median = {}
-  for threads in sorted({1, os.cpu_count() or 1}):
-    _hf_static(hf, sessions[:batch], batch, threads)  # warm-up
-    runs = [_hf_static(hf, sessions, batch, threads) for _ in range(repeats)]
-    median[threads] = sorted(runs, key=lambda r: r[1])[len(runs) // 2]
-  threads = min(median, key=lambda t: median[t][1])
-  return {"outputs": median[threads][0], "wall_s": median[threads][1], "threads": threads,
-          "wall_s_by_threads": {str(t): r[1] for t, r in median.items()}}
+def _engines(model, sessions, variants: dict) -> dict:
+  """name -> a callable serving `sessions` on a fresh Engine(model, **kwargs)."""
+  return {name: functools.partial(lambda kw: cli_bench.run_workload(Engine(model, **kw),
+                                                                     sessions), kwargs)
+          for name, kwargs in variants.items()}
 
 
 def part_a(model, c):
@@ -143,18 +134,27 @@ def part_a(model, c):
         input_len=c.hf_input_len, output_len=c.hf_output_len, range_ratio=ratio, seed=c.seed)
     useful = sum(s.max_new_tokens for s in sessions)
     longest = max(len(s.turns[0]) + s.max_new_tokens for s in sessions)
-    engines = _interleaved(model, sessions, {batch: dict(
+    variants = _engines(model, sessions, {("engine", batch): dict(
         page_size=c.page_size, max_num_seqs=batch,
         max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=longest)
-        for batch in c.hf_batches}, c.repeats)
+        for batch in c.hf_batches})
+    # HF at 1 and all torch threads, the faster counts: on shared cores torch's
+    # 2-thread runs can stall for tens of seconds, which would flatter the engine.
+    for batch in c.hf_batches:
+      for threads in sorted({1, os.cpu_count() or 1}):
+        variants[("hf", batch, threads)] = functools.partial(
+            lambda b, t: dict(zip(("outputs", "wall_s"), _hf_static(hf, sessions, b, t))),
+            batch, threads)
+    runs = _interleaved(variants, c.repeats)
     rows = {}
     for batch in c.hf_batches:
-      ref = _hf_best_threads(hf, sessions, batch, c.repeats)
-      ours = engines[batch]
+      by_threads = {key[2]: r for key, r in runs.items() if key[:2] == ("hf", batch)}
+      threads = min(by_threads, key=lambda t: by_threads[t]["wall_s"])
+      ref, ours = by_threads[threads], runs[("engine", batch)]
       same = np.mean([a[:8] == b[0][:8] for a, b in zip(ref["outputs"], ours["outputs"])])
       rows[str(batch)] = {
-          "hf_tokens_per_s": useful / ref["wall_s"], "hf_threads": ref["threads"],
-          "hf_wall_s_by_threads": ref["wall_s_by_threads"],
+          "hf_tokens_per_s": useful / ref["wall_s"], "hf_threads": threads,
+          "hf_wall_s_by_threads": {str(t): r["wall_s"] for t, r in by_threads.items()},
           "engine_tokens_per_s": ours["tokens_per_s"],
           "speedup": ours["tokens_per_s"] * ref["wall_s"] / useful,
           "first8_tokens_equal_fraction": float(same), "engine_tpot_s": ours["tpot_s"],
@@ -173,10 +173,10 @@ def part_b(model, c):
       input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
       seed=c.seed)
   max_len = c.chat_num_turns * (c.chat_user_len + c.chat_output_len)
-  runs = _interleaved(model, sessions, {
+  runs = _interleaved(_engines(model, sessions, {
       name: dict(page_size=c.page_size, max_num_seqs=c.chat_num_chats,
                  max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=max_len,
-                 prefix_cache=cache) for name, cache in (("cache", True), ("no_cache", False))},
+                 prefix_cache=cache) for name, cache in (("cache", True), ("no_cache", False))}),
       c.repeats)
   out = {name: {k: run[k] for k in ("turn_ttft_s", "turn_prompt_tokens", "prefix_hit_rate",
                                     "tokens_per_s", "ttft_s")} for name, run in runs.items()}
@@ -196,12 +196,12 @@ def part_c(model, c):
         output_len=c.spec_output_len, seed=c.seed + 1)
     variants = (("plain", None, c.num_scheduler_steps), ("mtp", "mtp", c.num_scheduler_steps),
                 ("plain_single_step", None, 1))
-    runs = _interleaved(model, sessions, {
+    runs = _interleaved(_engines(model, sessions, {
         name: dict(page_size=c.page_size, max_num_seqs=batch,
                    max_num_batched_tokens=c.spec_max_num_batched_tokens,
                    max_model_len=c.spec_input_len + c.spec_output_len, speculative=spec,
                    num_draft=c.num_draft, num_scheduler_steps=steps)
-        for name, spec, steps in variants}, c.repeats)
+        for name, spec, steps in variants}), c.repeats)
     plain, mtp, single = runs["plain"], runs["mtp"], runs["plain_single_step"]
     out[f"batch_{batch}"] = {
         "plain_tokens_per_s": plain["tokens_per_s"], "mtp_tokens_per_s": mtp["tokens_per_s"],

@@ -50,7 +50,7 @@ from kvjax.model import lm_logits
 from kvjax.params import Params
 from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
-from kvjax.scheduler import Scheduler, SchedulerOutput, bucket
+from kvjax.scheduler import Scheduler, SchedulerOutput, bucket, max_pages_held
 from kvjax.steps import DecodeState, init_paged_state, model_step
 
 __all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "serve_burst",
@@ -263,7 +263,8 @@ class Engine:
     model: a kvjax.Model.
     page_size: tokens per KV page.
     num_pages: KV pages in the pool, null page included (default: every slot
-      can hold a max_model_len sequence).
+      can hold the most pages a max_model_len request holds at once, fewer
+      than it spans when every layer has a sliding window).
     max_num_seqs: running requests (rows) at most.
     max_num_batched_tokens: token budget per step (draft slots included).
     max_model_len: prompt + max_new_tokens cap (default: the model context).
@@ -323,8 +324,11 @@ class Engine:
                        f"(the model context), got {max_model_len}")
     if page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if num_pages is None:
-      num_pages = 1 + max_num_seqs * -(-max_model_len // page_size)
+    window = _widest_window(cfg, self.draft_model and self.draft_model.config)
+    if num_pages is None:  # a windowed model's requests hold a bounded number of pages
+      num_pages = 1 + max_num_seqs * max_pages_held(
+          max_model_len, page_size=page_size, max_num_batched_tokens=max_num_batched_tokens,
+          sliding_window=window)
     self.model = model
     self.config = cfg
     self.backend = backend
@@ -336,7 +340,7 @@ class Engine:
         enable_prefix_caching=prefix_cache, prefix_match=prefix_match,
         min_cacheable_tokens=min_cacheable_tokens, num_lookahead_slots=self.num_draft,
         num_scheduler_steps=num_scheduler_steps, eos_token_id=cfg.eos_token_id,
-        sliding_window=_widest_window(cfg, self.draft_model and self.draft_model.config))
+        sliding_window=window)
     self.max_num_seqs = max_num_seqs
     self._max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too (kvjax/steps.py).

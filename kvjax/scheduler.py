@@ -61,7 +61,7 @@ from kvjax.pages import NULL_PAGE, BlockAllocator
 from kvjax.prefix_cache import PrefixCache, PrefixHit, root_hash
 
 __all__ = ["RequestStatus", "Request", "ScheduledRow", "PageCopy",
-           "SchedulerOutput", "Scheduler", "bucket", "bucket_sizes"]
+           "SchedulerOutput", "Scheduler", "bucket", "bucket_sizes", "max_pages_held"]
 
 
 def bucket(n: int, maximum: Optional[int] = None, minimum: int = 1) -> int:
@@ -74,6 +74,18 @@ def bucket(n: int, maximum: Optional[int] = None, minimum: int = 1) -> int:
   while b < n:
     b *= 2
   return b if maximum is None else min(b, maximum)
+
+
+def max_pages_held(num_tokens: int, *, page_size: int, max_num_batched_tokens: int,
+                   sliding_window: Optional[int] = None) -> int:
+  """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
+  # The last generated token is never fed, so num_tokens - 1 positions hold KV.
+  pages = -(-(num_tokens - 1) // page_size)
+  if sliding_window is None:
+    return pages
+  # A row writes n <= max_num_batched_tokens positions (see the module doc).
+  span = sliding_window + max_num_batched_tokens - 2
+  return min(pages, -(-span // page_size) + 1)
 
 
 def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
@@ -324,13 +336,9 @@ class Scheduler:
 
   def max_pages_held(self, num_tokens: int) -> int:
     """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
-    # The last generated token is never fed, so num_tokens - 1 positions hold KV.
-    pages = self._pages_for(num_tokens - 1)
-    if self.sliding_window is None:
-      return pages
-    # A row writes n <= max_num_batched_tokens positions (see the module doc).
-    span = self.sliding_window + self.max_num_batched_tokens - 2
-    return min(pages, self._pages_for(span) + 1)
+    return max_pages_held(num_tokens, page_size=self.page_size,
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          sliding_window=self.sliding_window)
 
   # -- one step ---------------------------------------------------------------
 

@@ -75,6 +75,14 @@ def test_long_generation_holds_bounded_pages_and_keeps_its_tokens(num_scheduler_
   assert eng.scheduler.allocator.num_used == 0
 
 
+def test_default_pool_holds_what_windowed_requests_can_hold():
+  # Two slots of max_model_len 512: 2 x 7 pages (PREFILL_BOUND) with the window,
+  # 2 x 64 (the whole 511 positions) once one layer attends to everything.
+  assert kvjax.Engine(_model(), **ENGINE).scheduler.allocator.num_pages == 1 + 2 * PREFILL_BOUND
+  full = kvjax.Engine(_model((W, None)), **ENGINE)
+  assert full.scheduler.allocator.num_pages == 1 + 2 * -(-511 // G)
+
+
 def test_pallas_kernel_skips_the_released_pages():
   # The kernel starts each query block at page (first position - W + 1) // G,
   # never at a released (null) entry.  7 usable pages < the 9 that 70 positions span.
