@@ -94,7 +94,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   Returns kvjax.metrics.summarize's dict with "turn_ttft_s" (mean TTFT per
   turn index) and "outputs" (per session, per turn output ids).
   """
-  from kvjax.metrics import StepLog, summarize
+  from kvjax.metrics import summarize
 
   total = sum(len(s.turns) for s in sessions)
   bar = None
@@ -115,7 +115,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   cache = engine.scheduler.prefix_cache
   hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
   preemptions_before = engine.scheduler.num_preemptions
-  steps_before = len(engine.steps.queue_depth)
+  mark = engine.steps.num_recorded
   start = time.perf_counter()
   for i in range(len(sessions)):
     submit(i)
@@ -135,8 +135,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   if bar is not None:
     bar.close()
   hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-  steps = StepLog(*(getattr(engine.steps, f.name)[steps_before:]
-                    for f in dataclasses.fields(StepLog)))
+  steps = engine.steps.since(mark)
   metrics = [finals[rid].metrics for rid in owner]
   summary = summarize(metrics, steps, wall, prefix_hit_tokens=hits[0] - hits_before[0],
                       prefix_queried_tokens=hits[1] - hits_before[1],

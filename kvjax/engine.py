@@ -590,7 +590,7 @@ class Engine:
     cache = self.scheduler.prefix_cache
     hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     preemptions_before = self.scheduler.num_preemptions
-    steps_before = len(self.steps.queue_depth)
+    mark = self.steps.num_recorded
     start = time.perf_counter()
     ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
@@ -604,8 +604,7 @@ class Engine:
           done[out.request_id] = out
     wall = time.perf_counter() - start
     hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-    steps = StepLog(*(getattr(self.steps, f.name)[steps_before:]
-                      for f in dataclasses.fields(StepLog)))
+    steps = self.steps.since(mark)
     self._pending = others + self._pending
     stats = summarize([done[rid].metrics for rid in ids], steps, wall,
                       prefix_hit_tokens=hits[0] - hits_before[0],

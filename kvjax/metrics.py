@@ -81,10 +81,21 @@ class RequestMetrics:
     return list(np.diff(self.token_times)) if self.output_len > 1 else []
 
 
+_SAMPLES = ("queue_depth", "running", "kv_utilization", "pages_used", "batched_tokens",
+            "step_s", "decode_only", "num_steps")
+
+
 @dataclasses.dataclass
 class StepLog:
-  """Engine-wide samples, one per step."""
+  """Engine-wide samples, one per step; the newest `max_steps` at least are kept.
 
+  `num_recorded` counts every step ever recorded: a run notes it at its start
+  and reads its own steps back with `since(mark)`, so a long-running engine's
+  log stays bounded.
+  """
+
+  max_steps: int = 100_000
+  num_recorded: int = 0
   queue_depth: list = dataclasses.field(default_factory=list)  # waiting requests
   running: list = dataclasses.field(default_factory=list)  # requests holding a slot
   kv_utilization: list = dataclasses.field(default_factory=list)  # used / usable pages
@@ -104,6 +115,20 @@ class StepLog:
     self.step_s.append(step_s)
     self.decode_only.append(decode_only)
     self.num_steps.append(num_steps)
+    self.num_recorded += 1
+    if len(self.step_s) >= 2 * self.max_steps:  # amortized: trim once per max_steps steps
+      for name in _SAMPLES:
+        del getattr(self, name)[:-self.max_steps]
+
+  def since(self, mark: int) -> "StepLog":
+    """The steps recorded after `num_recorded` was `mark` (ValueError if trimmed away)."""
+    count = self.num_recorded - mark
+    if not 0 <= count <= len(self.step_s):
+      raise ValueError(f"steps since {mark} are no longer kept ({self.num_recorded} recorded, "
+                       f"the newest {len(self.step_s)} kept)")
+    start = len(self.step_s) - count
+    return StepLog(self.max_steps, count,
+                   **{name: getattr(self, name)[start:] for name in _SAMPLES})
 
 
 def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float, *,

@@ -51,3 +51,25 @@ def test_distribution_mean_median_p99():
   d = distribution(range(101))
   assert (d["mean"], d["median"], d["p99"]) == (50.0, 50.0, 99.0)
   assert distribution([]) == {"mean": 0.0, "median": 0.0, "p99": 0.0}
+
+
+def test_step_log_stays_bounded_and_hands_back_a_run():
+  log = StepLog(max_steps=4)
+
+  def record(i):
+    log.record(waiting=i, running=0, utilization=0.0, pages_used=0, batched_tokens=0,
+               step_s=float(i), decode_only=True)
+
+  for i in range(3):
+    record(i)
+  mark = log.num_recorded
+  for i in range(3, 6):
+    record(i)
+  run = log.since(mark)
+  assert run.step_s == [3.0, 4.0, 5.0] and run.queue_depth == [3, 4, 5]
+  for i in range(6, 20):
+    record(i)
+  assert len(log.step_s) < 8 and log.num_recorded == 20
+  assert log.since(17).step_s == [17.0, 18.0, 19.0]
+  with pytest.raises(ValueError, match="no longer kept"):
+    log.since(mark)
