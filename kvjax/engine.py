@@ -432,6 +432,11 @@ class Engine:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
     plan = self.scheduler.schedule()
+    waiting = len(self.scheduler.waiting)
+    if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
+      # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
+      raise RuntimeError(f"the scheduler admitted none of {waiting} waiting requests into "
+                         f"an idle pool of {self.scheduler.allocator.num_usable} pages")
     if plan.copies:
       # At most one copy per admitted row: pad to max_num_seqs, one shape.
       src, dst = (np.zeros(self.max_num_seqs, np.int32) for _ in range(2))

@@ -151,6 +151,13 @@ class PrefixCache:
     return PrefixHit(num_tokens, tuple(pages), tuple(hashes), src, k,
                      len(token_ids))
 
+  def without_copy(self, hit: PrefixHit) -> PrefixHit:
+    """The hit's full blocks only (a token-mode hit whose copy source cannot be pinned)."""
+    num_tokens = len(hit.pages) * self.page_size
+    if num_tokens < max(self.min_cacheable_tokens, 1):
+      return PrefixHit(num_queried=hit.num_queried)
+    return dataclasses.replace(hit, num_tokens=num_tokens, copy_src=None, copy_tokens=0)
+
   def acquire(self, hit: PrefixHit, first_page: int = 0) -> None:
     """Holds the hit's full-block pages from `first_page` on and counts the hit.
 

@@ -376,12 +376,15 @@ class Scheduler:
       req = self.waiting[0]
       hit = (self.prefix_cache.lookup(req.token_ids, req.cache_salt)
              if self.prefix_cache else PrefixHit(num_queried=req.num_tokens))
-      n = min(req.num_tokens - hit.num_tokens, budget)
-      need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
-      dead = self._first_live_page(hit.num_tokens)  # <= len(hit.pages)
-      pin = hit.pages[dead:] + ((hit.copy_src,) if hit.copy_tokens else ())
-      if not self.allocator.can_allocate(need, pinning=pin):
+      fit = self._admission(req, hit, budget)
+      if fit is None and hit.copy_tokens:
+        # Pinning the copy source may be what does not fit (in an exact-fit pool
+        # the request would wait forever): reuse the full blocks only.
+        hit = self.prefix_cache.without_copy(hit)
+        fit = self._admission(req, hit, budget)
+      if fit is None:
         break
+      n, need, dead = fit
       self.waiting.popleft()
       if self.prefix_cache:
         self.prefix_cache.acquire(hit, first_page=dead)
@@ -556,6 +559,17 @@ class Scheduler:
                         np.asarray(known, np.int32),
                         sample=start + len(known) == req.num_tokens,
                         is_decode=decoding)
+
+  def _admission(self, req: Request, hit: PrefixHit,
+                 budget: int) -> Optional[tuple[int, int, int]]:
+    """(tokens to prefill now, new pages, first live hit page) if `req` fits now, else None."""
+    n = min(req.num_tokens - hit.num_tokens, budget)
+    need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
+    dead = self._first_live_page(hit.num_tokens)  # <= len(hit.pages)
+    pin = hit.pages[dead:] + ((hit.copy_src,) if hit.copy_tokens else ())
+    if not self.allocator.can_allocate(need, pinning=pin):
+      return None
+    return n, need, dead
 
   def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
                preempted: list[str]) -> bool:

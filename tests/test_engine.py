@@ -92,6 +92,14 @@ def test_bad_requests_fail_alone_and_others_finish_unchanged():
   h.assert_no_pages_held(eng)
 
 
+def test_an_idle_engine_that_admits_nothing_raises_instead_of_spinning(monkeypatch):
+  eng = h.engine()
+  eng.add_request(h.prompts(1, seed=71)[0], 2)
+  monkeypatch.setattr(eng.scheduler, "_admission", lambda *args: None)
+  with pytest.raises(RuntimeError, match="admitted none of 1 waiting requests"):
+    eng.step()
+
+
 def test_generate_validates_every_prompt_before_queueing():
   eng = h.engine()
   with pytest.raises(ValueError, match="prompt 1 has token id 999"):

@@ -294,6 +294,22 @@ def test_prefix_hits_through_the_scheduler(name):
   assert_no_leak(sched)
 
 
+def test_token_hit_falls_back_to_full_blocks_when_its_copy_cannot_be_pinned():
+  # 3 usable pages, all cached after "a".  "b" needs all 3; pinning its token-mode
+  # copy source (a's third block) would leave 2: it must still run, on its 2 full blocks.
+  sched = make(num_pages=4, page_size=4, max_num_seqs=2, prefix_match="token")
+  dev = FakeDevice(sched)
+  a = list(range(2, 14))
+  sched.add_request("a", a, 1)
+  dev.run()
+  b = a[:10] + [30]
+  assert sched.prefix_cache.lookup(b).copy_tokens == 2
+  sched.add_request("b", b, 2)
+  assert dev.run(max_steps=20) == {"b": generate_alone(b, 2)}
+  assert sched.requests == {} and sched.prefix_cache.hit_tokens == 8
+  assert_no_leak(sched)
+
+
 def test_differently_salted_requests_never_share_pages():
   sched = make(page_size=4, prefix_match="token")
   dev = FakeDevice(sched)
