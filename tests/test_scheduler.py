@@ -469,7 +469,7 @@ op = st.one_of(
 
 @hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(
-    num_pages=st.integers(6, 24), page_size=st.sampled_from([2, 4]),
+    num_pages=st.integers(3, 24), page_size=st.sampled_from([2, 4]),
     max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12),
     caching=st.booleans(), mode=st.sampled_from(["block", "token"]),
     lookahead=st.integers(0, 2), window=st.sampled_from([None, 3, 6]),
