@@ -52,6 +52,7 @@ from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
 from kvjax.scheduler import Scheduler, SchedulerOutput, bucket, max_pages_held
 from kvjax.steps import DecodeState, init_paged_state, model_step
+from kvjax.xla_options import jit_step
 
 __all__ = ["Engine", "EngineState", "RowBatch", "RequestOutput", "serve_step", "serve_burst",
            "copy_pages"]
@@ -157,11 +158,10 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter")
-serve_step = functools.partial(jax.jit, static_argnames=_STATIC,
-                               donate_argnames=("state",))(_serve_rows)
+serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("state",))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
+@jit_step(static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
 def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
                 rows: RowBatch, sampling: SamplingParams, left: jax.Array,
                 stop_ids: jax.Array, num_steps: jax.Array, *, config: ModelConfig,

@@ -27,6 +27,7 @@ from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
 from kvjax.steps import (DecodeState, init_contiguous_state, init_paged_state, model_step,
                          prefill)
+from kvjax.xla_options import jit_step
 
 __all__ = ["GenerateResult", "generate_static", "validate_prompts", "next_pow2", "CACHE_KINDS"]
 
@@ -71,8 +72,8 @@ def validate_prompts(cfg: ModelConfig, prompts, max_new_tokens) -> list[list[int
   return normalized
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_steps", "use_filter"),
-                   donate_argnames=("state",))
+@jit_step(static_argnames=("config", "backend", "max_steps", "use_filter"),
+          donate_argnames=("state",))
 def _decode_loop(params: Params, state: DecodeState, tokens: jax.Array,
                  sampling: SamplingParams, num_steps: jax.Array, eos_id: jax.Array,
                  live: jax.Array, *, config: ModelConfig, backend: str, max_steps: int,
