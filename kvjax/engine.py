@@ -449,9 +449,10 @@ class Engine:
     new_ids, verified = {}, []
     steps_run = 1
     for group, (emitted, counts, drafted, steps) in launched:
-      # emitted [S, B, K+1], counts and drafted [S, B]: S = 1 but for a burst.
+      # emitted [S, B, K+1], counts and drafted [S, B]: S = 1 but for a burst (which is
+      # the plan's only group).  np.asarray is the step's host sync.
       emitted, counts, drafted = np.asarray(emitted), np.asarray(counts), np.asarray(drafted)
-      steps_run = int(steps)  # the step's host sync is above
+      steps_run = int(steps)
       for j, i in enumerate(group):
         row = plan.rows[i]
         if row.start == row.request.num_cached_tokens and not row.is_decode:
