@@ -1,9 +1,29 @@
-"""kvjax: functional pure-state paged-KV LLM inference in JAX and Pallas."""
+"""kvjax: functional pure-state paged-KV LLM inference in JAX and Pallas.
+
+Layers (imports only go down; tests/test_layering.py checks it):
+  0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
+  1  layers, params, sampling, step_batch,           pure math and the step metadata pytree
+     attention/
+  2  backends                                        capability records (+ pallas_kernels)
+  3  caches/                                         KV cache layouts, one attend contract
+  4  model, quant/                                   the decoder (GQA and MLA blocks), weight quant
+  5  steps, speculative                              jitted static-batch steps, drafting, verify
+  6  serve_steps, generation, requests,              engine device programs, static generate,
+     prefix_cache, batching                          request vocabulary, host packing
+  7  scheduler, ledger, metrics                      host policy, accounting
+  8  engine_config, engine                           the serving engine's request API
+  9  api, weights/, tokenizer, corpus, train         public surface, loading, training
+  10 cli, cli_bench, cli_memory, __main__            command lines
+Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
+"""
 from kvjax.api import Model, forward, generate, load_checkpoint
+from kvjax.backends import Backend, get_backend
 from kvjax.config import PRESETS, ModelConfig, get_preset
 from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult
 from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
-           "generate", "GenerateResult", "ByteTokenizer", "Engine"]
+           "generate", "GenerateResult", "ByteTokenizer", "Engine", "EngineConfig", "Backend",
+           "get_backend"]

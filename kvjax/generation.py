@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.backends import get_backend
+from kvjax.caches import (CACHE_KINDS, check_cache_support, create_contiguous_cache,
+                          create_paged_cache)
 from kvjax.config import ModelConfig
 from kvjax.model import forward_hidden, lm_logits
 from kvjax.params import Params
-from kvjax.quant.kv import check_kv_dtype
 from kvjax.sampling import SamplingParams, sample
-from kvjax.steps import (DecodeState, init_contiguous_state, init_paged_state, model_step,
-                         prefill)
+from kvjax.step_batch import StepBatch, make_step_batch
+from kvjax.steps import model_step, prefill
 from kvjax.xla_options import jit_step
 
 __all__ = ["GenerateResult", "generate_static", "validate_prompts", "next_pow2", "CACHE_KINDS"]
-
-CACHE_KINDS = ("paged", "contiguous", "none")
 
 
 @dataclasses.dataclass
@@ -73,36 +73,40 @@ def validate_prompts(cfg: ModelConfig, prompts, max_new_tokens) -> list[list[int
 
 
 @jit_step(static_argnames=("config", "backend", "max_steps", "use_filter"),
-          donate_argnames=("state",))
-def _decode_loop(params: Params, state: DecodeState, tokens: jax.Array,
-                 sampling: SamplingParams, num_steps: jax.Array, eos_id: jax.Array,
-                 live: jax.Array, *, config: ModelConfig, backend: str, max_steps: int,
+          donate_argnames=("cache",))
+def _decode_loop(params: Params, cache, batch: StepBatch, num_steps: jax.Array,
+                 eos_id: jax.Array, *, config: ModelConfig, backend, max_steps: int,
                  use_filter: bool):
-  """Feed tokens [B] and sample up to num_steps more -> (state, out [B, max_steps]).
+  """Feed batch.tokens [B, 1] and sample up to num_steps more -> (cache, out [B, max_steps]).
 
-  Stops early once every live row has emitted eos_id (-1: never).
+  batch: one column per row at its first decode position, q_lens 1 for live
+  rows (0 for padding); each step moves the live rows one position on (the
+  carry owns the lengths).  Stops early once every live row has emitted
+  eos_id (-1: never).
   """
-  b = tokens.shape[0]
-  slot_ids = jnp.arange(b, dtype=jnp.int32)
-  q_lens = live.astype(jnp.int32)
+  b = batch.tokens.shape[0]
+  live = batch.q_lens > 0
 
   def cond(carry):
-    _, _, _, step, done = carry
+    _, _, _, _, step, done = carry
     return (step < num_steps) & ~jnp.all(done)
 
   def body(carry):
-    state, tokens, out, step, done = carry
-    state, hidden = model_step(params, state, tokens[:, None], q_lens, slot_ids,
-                               config=config, backend=backend)
+    cache, tokens, starts, out, step, done = carry
+    step_batch = batch.at_starts(starts, batch.q_lens).replace(tokens=tokens[:, None])
+    cache, hidden = model_step(params, cache, step_batch, config=config, backend=backend)
     logits = lm_logits(params, config, hidden[:, 0])
-    new = sample(logits, sampling, state.seq_lens, use_filter=use_filter)
+    starts = starts + batch.q_lens
+    new = sample(logits, batch.sampling, starts, use_filter=use_filter)
     out = out.at[:, step].set(new)
-    return state, new, out, step + 1, done | (new == eos_id)
+    return cache, new, starts, out, step + 1, done | (new == eos_id)
 
+  tokens = batch.tokens[:, 0]
   out = jnp.full((b, max_steps), -1, jnp.int32)
   done = (tokens == eos_id) | ~live
-  state, _, out, _, _ = jax.lax.while_loop(cond, body, (state, tokens, out, 0, done))
-  return state, out
+  carry = (cache, tokens, batch.starts, out, 0, done)
+  cache, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
+  return cache, out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "use_filter"))
@@ -126,9 +130,8 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
                     page_size: int, backend: str, dtype,
                     kv_dtype: Optional[str] = None) -> GenerateResult:
   """Generate for validated prompts; see kvjax.generate for the public contract."""
-  if cache not in CACHE_KINDS:
-    raise ValueError(f"unknown cache {cache!r}; use one of {CACHE_KINDS}")
-  check_kv_dtype(kv_dtype, cfg, cache, backend)
+  backend = get_backend(backend)
+  check_cache_support(kv_dtype, cfg, cache, backend)
   if page_size <= 0:
     raise ValueError(f"page_size must be positive, got {page_size}")
   num_prompts = len(prompts)
@@ -153,27 +156,27 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
                                         eos_id, use_filter, start)
     pages_used = 0
   else:
+    slot_ids = np.arange(rows, dtype=np.int32)
     if cache == "paged":
       pages_per_seq = -(-total_bucket // page_size)
-      state = init_paged_state(cfg, rows, 1 + rows * pages_per_seq, page_size, pages_per_seq,
-                               dtype, kv_dtype)
+      kv = create_paged_cache(cfg, kv_dtype, rows, 1 + rows * pages_per_seq, page_size, dtype)
       tables = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
-      # Prefill sees only the pages its prompts fill: attention work scales with the table.
-      prompt_pages = -(-prompt_bucket // page_size)
-      state = state.replace(block_tables=jnp.asarray(tables[:, :prompt_pages]))
     else:
-      state = init_contiguous_state(cfg, rows, total_bucket, dtype)
-    slot_ids = jnp.arange(rows, dtype=jnp.int32)
-    state, logits, _ = prefill(params, state, jnp.asarray(tokens), jnp.asarray(lens * live),
-                               slot_ids, config=cfg, backend=backend)
-    if cache == "paged":
-      state = state.replace(block_tables=jnp.asarray(tables))
+      kv = create_contiguous_cache(cfg, rows, total_bucket, dtype, kv_dtype)
+      tables = np.zeros((rows, 0), np.int32)
+    # Prefill sees only the pages its prompts fill: attention work scales with the table.
+    prompt_pages = -(-prompt_bucket // page_size)
+    batch = make_step_batch(tokens, np.zeros(rows), lens * live, tables[:, :prompt_pages],
+                            slot_ids, sampling)
+    kv, logits, _ = prefill(params, kv, batch, config=cfg, backend=backend)
     first = sample(logits, sampling, jnp.asarray(lens), use_filter=use_filter)
     first.block_until_ready()
     ttft = time.perf_counter() - start
-    state, rest = _decode_loop(params, state, first, sampling, jnp.int32(max_new_tokens - 1),
-                               jnp.int32(eos_id), jnp.asarray(live), config=cfg,
-                               backend=backend, max_steps=step_bucket, use_filter=use_filter)
+    batch = make_step_batch(np.zeros((rows, 1)), lens * live, live, tables, slot_ids,
+                            sampling).replace(tokens=first[:, None])
+    kv, rest = _decode_loop(params, kv, batch, jnp.int32(max_new_tokens - 1),
+                            jnp.int32(eos_id), config=cfg, backend=backend,
+                            max_steps=step_bucket, use_filter=use_filter)
     out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
     pages_used = None
   elapsed = time.perf_counter() - start

@@ -2,8 +2,9 @@
 
 One block implementation serves every cache kind: the block computes q, k, v
 and hands them to an `attend(cache, layer, q, k, v) -> (cache, out)` callable
-supplied by the caller (dense causal for the no-cache forward, a contiguous
-buffer, or pages through a block table; kvjax/cache.py).  The cache goes in
+supplied by the caller (dense causal for the no-cache forward, or a cache's
+`attend` for a StepBatch; kvjax/caches/).  Both attention blocks live here:
+GQA (MHA / GQA / MQA) and MLA (latent attention).  The cache goes in
 and comes out; nothing is mutated.
 """
 from __future__ import annotations
@@ -14,13 +15,16 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dense import masked_attention, visibility_mask
-from kvjax.attention.mla import mla_attention
 from kvjax.config import ModelConfig
 from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
-from kvjax.params import AttentionParams, BlockParams, MTPParams, Params
+from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
-           "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend"]
+           "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend",
+           "mla_attention", "LORA_NORM_EPS"]
+
+# HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
 
 # attend(cache, layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (cache, out [B,T,N,H])
 Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
@@ -42,6 +46,42 @@ def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions
   with jax.named_scope(f"attention_{layer}"):
     cache, out = attend(cache, layer, q, k, v)
   return cache, dense("btnh,nhd->btd", out, a.wo)
+
+
+def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.Array,
+                  inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
+  """Multi-head latent attention (DeepSeek-V2/V3): h [B, T, D] -> (cache, out [B, T, D]).
+
+  Cached per token: the latent c = RMSNorm(x W_dkv) [R] and one rope key k_r
+  [Hr] shared by every head.  Head n's key would be [c W_uk[n]; k_r] and its
+  value c W_uv[n]; with the up-projections absorbed,
+    q_n . k_n = (q_nope_n W_uk[n]^T) . c + q_rope_n . k_r
+    out_n     = (sum_s p_s c_s) W_uv[n]
+  so attention is MQA over one "kv head" of width R + Hr whose values are its
+  first R dims: q [B, T, N, R + Hr], k [B, T, 1, R + Hr], v = k[..., :R] go to
+  the same `attend` as GQA (kvjax/caches/mla.py stores k once).  Absorption is
+  used in prefill too: more FLOPs there than expanding (R > Hn), one code path.
+  Rope: HF DeepSeek rotates interleaved pairs; the loader (kvjax/weights/hf.py)
+  permutes the rope columns of the q and kv_a projections to evens-then-odds,
+  which makes kvjax's rotate-halves agree exactly.
+  """
+  hn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+  if a.wq is not None:
+    q = jnp.einsum("btd,dnh->btnh", h, a.wq)  # [B, T, N, Hn + Hr]
+  else:
+    q_low = rms_norm(h @ a.wq_a, a.q_norm, LORA_NORM_EPS)  # [B, T, Rq]
+    q = jnp.einsum("btr,rnh->btnh", q_low, a.wq_b)
+  q_nope, q_rope = q[..., :hn], apply_rope(q[..., hn:], positions, inv_freq)
+  kv = h @ a.wkv_a  # [B, T, R + Hr]
+  latent = rms_norm(kv[..., :r], a.kv_norm, LORA_NORM_EPS)  # [B, T, R]
+  k_rope = apply_rope(kv[:, :, None, r:], positions, inv_freq)  # [B, T, 1, Hr]
+  q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, a.wk_b)  # absorbed W_uk: [B, T, N, R]
+  queries = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, R + Hr]
+  entry = jnp.concatenate([latent[:, :, None], k_rope], axis=-1)  # [B, T, 1, R + Hr]
+  with jax.named_scope(f"attention_{layer}"):
+    cache, out = attend(cache, layer, queries, entry, entry[..., :r])  # [B, T, N, R]
+  out = jnp.einsum("btnr,rnv->btnv", out, a.wv_b)  # absorbed W_uv: [B, T, N, Hv]
+  return cache, jnp.einsum("btnv,nvd->btd", out, a.wo)
 
 
 def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,

@@ -50,8 +50,6 @@ pinned until the next schedule()).
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
 import heapq
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -59,21 +57,9 @@ import numpy as np
 
 from kvjax.pages import NULL_PAGE, BlockAllocator
 from kvjax.prefix_cache import PrefixCache, PrefixHit, root_hash
+from kvjax.requests import PageCopy, Request, RequestStatus, ScheduledRow, SchedulerOutput
 
-__all__ = ["RequestStatus", "Request", "ScheduledRow", "PageCopy",
-           "SchedulerOutput", "Scheduler", "bucket", "bucket_sizes", "max_pages_held"]
-
-
-def bucket(n: int, maximum: Optional[int] = None, minimum: int = 1) -> int:
-  """Smallest power of two >= n (at least `minimum`), capped at `maximum`.
-
-  Padding row counts and chunk lengths to buckets keeps the number of compiled
-  step shapes at about log2(maximum).
-  """
-  b = max(minimum, 1)
-  while b < n:
-    b *= 2
-  return b if maximum is None else min(b, maximum)
+__all__ = ["Scheduler", "max_pages_held"]
 
 
 def max_pages_held(num_tokens: int, *, page_size: int, max_num_batched_tokens: int,
@@ -86,139 +72,6 @@ def max_pages_held(num_tokens: int, *, page_size: int, max_num_batched_tokens: i
   # A row writes n <= max_num_batched_tokens positions (see the module doc).
   span = sliding_window + max_num_batched_tokens - 2
   return min(pages, -(-span // page_size) + 1)
-
-
-def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
-  """Every value `bucket(n, maximum, minimum)` can return: shapes to warm up."""
-  return sorted({bucket(n, maximum, minimum) for n in range(1, maximum + 1)})
-
-
-class RequestStatus(enum.Enum):
-  WAITING = "waiting"
-  RUNNING = "running"
-  PREEMPTED = "preempted"  # waiting again, to be recomputed
-  FINISHED_STOPPED = "stop"  # eos or a stop token
-  FINISHED_LENGTH = "length"  # max_new_tokens reached
-  FINISHED_ABORTED = "abort"
-
-  @property
-  def is_finished(self) -> bool:
-    return self.name.startswith("FINISHED")
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-  """A request's host state; the engine reads it, only the scheduler writes."""
-
-  request_id: str
-  prompt_ids: tuple[int, ...]
-  max_new_tokens: int
-  stop_token_ids: frozenset[int] = frozenset()
-  cache_salt: Optional[str] = None
-  sampling: Any = None  # the engine's sampling params; never read here
-  token_ids: list[int] = dataclasses.field(init=False)  # prompt + generated
-  num_computed_tokens: int = 0  # leading tokens whose KV is in `pages`
-  pages: list[int] = dataclasses.field(default_factory=list)  # block table
-  slot: Optional[int] = None  # row in the engine's per-sequence state
-  status: RequestStatus = RequestStatus.WAITING
-  num_cached_tokens: int = 0  # prefix-hit tokens at the last admission
-  num_preemptions: int = 0
-  is_decoding: bool = False  # last row sampled: the next row may verify drafts
-  block_hashes: list[bytes] = dataclasses.field(default_factory=list)
-  num_cached_blocks: int = 0  # leading blocks already offered to the cache
-
-  def __post_init__(self):
-    self.token_ids = list(self.prompt_ids)
-
-  @property
-  def num_tokens(self) -> int:
-    return len(self.token_ids)
-
-  @property
-  def num_output_tokens(self) -> int:
-    return len(self.token_ids) - len(self.prompt_ids)
-
-  @property
-  def output_ids(self) -> list[int]:
-    """Generated ids, including a final stop token if one ended the request."""
-    return self.token_ids[len(self.prompt_ids):]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledRow:
-  """One sequence's work in a step.
-
-  Attributes:
-    request: the request (read-only for the engine).
-    slot: the request's row in the engine's per-sequence state.
-    start: position of the first token fed (= tokens already in the cache).
-    num_tokens: positions written this step, draft slots included (a burst
-      row: every position its num_steps steps may write, pages reserved).
-    num_draft: trailing draft slots the engine fills with its own drafts (a
-      burst row: in its first step).
-    token_ids: [num_tokens - num_draft] int32 known ids to feed.
-    sample: the last known position yields a token (end of a prefill or a
-      decode/verify row); otherwise it is a mid-prompt chunk.
-    is_decode: a steady-decode row (may carry drafts), not a prefill chunk.
-    num_steps: decode steps this row may run in a burst (1: a single step).
-  """
-
-  request: Request
-  slot: int
-  start: int
-  num_tokens: int
-  num_draft: int
-  token_ids: np.ndarray
-  sample: bool
-  is_decode: bool
-  num_steps: int = 1
-
-  @property
-  def request_id(self) -> str:
-    return self.request.request_id
-
-
-@dataclasses.dataclass(frozen=True)
-class PageCopy:
-  """Token-mode prefix hit: copy page `src` into `dst` before the forward."""
-
-  src: int
-  dst: int
-  num_tokens: int  # leading tokens of `src` that are reused
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-  """A step plan; rows are decode rows first, then prefill chunks.
-
-  Attributes:
-    rows: scheduled rows (B of them).
-    block_tables: [B, max_pages_per_seq] int32 page ids, padded with the null
-      page so every gather stays in bounds and padded writes land nowhere.
-    seq_lens: [B] int32 KV length of each row after this step (start +
-      num_tokens, draft slots included).
-    copies: page copies for token-mode prefix hits, to apply first.
-    preempted_ids: requests preempted this step (their slots are free).
-    num_batched_tokens: positions one forward of the step computes, <=
-      max_num_batched_tokens (a burst: its first step's).
-    num_steps: decode steps of a burst plan (1: a single step).
-  """
-
-  rows: tuple[ScheduledRow, ...]
-  block_tables: np.ndarray
-  seq_lens: np.ndarray
-  copies: tuple[PageCopy, ...]
-  preempted_ids: tuple[str, ...]
-  num_batched_tokens: int
-  num_steps: int = 1
-
-  @property
-  def decode_rows(self) -> tuple[ScheduledRow, ...]:
-    return tuple(r for r in self.rows if r.is_decode)
-
-  @property
-  def prefill_rows(self) -> tuple[ScheduledRow, ...]:
-    return tuple(r for r in self.rows if not r.is_decode)
 
 
 class Scheduler:

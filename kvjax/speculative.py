@@ -5,15 +5,15 @@ style, kvjax/model.py `mtp_block`) chain from the last accepted position L,
 whose trunk logits emitted x_{L+1}:
   module 0: h1_L = M0(h0_L, embed(x_{L+1}))  -> d1 ~ x_{L+2}
   module 1: h2_L = M1(h1_L, embed(d1))       -> d2 ~ x_{L+3}
-The next step feeds [x_{L+1}, d1, .., dK] in ONE trunk forward (a prefill-like
+The next step feeds [x_{L+1}, d1, .., dJ] in ONE trunk forward (a prefill-like
 row, C9); `accept` keeps the longest prefix the rejection rule passes and adds
-one corrected or bonus token (C10), so a row emits 1..K+1 tokens.  Rejected
+one corrected or bonus token (C10), so a row emits 1..J+1 tokens.  Rejected
 positions need no device rollback: the scheduler frees their pages and the
 next step sets each slot's length from the host, so their K/V is overwritten
 before anything attends to it.
 
 A separate draft model (same vocabulary) is the other drafter: it keeps its own
-paged K/V on the same pages and block tables, and proposes d1..dK
+paged K/V on the same pages and block tables, and proposes d1..dJ
 autoregressively from x_{L+1} (`model_draft`).
 
 The MTP modules attend over their own K/V (cache layers num_layers + depth,
@@ -24,10 +24,14 @@ row) the draft stands in; that only affects draft quality, never the output.
 
 Randomness is per request, as in kvjax/sampling.py: every draw folds the
 request's seed with the sequence position it decides, so a request's tokens do
-not depend on its batch.  The accept rule is pallas_kernels'
-`rejection_sample_reference`, run per row (vmap) to take a per-row key; a
-batch whose rows are all greedy takes `greedy_verify` and an argmax drafter
-instead (lax.cond), which draw nothing and give the same tokens.
+not depend on its batch.  The accept rule is the backend's `verify`
+(kvjax/backends.py: pallas_kernels' fused `rejection_sample`, or its jnp
+reference), called once for the whole batch with one key per row; a batch
+whose rows are all greedy takes `greedy_verify` and an argmax drafter instead
+(lax.cond), which draw nothing and give the same tokens.
+
+Shapes: docs/DIMENSIONS.md (B rows, T columns, J drafts per row, V vocab, D
+model dim).
 """
 from __future__ import annotations
 
@@ -35,14 +39,16 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from kvjax.attention.registry import get_backend
-from kvjax.cache import StepBatch
+from pallas_kernels import greedy_verify
+from kvjax.backends import Backend
 from kvjax.config import ModelConfig
-from kvjax.model import decoder, lm_logits, mtp_block
+from kvjax.model import Attend, decoder, lm_logits, mtp_block
 from kvjax.params import Params
 from kvjax.sampling import SamplingParams, filtered_logits
+from kvjax.step_batch import StepBatch
+from kvjax.steps import cache_attend
 
-__all__ = ["check_mtp", "check_draft_model", "paged_attend", "fill_drafts", "gather_rows",
+__all__ = ["check_mtp", "check_draft_model", "fill_drafts", "gather_rows",
            "target_logits_for_accept", "accept", "mtp_draft", "model_draft"]
 
 _ACCEPT_STREAM, _DRAFT_STREAM = 0, 1  # fold_in tags: independent draws per position
@@ -70,21 +76,6 @@ def check_draft_model(config: ModelConfig, draft_config: ModelConfig, num_draft:
   if draft_config.attention_type != "gqa":
     raise ValueError(f"draft model attention_type must be 'gqa', got "
                      f"{draft_config.attention_type!r}")
-
-
-def paged_attend(slot_ids: jax.Array, starts: jax.Array, q_lens: jax.Array,
-                 block_tables: jax.Array, t: int, config: ModelConfig, backend: str):
-  """(StepBatch, attend) for rows of t columns whose column 0 sits at starts (as model_step)."""
-  positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-  batch = StepBatch(slot_ids=slot_ids, q_lens=q_lens, positions=positions, kv_lens=starts + t,
-                    block_tables=block_tables)
-  attention_backend = get_backend(backend)
-
-  def attend(cache, layer, q, k, v):
-    return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
-                        window=config.window_of_layer(layer), backend=attention_backend)
-
-  return batch, attend
 
 
 def _draw(logits: jax.Array, sampling: SamplingParams, positions: jax.Array):
@@ -115,7 +106,7 @@ def _row_key(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
 
 
 def fill_drafts(tokens: jax.Array, drafts: jax.Array, num_draft: jax.Array) -> jax.Array:
-  """tokens [B, T] with column 0 known; columns 1..num_draft[b] <- drafts [B, K]."""
+  """tokens [B, T] with column 0 known; columns 1..num_draft[b] <- drafts [B, J]."""
   t, k = tokens.shape[1], drafts.shape[1]
   col = jnp.arange(t)[None, :]  # [1, T]
   taken = drafts[:, jnp.clip(jnp.arange(t) - 1, 0, k - 1)]  # [B, T]
@@ -130,7 +121,7 @@ def gather_rows(x: jax.Array, start: jax.Array, count: int) -> jax.Array:
 
 def target_logits_for_accept(logits: jax.Array, sampling: SamplingParams,
                              use_filter: bool) -> jax.Array:
-  """logits [B, R, V] with top-k / top-p applied (-inf outside), temperature left in.
+  """logits [B, J+1, V] with top-k / top-p applied (-inf outside), temperature left in.
 
   The accept rule scales by temperature itself; filtering the scaled logits and
   masking the raw ones keeps the nucleus of the tempered distribution.
@@ -145,41 +136,34 @@ def target_logits_for_accept(logits: jax.Array, sampling: SamplingParams,
 
 
 def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
-           num_draft: jax.Array, sampling: SamplingParams, positions: jax.Array):
-  """Rejection-sample each row (C10) with its own key.
+           num_draft: jax.Array, sampling: SamplingParams, positions: jax.Array,
+           backend: Backend):
+  """Rejection-sample every row (C10) in one call of the backend's verifier, a key per row.
 
-  logits [B, K+1, V] (target at the fed token and each draft), drafts [B, K],
-  draft_probs [B, K, V], num_draft [B], positions [B] = sequence index of the
-  first token emitted -> (tokens [B, K+1] padded with -1, num_accepted [B]).
+  logits [B, J+1, V] (target at the fed token and each draft), drafts [B, J],
+  draft_probs [B, J, V], num_draft [B], positions [B] = sequence index of the
+  first token emitted -> (tokens [B, J+1] padded with -1, num_accepted [B]).
   """
-  from pallas_kernels import greedy_verify, rejection_sample_reference  # lazy, as registry.py
-
   def greedy_only():
     return greedy_verify(drafts, logits, num_draft)
 
   def mixed():
     keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
-
-    def one(d, p, x, n, key, temperature):
-      tokens, accepted = rejection_sample_reference(d[None], p[None], x[None], n[None], key,
-                                                    temperature=temperature[None])
-      return tokens[0], accepted[0]
-
-    return jax.vmap(one)(drafts, draft_probs, logits, num_draft, keys, sampling.temperature)
+    return backend.verify(drafts, draft_probs, logits, num_draft, keys,
+                          temperature=sampling.temperature)
 
   # An all-greedy batch needs no noise (per-row threefry draws are many small ops on CPU).
   return lax.cond(jnp.all(sampling.temperature <= 0), greedy_only, mixed)
 
 
 def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidden: jax.Array,
-              next_tokens: jax.Array, last: jax.Array, sampling: SamplingParams, attend,
-              num_draft: int):
-  """Run the MTP chain over a computed row and draft from its last accepted position.
+              next_tokens: jax.Array, last: jax.Array, attend: Attend, num_draft: int):
+  """Run the MTP chain over the step's rows and draft from each row's last accepted column.
 
-  hidden [B, T, D]: trunk output at the row's positions; next_tokens [B, T]: x_{t+1}
-  per position (the emitted token at `last`); last [B]: index of the last
-  accepted position.  Writes MTP K/V at every real position -> (cache,
-  drafts [B, K] int32, draft_probs [B, K, V] f32).
+  batch: the step's StepBatch (the trunk's, unchanged); hidden [B, T, D]: trunk
+  output at its columns; next_tokens [B, T]: x_{t+1} per column (the emitted
+  token at `last`); last [B]: column of the last accepted position.  Writes MTP
+  K/V at every real column -> (cache, drafts [B, J] int32, draft_probs [B, J, V] f32).
   """
   t = next_tokens.shape[1]
   at_last = jnp.arange(t)[None, :] == last[:, None]  # [B, T]
@@ -190,7 +174,7 @@ def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidd
                               cache, attend)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = lm_logits(params, config, h_last, params.mtp[depth].out_norm)
-    draft, prob = _draw(logits, sampling, last_position + depth + 2)
+    draft, prob = _draw(logits, batch.sampling, last_position + depth + 2)
     drafts.append(draft)
     probs.append(prob)
     # Module depth+1 at t reads x_{t+depth+2}: shift left, the new draft at `last`.
@@ -199,38 +183,36 @@ def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidd
   return cache, jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1)
 
 
-def model_draft(draft_params: Params, draft_config: ModelConfig, cache, tokens: jax.Array,
-                slot_ids: jax.Array, starts: jax.Array, q_lens: jax.Array,
-                block_tables: jax.Array, last: jax.Array, following: jax.Array,
-                sampling: SamplingParams, backend: str, num_draft: int):
-  """A separate draft model proposes K tokens autoregressively after the accepted prefix.
+def model_draft(draft_params: Params, draft_config: ModelConfig, cache, batch: StepBatch,
+                last: jax.Array, following: jax.Array, backend, num_draft: int):
+  """A separate draft model proposes J tokens autoregressively after the accepted prefix.
 
   One forward over the row's accepted columns plus the emitted token (column
   last + 1, which yields d1) keeps the draft cache in step with the target's;
-  K - 1 single-token forwards yield d2..dK.  Positions past the row's pages
+  J - 1 single-column forwards yield d2..dJ.  Positions past the row's pages
   write to the null page: only draft quality depends on them.
-  tokens [B, T] fed this step; last [B]; following [B] the emitted token ->
-  (cache, drafts [B, K], draft_probs [B, K, V]).
+  batch: the step's StepBatch (tokens with drafts filled); last [B]; following
+  [B] the emitted token -> (cache, drafts [B, J], draft_probs [B, J, V]).
   """
-  b, t = tokens.shape
+  b, t = batch.tokens.shape
   col = jnp.arange(t + 1)[None, :]
   fed = jnp.where(col == (last + 1)[:, None], following[:, None],
-                  jnp.pad(tokens, ((0, 0), (0, 1))))  # [B, T + 1]
-  real = jnp.where(q_lens > 0, last + 2, 0)
-  _, attend = paged_attend(slot_ids, starts, real, block_tables, t + 1, draft_config, backend)
-  positions = starts[:, None] + col
-  cache, hidden = decoder(draft_params, draft_config, fed, positions, cache, attend)
+                  jnp.pad(batch.tokens, ((0, 0), (0, 1))))  # [B, T + 1]
+  rows = batch.with_columns(fed, jnp.where(batch.q_lens > 0, last + 2, 0))
+  cache, hidden = decoder(draft_params, draft_config, rows.tokens, rows.positions, cache,
+                          cache_attend(draft_config, rows, backend))
   h = jnp.take_along_axis(hidden, (last + 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-  position = starts + last + 2  # sequence index of d1
-  draft, prob = _draw(lm_logits(draft_params, draft_config, h), sampling, position)
+  position = batch.starts + last + 2  # sequence index of d1
+  draft, prob = _draw(lm_logits(draft_params, draft_config, h), batch.sampling, position)
   drafts, probs = [draft], [prob]
+  one = rows.with_columns(draft[:, None], jnp.minimum(batch.q_lens, 1))
   for _ in range(num_draft - 1):
-    _, attend = paged_attend(slot_ids, position, jnp.minimum(q_lens, 1), block_tables, 1,
-                             draft_config, backend)
-    cache, hidden = decoder(draft_params, draft_config, draft[:, None], position[:, None],
-                            cache, attend)
+    one = one.at_starts(position, one.q_lens).replace(tokens=draft[:, None])
+    cache, hidden = decoder(draft_params, draft_config, one.tokens, one.positions, cache,
+                            cache_attend(draft_config, one, backend))
     position = position + 1
-    draft, prob = _draw(lm_logits(draft_params, draft_config, hidden[:, 0]), sampling, position)
+    draft, prob = _draw(lm_logits(draft_params, draft_config, hidden[:, 0]), batch.sampling,
+                        position)
     drafts.append(draft)
     probs.append(prob)
   return cache, jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1)

@@ -7,9 +7,10 @@ The accept rule, in three lines (Leviathan et al. / Chen et al.):
 Greedy rows (temperature 0): accept while draft == argmax(target), then emit argmax.
 A zero draft probability (or a draft id outside [0, V)) is a rejection.
 
-Randomness is drawn outside the kernels from `key` with jax.random (one uniform
-per draft, one Gumbel vector per row), so kernels and reference consume
-identical noise and can be compared exactly.  Sampling is Gumbel-max:
+Randomness is drawn outside the kernels with jax.random from one key per row
+(`keys` [B]: one uniform per draft, one Gumbel vector per row), so kernels and
+reference consume identical noise and can be compared exactly, and a row's
+draws depend on its own key only, never on the batch it shares.  Sampling is Gumbel-max:
 argmax_v(log q_v + g_v) draws v ~ q / sum(q) for any unnormalized q >= 0, so
 the residual never needs normalizing and q_v = 0 is never drawn.  NaN scores
 and vocab padding are -inf; a row with no finite score yields id 0, so no id is
@@ -45,12 +46,17 @@ __all__ = ["rejection_sample", "rejection_sample_reference", "greedy_verify", "d
 _NEG_INF = float("-inf")
 
 
-def draw_noise(key: jax.Array, batch: int, num_draft_max: int, vocab: int):
-  """Uniforms [B, K] for the accept tests and Gumbel noise [B, V] for the one emission."""
-  k_acc, k_gum = jax.random.split(key)
-  u = jax.random.uniform(k_acc, (batch, num_draft_max), jnp.float32)  # [B, K]
-  g = jax.random.gumbel(k_gum, (batch, vocab), jnp.float32)  # [B, V]
-  return u, g
+def draw_noise(keys: jax.Array, num_draft_max: int, vocab: int):
+  """Per-row keys [B] -> uniforms [B, K] for the accept tests, Gumbel noise [B, V] to emit."""
+  if keys.ndim != 1 and not (keys.ndim == 2 and keys.dtype == jnp.uint32):
+    raise ValueError(f"keys must hold one PRNG key per row ([B]), got shape {keys.shape}")
+
+  def one(key):
+    k_acc, k_gum = jax.random.split(key)
+    return (jax.random.uniform(k_acc, (num_draft_max,), jnp.float32),
+            jax.random.gumbel(k_gum, (vocab,), jnp.float32))
+
+  return jax.vmap(one)(keys)
 
 
 def _inv_temperature(temperature):
@@ -224,7 +230,7 @@ def rejection_sample(
     draft_probs: Optional[jax.Array],  # [B, K, V] or None (one-hot drafter)
     target_logits: jax.Array,  # [B, K+1, V]
     num_draft: jax.Array,  # [B] int32 in 0..K
-    key: jax.Array,  # PRNG key
+    keys: jax.Array,  # [B] one PRNG key per row
     *,
     temperature: jax.Array,  # [B] f32, 0 = greedy
     interpret: bool = False,
@@ -238,7 +244,7 @@ def rejection_sample(
                                temperature)
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v={block_v} must be a power of two >= 16")
-  u, g = draw_noise(key, batch, num_k, vocab)  # [B, K], [B, V]
+  u, g = draw_noise(keys, num_k, vocab)  # [B, K], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
   chunks = pl.cdiv(vocab, block_v * chunk_tiles)  # C
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
@@ -288,12 +294,12 @@ def rejection_sample(
 
 
 @jax.jit
-def rejection_sample_reference(draft_tokens, draft_probs, target_logits, num_draft, key,
+def rejection_sample_reference(draft_tokens, draft_probs, target_logits, num_draft, keys,
                                *, temperature):
   """Pure-jnp oracle of `rejection_sample` (same noise, same rule)."""
   batch, num_k, vocab = _check(draft_tokens, draft_probs, target_logits, num_draft,
                                temperature)
-  u, g = draw_noise(key, batch, num_k, vocab)  # [B, K], [B, V]
+  u, g = draw_noise(keys, num_k, vocab)  # [B, K], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
   greedy, inv_t = _inv_temperature(temperature)  # [B]
   x = target_logits.astype(jnp.float32)  # [B, K+1, V]

@@ -1,6 +1,6 @@
 """rejection_sample (claim C10): kernel (interpret) == reference, and the rule's statistics.
 
-Kernel and reference draw identical noise from `key`, so they are compared
+Kernel and reference draw identical noise from per-row `keys`, so they are compared
 exactly on a few hundred rows; the distribution tests (>= 65,536 rows) run on
 the jitted reference, which the exact comparison ties to the kernel.
 Per-bin bound: |count - n p| <= 6 sqrt(n p (1 - p)) + 5; zero-probability bins
@@ -16,8 +16,13 @@ import pytest
 from pallas_kernels import greedy_verify
 from pallas_kernels import rejection_sample
 from pallas_kernels import rejection_sample_reference
+from tests.device_checks import assert_no_host_callback
 
 N_ROWS = 65_536
+
+
+def row_keys(seed: int, batch: int) -> jax.Array:
+  return jax.random.split(jax.random.key(seed), batch)
 
 
 def assert_follows(samples, probs, what):
@@ -54,7 +59,7 @@ def spec_problem():
                      for k in range(2)], axis=1).astype(np.int32)  # [B, K]
   args = (jnp.asarray(drafts), jnp.broadcast_to(draft_probs, (N_ROWS, 2, 8)),
           jnp.broadcast_to(target_logits, (N_ROWS, 3, 8)),
-          jnp.full((N_ROWS,), 2, jnp.int32), jax.random.key(42))
+          jnp.full((N_ROWS,), 2, jnp.int32), row_keys(42, N_ROWS))
   tokens, n_acc = rejection_sample_reference(*args, temperature=jnp.ones(N_ROWS))
   return softmax(target_logits), draft_probs, np.asarray(tokens), np.asarray(n_acc)
 
@@ -94,7 +99,7 @@ def random_case(batch, num_k, vocab, seed, with_probs=True):
   num_draft = rng.integers(0, num_k + 1, batch).astype(np.int32)
   temperature = rng.choice([0.0, 0.7, 1.0], batch).astype(np.float32)
   return (jnp.asarray(drafts), jnp.asarray(draft_probs) if with_probs else None,
-          jnp.asarray(target), jnp.asarray(num_draft), jax.random.key(seed)), temperature
+          jnp.asarray(target), jnp.asarray(num_draft), row_keys(seed, batch)), temperature
 
 
 @pytest.mark.parametrize("with_probs,chunk_tiles", [(True, 1), (False, 2)],
@@ -130,7 +135,7 @@ def greedy_batch(names):
   logits[:, np.arange(4), GREEDY_ARGMAX] = 3.0
   rows = [GREEDY_SCENARIOS[n] for n in names]
   args = (jnp.asarray([r[0] for r in rows], jnp.int32), None, jnp.asarray(logits),
-          jnp.asarray([r[1] for r in rows], jnp.int32), jax.random.key(0))
+          jnp.asarray([r[1] for r in rows], jnp.int32), row_keys(0, len(rows)))
   want = (np.array([r[2] for r in rows]), np.array([r[3] for r in rows]))
   return args, want
 
@@ -165,7 +170,7 @@ def test_greedy_verify_equals_reference_at_temperature_0():
   num_draft = rng.integers(0, num_k + 1, batch).astype(np.int32)
   args = (jnp.asarray(drafts), jnp.asarray(logits), jnp.asarray(num_draft))
   got = greedy_verify(*args)
-  want = rejection_sample_reference(args[0], None, args[1], args[2], jax.random.key(0),
+  want = rejection_sample_reference(args[0], None, args[1], args[2], row_keys(0, batch),
                                     temperature=jnp.zeros(batch))
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
@@ -191,7 +196,7 @@ def test_self_draft_accepts_everything():
     key = jax.random.key(int(temp * 10))
     drafts = jax.random.categorical(key, jnp.log(draft_probs)).astype(jnp.int32)
     args = (drafts, jnp.asarray(draft_probs), jnp.asarray(target),
-            jnp.full((batch,), num_k, jnp.int32), key)
+            jnp.full((batch,), num_k, jnp.int32), jax.random.split(key, batch))
     got = rejection_sample(*args, temperature=jnp.full((batch,), temp),
                            interpret=True, block_v=16)
     assert np.all(np.asarray(got[1]) == num_k)
@@ -208,7 +213,7 @@ def test_no_id_beyond_vocab(vocab, block_v):
   draft_probs = np.full((batch, num_k, vocab), 1.0 / vocab, np.float32)
   drafts = np.full((batch, num_k), vocab - 2, np.int32)
   args = (jnp.asarray(drafts), jnp.asarray(draft_probs), jnp.asarray(logits),
-          jnp.asarray([2, 2, 2, 0, 1, 2], jnp.int32), jax.random.key(7))
+          jnp.asarray([2, 2, 2, 0, 1, 2], jnp.int32), row_keys(7, batch))
   temperature = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
   tokens, n_acc = rejection_sample(*args, temperature=temperature, interpret=True,
                                    block_v=block_v)
@@ -221,16 +226,31 @@ def test_no_id_beyond_vocab(vocab, block_v):
   np.testing.assert_array_equal(n_acc, np.asarray(ref_n_acc))
 
 
-def test_fixed_shapes_no_host_sync():
-  batch, num_k, vocab = 4, 3, 100
-  spec = jax.ShapeDtypeStruct
-  out = jax.eval_shape(
-      lambda *a: rejection_sample(*a, temperature=jnp.ones(batch), interpret=True),
-      spec((batch, num_k), jnp.int32), spec((batch, num_k, vocab), jnp.float32),
-      spec((batch, num_k + 1, vocab), jnp.bfloat16), spec((batch,), jnp.int32),
-      jax.random.key(0))
-  assert out[0].shape == (batch, num_k + 1) and out[0].dtype == jnp.int32
-  assert out[1].shape == (batch,) and out[1].dtype == jnp.int32
+def test_rows_depend_on_their_own_key_only():
+  """Per-row keys: a row verified alone equals the same row inside a larger batch."""
+  args, temperature = random_case(24, 3, 37, seed=4)
+  together = rejection_sample(*args, temperature=temperature, interpret=True, block_v=16)
+  for b in (0, 5, 23):
+    alone = rejection_sample(*(None if a is None else a[b:b + 1] for a in args),
+                             temperature=temperature[b:b + 1], interpret=True, block_v=16)
+    np.testing.assert_array_equal(np.asarray(alone[0])[0], np.asarray(together[0])[b])
+    np.testing.assert_array_equal(np.asarray(alone[1])[0], np.asarray(together[1])[b])
+
+
+def test_no_host_transfer_and_no_callback():
+  """Inputs already on the device: the kernel runs under a transfer guard, twice with one
+  trace, and its program holds no host callback (a host sync in disguise)."""
+  args, temperature = random_case(8, 3, 37, seed=2)
+  args = jax.device_put(args)
+  temperature = jax.device_put(temperature)
+  kernel = jax.jit(lambda *a: rejection_sample(*a[:-1], temperature=a[-1], interpret=True,
+                                               block_v=16))
+  with jax.transfer_guard("disallow"):
+    for _ in range(2):
+      tokens, n_acc = kernel(*args, temperature)
+  assert kernel._cache_size() == 1
+  assert_no_host_callback(kernel.lower(*args, temperature))
+  assert tokens.shape == (8, 4) and n_acc.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -242,7 +262,7 @@ def test_fixed_shapes_no_host_sync():
 def test_errors_name_the_bad_value(bad, match):
   args = dict(draft_tokens=jnp.zeros((4, 3), jnp.int32), draft_probs=None,
               target_logits=jnp.zeros((4, 4, 10)), num_draft=jnp.zeros((4,), jnp.int32),
-              key=jax.random.key(0))
+              keys=row_keys(0, 4))
   args.update(bad)
   with pytest.raises(ValueError, match=match):
     rejection_sample(**args, temperature=jnp.ones(4), interpret=True)

@@ -16,7 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["masked_attention", "grouped_attention", "visibility_mask"]
+__all__ = ["masked_attention", "grouped_attention", "visibility_mask", "padded_visibility"]
 
 
 def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
@@ -28,6 +28,19 @@ def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
   if window is not None:
     visible &= kp > qp - window
   return visible
+
+
+def padded_visibility(kv_lens: jax.Array, t: int, s: int,
+                      window: Optional[int]) -> jax.Array:
+  """[B, T, S] visibility of kv_lens [B] padded rows: query t at kv_lens - T + t, key j at j.
+
+  The layout every paged read shares (kvjax/step_batch.py): keys past kv_lens
+  are invalid, the rest causal and windowed.
+  """
+  b = kv_lens.shape[0]
+  q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
+  k_positions = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))  # [B, S]
+  return visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None], window)
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,

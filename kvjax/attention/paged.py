@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention.dense import grouped_attention, visibility_mask
+from kvjax.attention.dense import grouped_attention, padded_visibility
 
 __all__ = ["paged_attention", "gather_pages"]
 
@@ -42,11 +42,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   num_kv = k_pages.shape[0]
   keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
-  s = keys.shape[2]
-  q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
-  k_positions = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))  # [B, S]
-  visible = visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None],
-                            sliding_window)
+  visible = padded_visibility(kv_lens, t, keys.shape[2], sliding_window)  # [B, T, S]
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Q, T, H]
   out = grouped_attention(qg, keys.astype(q.dtype) if k_scales is None else keys, values,
                           visible, sm_scale=sm_scale, soft_cap=soft_cap)

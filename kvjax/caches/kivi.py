@@ -1,86 +1,50 @@
-"""Quantized KV pages: the kv_dtype option, and int4 pages in the KIVI style.
+"""`KIVIPagedKVCache`: int4 K/V pages in the KIVI style, page-compatible.
 
-kv_dtype (api.generate, init_paged_state): None keeps the model dtype; "fp32",
-"bf16", "fp16" store K/V in that float; "int8" is `PagedKVCache` with one f32
-scale per token per kv head (kvjax/cache.py; every backend reads it); "int4" is
-`KIVIPagedKVCache` below (reference backend only).
-
-int4, page-compatible KIVI.  KIVI's observation: keys have outlier *channels*
+KIVI's observation: keys have outlier *channels*
 (quantize them per channel, across tokens) while values do not (per token).  A
 per-channel scale needs a group of tokens, so the group is a page:
   * tokens of a slot's current, incomplete page stay in full precision in a
-    per-slot residual [G, K, H] (KIVI's full-precision window of recent tokens,
-    here the 0..G-1 tokens since the last page boundary);
+    per-slot residual [Z, K, H] (KIVI's full-precision window of recent tokens,
+    here the 0..Z-1 tokens since the last page boundary);
   * when a write completes a page, the page is quantized from the residual plus
     the new tokens: keys with one scale per (page, head, channel), values with
     one scale per (token, head); it is never requantized afterwards.
 So only full pages are quantized, exactly the pages a prefix cache can share
 (claim C8), and a page's codes do not depend on how the prompt was chunked.
 Codes are packed two per int8 byte along H (kvjax/quant/symmetric.py), so the
-values take the ledger's ideal 1/2 byte; scales add 4H/G bytes per token per
-head for keys (per page, amortized over G tokens) and 4 for values, and the
-residual a fixed L x slots x G x K x H x 2 floats independent of context length.
+values take the ledger's ideal 1/2 byte; scales add 4H/Z bytes per token per
+head for keys (per page, amortized over Z tokens) and 4 for values, and the
+residual a fixed L x M x Z x K x H x 2 floats independent of context length.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.attention.dense import masked_attention, visibility_mask
-from kvjax.attention.paged import paged_attention
-from kvjax.cache import NULL_PAGE, PagedKVCache, StepBatch
-from kvjax.config import ModelConfig
+from kvjax.attention.dense import masked_attention, padded_visibility
+from kvjax.backends import Backend
+from kvjax.caches.paged import NULL_PAGE, physical_pages
 from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
+from kvjax.step_batch import StepBatch
 
-__all__ = ["KV_DTYPES", "KIVIPagedKVCache", "create_paged_cache", "check_kv_dtype"]
-
-KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
-_FLOATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-_INT8_BACKENDS = ("reference", "pallas", "pallas_interpret", "pallas_reference")
-
-
-def check_kv_dtype(kv_dtype: Optional[str], cfg: ModelConfig, cache: str, backend: str) -> None:
-  """Raise ValueError naming the problem when kv_dtype cannot run with this setup."""
-  if kv_dtype is None or (kv_dtype in _FLOATS and cfg.attention_type != "mla"):
-    return
-  if kv_dtype not in KV_DTYPES:
-    raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; use None or one of {KV_DTYPES}")
-  if cfg.attention_type == "mla":
-    raise ValueError(f"kv_dtype {kv_dtype!r} is not supported for MLA (its latent cache "
-                     "keeps the model dtype); use kv_dtype=None")
-  if cache != "paged":
-    raise ValueError(f"kv_dtype {kv_dtype!r} needs cache='paged', got cache={cache!r}")
-  supported = _INT8_BACKENDS if kv_dtype == "int8" else ("reference",)
-  if backend not in supported:
-    raise ValueError(f"kv_dtype {kv_dtype!r} is not supported by attention backend "
-                     f"{backend!r}; supported backends: {supported}")
-
-
-def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
-                       num_pages: int, page_size: int, dtype, *, with_mtp: bool = False):
-  """Empty GQA pages for kv_dtype (None: the model dtype); MTP layers only `with_mtp`."""
-  args = (cfg.cache_layers(with_mtp), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-  if kv_dtype == "int4":
-    return KIVIPagedKVCache.create(*args, num_slots=num_slots, residual_dtype=dtype)
-  store = {None: dtype, "int8": jnp.int8, **_FLOATS}[kv_dtype]
-  return PagedKVCache.create(*args, store)
+__all__ = ["KIVIPagedKVCache"]
 
 
 @struct.dataclass
 class KIVIPagedKVCache:
-  # Per-page arrays (kvjax/cache.py copy_cache_pages); the residual belongs to a slot.
+  # Per-page arrays (kvjax/caches/paged.py copy_cache_pages); the residual belongs to a slot.
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
   PAGE_AXIS = 2
 
-  k_pages: jax.Array  # [L, K, P, G, H/2] int8, two int4 codes per byte
-  v_pages: jax.Array  # [L, K, P, G, H/2]
-  k_scales: jax.Array  # [L, K, P, H] f32, per channel over the page's G tokens
-  v_scales: jax.Array  # [L, K, P, G] f32, per token
-  k_residual: jax.Array  # [L, slots, G, K, H] the current incomplete page, full precision
-  v_residual: jax.Array  # [L, slots, G, K, H]
+  k_pages: jax.Array  # [L, K, P, Z, H/2] int8, two int4 codes per byte
+  v_pages: jax.Array  # [L, K, P, Z, H/2]
+  k_scales: jax.Array  # [L, K, P, H] f32, per channel over the page's Z tokens
+  v_scales: jax.Array  # [L, K, P, Z] f32, per token
+  k_residual: jax.Array  # [L, M, Z, K, H] the current incomplete page, full precision
+  v_residual: jax.Array  # [L, M, Z, K, H]
 
   @classmethod
   def create(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
@@ -120,7 +84,7 @@ class KIVIPagedKVCache:
     n_buf = (t - 1) // g + 2  # pages covering the residual plus T tokens
     rows = jnp.arange(b)[:, None]
     index = jnp.where(batch.valid, (start - base)[:, None] + jnp.arange(t)[None], n_buf * g)
-    tail = lambda x: x.reshape((b, n_buf, g) + x.shape[2:])  # [B, n_buf, G, K, H]
+    tail = lambda x: x.reshape((b, n_buf, g) + x.shape[2:])  # [B, n_buf, Z, K, H]
 
     def buffer(residual, new):
       buf = jnp.zeros((b, n_buf * g) + new.shape[2:], residual.dtype)
@@ -129,14 +93,12 @@ class KIVIPagedKVCache:
 
     k_buf, v_buf = buffer(self.k_residual, k), buffer(self.v_residual, v)
     k_codes, k_scale = quantize(k_buf, 4, axis=2)  # scales [B, n_buf, K, H]: per channel
-    v_codes, v_scale = quantize(v_buf, 4, axis=4)  # scales [B, n_buf, G, K]: per token
+    v_codes, v_scale = quantize(v_buf, 4, axis=4)  # scales [B, n_buf, Z, K]: per token
     first_page = base // g  # [B]
     logical = first_page[:, None] + jnp.arange(n_buf)[None]  # [B, n_buf]
     complete = (logical + 1) * g <= end[:, None]
-    physical = jnp.take_along_axis(
-        batch.block_tables, jnp.clip(logical, 0, batch.block_tables.shape[1] - 1), axis=1)
-    physical = jnp.where(complete, physical, NULL_PAGE)  # [B, n_buf]
-    to_pages = lambda codes: pack_int4(codes.transpose(0, 1, 3, 2, 4))  # [B, n_buf, K, G, H/2]
+    physical = jnp.where(complete, physical_pages(batch.block_tables, logical), NULL_PAGE)
+    to_pages = lambda codes: pack_int4(codes.transpose(0, 1, 3, 2, 4))  # [B, n_buf, K, Z, H/2]
     current = (end - base) // g  # [B] buffer page that becomes the residual
     take = lambda buf: jnp.take_along_axis(buf, current[:, None, None, None, None], 1)[:, 0]
     slots = jnp.where(batch.q_lens > 0, batch.slot_ids, self.k_residual.shape[1])
@@ -149,16 +111,16 @@ class KIVIPagedKVCache:
         v_residual=self.v_residual.at[layer, slots].set(take(v_buf), mode="drop"))
 
   def read(self, layer: int, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-    """Dequantized keys, values [B, Pmax*G, K, H] f32, the residual in its page."""
-    tables = batch.block_tables  # [B, Pmax]
+    """Dequantized keys, values [B, W*Z, K, H] f32, the residual in its page."""
+    tables = batch.block_tables  # [B, W]
     end = batch.positions[:, 0] + batch.q_lens
     is_residual = (jnp.arange(tables.shape[1])[None] == (end // self.page_size)[:, None])
 
     def gather(pages, scales, residual, scale_axis):
-      codes = unpack_int4(pages[layer][:, tables]).astype(jnp.float32)  # [K, B, Pmax, G, H]
+      codes = unpack_int4(pages[layer][:, tables]).astype(jnp.float32)  # [K, B, W, Z, H]
       values = codes * jnp.expand_dims(scales[layer][:, tables], scale_axis)
-      values = values.transpose(1, 2, 3, 0, 4)  # [B, Pmax, G, K, H]
-      recent = residual[layer, batch.slot_ids].astype(jnp.float32)[:, None]  # [B, 1, G, K, H]
+      values = values.transpose(1, 2, 3, 0, 4)  # [B, W, Z, K, H]
+      recent = residual[layer, batch.slot_ids].astype(jnp.float32)[:, None]  # [B, 1, Z, K, H]
       values = jnp.where(is_residual[:, :, None, None, None], recent, values)
       return values.reshape((values.shape[0], -1) + values.shape[3:])
 
@@ -166,15 +128,10 @@ class KIVIPagedKVCache:
             gather(self.v_pages, self.v_scales, self.v_residual, 4))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Callable):
-    if backend is not paged_attention:
-      raise ValueError("int4 (KIVI) KV pages are read only by the 'reference' backend")
+             window: Optional[int], backend: Backend):
+    """Write k, v [B, T, K, H]; q [B, T, N, H] attends the dequantized pages densely."""
+    backend.check_kv_dtype("int4")
     cache = self.write(layer, k, v, batch)
-    keys, values = cache.read(layer, batch)
-    b, t = q.shape[:2]
-    s = keys.shape[1]
-    q_positions = batch.kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
-    k_positions = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))  # [B, S]
-    visible = visibility_mask(q_positions, k_positions, k_positions < batch.kv_lens[:, None],
-                              window)
+    keys, values = cache.read(layer, batch)  # [B, S, K, H] f32
+    visible = padded_visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
     return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)

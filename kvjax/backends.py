@@ -1,0 +1,113 @@
+"""Backends as capability records, chosen by name.
+
+A `Backend` says what one implementation can do; caches and the speculative
+step call through it and never compare functions by identity:
+  attention(q [B, T, N, H], k_pages, v_pages [K, P, Z, H], batch: StepBatch, *,
+            sm_scale, sliding_window=None, k_scales=None, v_scales=None)
+      -> [B, T, N, H]    float or int8 pages (scales [K, P, Z] f32 with int8)
+  verify(draft_tokens [B, J], draft_probs [B, J, V], target_logits [B, J+1, V],
+         num_draft [B], keys [B], *, temperature [B]) -> (tokens [B, J+1], accepted [B])
+      the whole batch at once, one PRNG key per row (claim C10)
+  mla_attention(q [B, T, N, R + Hr], pages [P, Z, R + Hr], batch, *, value_dim,
+                sm_scale, sliding_window) -> [B, T, N, R], or None: cannot read
+                MLA's latent pages
+  kv_dtypes: the `kv_dtype` page stores it serves (None, the model dtype, always).
+int4 (KIVI) pages are dequantized by their cache and attended densely, so
+"int4" in kv_dtypes means the backend accepts that path.
+
+Built-in names:
+  reference         kvjax's pure-jnp gather and pallas_kernels' jnp verifier (any device)
+  pallas            pallas_kernels' ragged paged attention and fused rejection
+                    sampler, compiled for the GPU
+  pallas_interpret  the same kernels in interpret mode (CPU tests)
+  pallas_reference  pallas_kernels' own jnp references of both contracts
+A researcher's variant is a record too, passed where a name goes
+(`Engine(model, backend=Backend(...))`, `kvjax.generate(..., backend=...)`), or
+`dataclasses.replace(get_backend("reference"), name=..., attention=...)`;
+nothing global is mutated.  Records are hashable (jit static arguments).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Callable, Optional, Union
+
+import jax.numpy as jnp
+
+import pallas_kernels
+from kvjax.attention.mla import mla_paged_attention
+from kvjax.attention.paged import paged_attention
+
+__all__ = ["Backend", "BACKENDS", "get_backend", "backend_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  name: str
+  attention: Callable
+  verify: Callable
+  kv_dtypes: tuple = ("fp32", "bf16", "fp16", "int8")
+  mla_attention: Optional[Callable] = None
+
+  def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:
+    """ValueError naming the backend unless it reads pages stored as kv_dtype."""
+    if kv_dtype is not None and kv_dtype not in self.kv_dtypes:
+      raise ValueError(f"kv_dtype {kv_dtype!r} is not supported by attention backend "
+                       f"{self.name!r}; it reads {self.kv_dtypes}")
+
+  def check_mla(self) -> None:
+    if self.mla_attention is None:
+      raise ValueError(f"attention backend {self.name!r} cannot read MLA latent pages; use "
+                       f"one with mla_attention (built in: 'reference')")
+
+
+def _padded_reference(q, k_pages, v_pages, batch, **kwargs):
+  return paged_attention(q, k_pages, v_pages, batch.kv_lens, batch.block_tables, **kwargs)
+
+
+def _padded_mla(q, pages, batch, **kwargs):
+  return mla_paged_attention(q, pages, batch.kv_lens, batch.block_tables, **kwargs)
+
+
+def _ragged(kernel: Callable) -> Callable:
+  """Padded [B, T] rows -> the ragged kernel's flattened [B*T] layout (cu_q_lens = b*T)."""
+
+  def attention(q, k_pages, v_pages, batch, **kwargs):
+    b, t, n, h = q.shape
+    out = kernel(q.reshape(b * t, n, h), k_pages, v_pages, batch.kv_lens, batch.block_tables,
+                 batch.cu_q_lens, **kwargs)
+    return out.reshape(b, t, n, h)
+
+  return attention
+
+
+BACKENDS = types.MappingProxyType({
+    "reference": Backend(
+        "reference", _padded_reference, pallas_kernels.rejection_sample_reference,
+        kv_dtypes=("fp32", "bf16", "fp16", "int8", "int4"), mla_attention=_padded_mla),
+    "pallas": Backend(
+        "pallas", _ragged(pallas_kernels.ragged_paged_attention),
+        pallas_kernels.rejection_sample),
+    "pallas_interpret": Backend(
+        "pallas_interpret",
+        _ragged(functools.partial(pallas_kernels.ragged_paged_attention, interpret=True)),
+        functools.partial(pallas_kernels.rejection_sample, interpret=True)),
+    "pallas_reference": Backend(
+        "pallas_reference", _ragged(pallas_kernels.ragged_paged_attention_reference),
+        pallas_kernels.rejection_sample_reference),
+})
+
+
+def backend_names() -> list[str]:
+  return sorted(BACKENDS)
+
+
+def get_backend(backend: Union[str, Backend]) -> Backend:
+  """A built-in record by name, or the record itself; ValueError naming unknown names."""
+  if isinstance(backend, Backend):
+    return backend
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown attention backend {backend!r}; known: {backend_names()} "
+                     "or a kvjax.backends.Backend record")
+  return BACKENDS[backend]

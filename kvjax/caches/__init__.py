@@ -1,0 +1,93 @@
+"""KV caches: one contract, four layouts.
+
+Every cache is a frozen pytree with
+  cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
+which writes the step's new k, v [B, T, K, H] for `batch` (a StepBatch,
+kvjax/step_batch.py) and attends q [B, T, N, H] over everything the rows can
+see; the cache goes in and comes out, nothing is mutated.  Paged caches also
+list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) for page copies.
+
+  paged.py       PagedKVCache: float or int8 pages (claims C6, C7); the shared
+                 page lookup (`physical_pages`, `token_slots`) and page copies
+  kivi.py        KIVIPagedKVCache: int4 pages, keys per channel, values per token
+  mla.py         MLAPagedCache: one latent row per token (DeepSeek MLA)
+  contiguous.py  ContiguousKVCache: one max-length buffer per slot (C7's baseline)
+
+kv_dtype says how pages store K/V: None keeps the model dtype; "fp32",
+"bf16", "fp16" store that float; "int8" is PagedKVCache with scales; "int4" is
+KIVIPagedKVCache.  Which backend reads which store is the backend's record
+(kvjax/backends.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from kvjax.backends import Backend
+from kvjax.caches.contiguous import ContiguousKVCache
+from kvjax.caches.kivi import KIVIPagedKVCache
+from kvjax.caches.mla import MLAPagedCache
+from kvjax.caches.paged import NULL_PAGE, PagedKVCache, copy_cache_pages
+from kvjax.config import ModelConfig
+
+__all__ = ["KV_DTYPES", "CACHE_KINDS", "PagedKVCache", "KIVIPagedKVCache", "MLAPagedCache",
+           "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "check_cache_support",
+           "create_paged_cache", "create_contiguous_cache"]
+
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+CACHE_KINDS = ("paged", "contiguous", "none")
+_FLOATS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
+                        backend: Backend) -> None:
+  """ValueError naming the problem unless `cache` pages stored as kv_dtype can serve cfg
+  through `backend`."""
+  if cache not in CACHE_KINDS:
+    raise ValueError(f"unknown cache {cache!r}; use one of {CACHE_KINDS}")
+  if cfg.attention_type == "mla" and cache == "paged":
+    backend.check_mla()
+  if kv_dtype is None:
+    return
+  if kv_dtype not in KV_DTYPES:
+    raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; use None or one of {KV_DTYPES}")
+  if cfg.attention_type == "mla":
+    raise ValueError(f"kv_dtype {kv_dtype!r} is not supported for MLA (its latent cache "
+                     "keeps the model dtype); use kv_dtype=None")
+  if cache != "paged":
+    if kv_dtype in _FLOATS:
+      return
+    raise ValueError(f"kv_dtype {kv_dtype!r} needs cache='paged', got cache={cache!r}")
+  backend.check_kv_dtype(kv_dtype)
+
+
+def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
+                       num_pages: int, page_size: int, dtype, *, with_mtp: bool = False):
+  """Empty pages for cfg's attention and kv_dtype (None: `dtype`).
+
+  The MTP modules' KV layers are allocated only `with_mtp` (speculative
+  drafting): a plain decoder never writes them (claim C11's memory cost).
+  `num_slots` rows of per-slot state (int4's residual) sit beside the pages.
+  """
+  if cfg.attention_type == "mla":
+    return MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)
+  args = (cfg.cache_layers(with_mtp), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+  if kv_dtype == "int4":
+    return KIVIPagedKVCache.create(*args, num_slots=num_slots, residual_dtype=dtype)
+  store = {None: dtype, "int8": jnp.int8, **_FLOATS}[kv_dtype]
+  return PagedKVCache.create(*args, store)
+
+
+def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
+                            kv_dtype: Optional[str] = None) -> ContiguousKVCache:
+  """Every slot reserves max_len tokens of the trunk's layers (the C7 baseline)."""
+  dtype = _FLOATS.get(kv_dtype, dtype)
+  if cfg.attention_type == "mla":
+    # One latent "kv head": keys [latent; rope key], values the latent (stored twice;
+    # the contiguous cache is a baseline, MLAPagedCache stores it once).
+    r = cfg.kv_lora_rank
+    return ContiguousKVCache.create(cfg.num_layers, 1, num_slots, max_len,
+                                    r + cfg.qk_rope_head_dim, dtype, value_dim=r)
+  return ContiguousKVCache.create(cfg.num_layers, cfg.num_kv_heads, num_slots, max_len,
+                                  cfg.head_dim, dtype)

@@ -1,0 +1,63 @@
+"""`MLAPagedCache`: MLA's latent pages, one [R + Hr] row per token shared by every head.
+
+What is cached per token and layer: the compressed latent c = RMSNorm(x W_dkv)
+[R] (R = kv_lora_rank) and one rope key k_r [Hr], R + Hr values against MHA's
+2 N H (DeepSeek-V2: 576 vs 32,768; claim C6).  The block (kvjax/model.py
+`mla_attention`) hands `attend` keys k [B, T, 1, R + Hr] with v = k[..., :R];
+only k is stored, one page array instead of two, and the backend's
+`mla_attention` reads it (kvjax/attention/mla.py for the reference).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.backends import Backend
+from kvjax.caches.paged import token_slots
+from kvjax.config import ModelConfig
+from kvjax.step_batch import StepBatch
+
+__all__ = ["MLAPagedCache"]
+
+
+@struct.dataclass
+class MLAPagedCache:
+  PAGE_ARRAYS = ("pages",)  # see kvjax/caches/paged.py copy_cache_pages
+  PAGE_AXIS = 1
+  pages: jax.Array  # [L, P, Z, R + Hr]
+  value_dim: int = struct.field(pytree_node=False, default=0)  # R
+
+  @classmethod
+  def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
+             with_mtp: bool = False) -> "MLAPagedCache":
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    layers = cfg.cache_layers(with_mtp)
+    return cls(pages=jnp.zeros((layers, num_pages, page_size, width), dtype),
+               value_dim=cfg.kv_lora_rank)
+
+  @property
+  def page_size(self) -> int:
+    return self.pages.shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    return self.pages.shape[1]
+
+  def write(self, layer: int, entry: jax.Array, batch: StepBatch) -> "MLAPagedCache":
+    """Scatter entry [B, T, R + Hr] to its pages; padding columns go to the null page."""
+    pages, offsets = token_slots(batch, self.page_size)
+    return self.replace(pages=self.pages.at[layer, pages, offsets].set(
+        entry.astype(self.pages.dtype)))
+
+  def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
+             window: Optional[int], backend: Backend):
+    """q [B, T, N, R + Hr], k [B, T, 1, R + Hr]; v is k[..., :R] and is not stored."""
+    del v
+    backend.check_mla()
+    cache = self.write(layer, k[:, :, 0], batch)
+    out = backend.mla_attention(q, cache.pages[layer], batch, value_dim=self.value_dim,
+                                sm_scale=sm_scale, sliding_window=window)
+    return cache, out

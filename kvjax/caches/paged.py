@@ -1,0 +1,105 @@
+"""`PagedKVCache`: fixed-size K/V pages shared by every sequence (claim C7).
+
+Each row's block table maps its logical page i to a physical page.  Page 0 is
+the null page: padding columns write there and unused block-table entries
+point there, so padding never overwrites anything real.  Float pages store K/V
+as they are; int8 pages add one f32 scale per token per kv head (symmetric,
+claim C6: half of bf16's bytes plus 4 B per token per head), the layout every
+built-in backend reads.  int4 pages are kvjax/caches/kivi.py.
+
+The page lookup every paged cache shares is here: `physical_pages` (logical
+page -> physical page through the block table) and `token_slots` (each
+column's page and offset, padding sent to the null page).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.backends import Backend
+from kvjax.pages import NULL_PAGE
+from kvjax.quant.symmetric import quantize
+from kvjax.step_batch import StepBatch
+
+__all__ = ["PagedKVCache", "NULL_PAGE", "physical_pages", "token_slots", "copy_cache_pages"]
+
+
+def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
+  """block_tables [B, W], logical page ids [B, X] -> physical page ids [B, X] (clipped into W)."""
+  logical = jnp.clip(logical, 0, block_tables.shape[1] - 1)
+  return jnp.take_along_axis(block_tables, logical, axis=1)
+
+
+def token_slots(batch: StepBatch, page_size: int) -> tuple[jax.Array, jax.Array]:
+  """(page [B, T], offset [B, T]) each column writes; padding columns -> the null page."""
+  pages = physical_pages(batch.block_tables, batch.positions // page_size)
+  return jnp.where(batch.valid, pages, NULL_PAGE), batch.positions % page_size
+
+
+@struct.dataclass
+class PagedKVCache:
+  PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
+  PAGE_AXIS = 2
+  k_pages: jax.Array  # [L, K, P, Z, H]
+  v_pages: jax.Array  # [L, K, P, Z, H]
+  k_scales: Optional[jax.Array] = None  # [L, K, P, Z] f32 (int8 pages only)
+  v_scales: Optional[jax.Array] = None  # [L, K, P, Z] f32
+
+  @classmethod
+  def create(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+             head_dim: int, dtype) -> "PagedKVCache":
+    """`dtype` int8 quantizes every write; any float dtype stores K/V as is."""
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    scales = lambda: jnp.ones(shape[:-1], jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
+    return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+               k_scales=scales(), v_scales=scales())  # distinct buffers: both are donated
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[2]
+
+  def write(self, layer: int, k: jax.Array, v: jax.Array, batch: StepBatch) -> "PagedKVCache":
+    """Scatter k, v [B, T, K, H] to their pages; padding columns go to the null page."""
+    pages, offsets = token_slots(batch, self.page_size)  # [B, T] each
+    if self.k_scales is None:
+      return self.replace(
+          k_pages=self.k_pages.at[layer, :, pages, offsets].set(k.astype(self.k_pages.dtype)),
+          v_pages=self.v_pages.at[layer, :, pages, offsets].set(v.astype(self.v_pages.dtype)))
+    (k, k_scale), (v, v_scale) = quantize(k, 8, -1), quantize(v, 8, -1)  # scales [B, T, K]
+    return self.replace(
+        k_pages=self.k_pages.at[layer, :, pages, offsets].set(k),
+        v_pages=self.v_pages.at[layer, :, pages, offsets].set(v),
+        k_scales=self.k_scales.at[layer, :, pages, offsets].set(k_scale),
+        v_scales=self.v_scales.at[layer, :, pages, offsets].set(v_scale))
+
+  def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
+             window: Optional[int], backend: Backend):
+    """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H])."""
+    cache = self.write(layer, k, v, batch)
+    scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales[layer],
+                                                     v_scales=cache.v_scales[layer])
+    out = backend.attention(q, cache.k_pages[layer], cache.v_pages[layer], batch,
+                            sm_scale=sm_scale, sliding_window=window, **scales)
+    return cache, out
+
+
+def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
+  """Copy pages src [C] -> dst [C], every layer, in each array of `cache.PAGE_ARRAYS`.
+
+  A paged cache lists its per-page arrays (pages, scales; None ones are
+  skipped) and their page axis `PAGE_AXIS`; per-slot state is not a page and
+  is left alone.
+  """
+  lead = (slice(None),) * cache.PAGE_AXIS
+
+  def copy(x):
+    return None if x is None else x.at[lead + (dst,)].set(x[lead + (src,)])
+
+  return cache.replace(**{name: copy(getattr(cache, name)) for name in cache.PAGE_ARRAYS})

@@ -1,0 +1,137 @@
+"""`EngineConfig`: every option of a serving engine, frozen, validated in one place.
+
+Built once at the boundary (Engine, `kvjax.generate`'s engine path, the CLI
+and the benchmarks) and read everywhere else; `resolve(model)` checks it
+against the model and fills the model-dependent defaults, so a bad option is a
+ValueError naming it before anything is allocated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+from kvjax import speculative as spec
+from kvjax.backends import Backend, get_backend
+from kvjax.caches import check_cache_support
+from kvjax.config import ModelConfig
+from kvjax.scheduler import max_pages_held
+
+__all__ = ["EngineConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Options of kvjax.Engine.
+
+  Attributes:
+    page_size: tokens per KV page.
+    num_pages: KV pages in the pool, null page included (None: every slot can
+      hold the most pages a max_model_len request holds at once, fewer than it
+      spans when every layer has a sliding window).
+    max_num_seqs: running requests (rows) at most.
+    max_num_batched_tokens: token budget per step (draft slots included).
+    max_model_len: prompt + max_new_tokens cap (None: the model context).
+    prefix_cache: share computed full blocks across requests (C8).
+    prefix_match: "block" (vLLM) or "token" (also a partial last block).
+    min_cacheable_tokens: shorter prefix hits are ignored.
+    speculative: None, "mtp" (draft with the model's MTP modules) or a
+      kvjax.Model of the same vocabulary (a draft model with its own paged KV).
+    num_draft: draft tokens per verify step (J).
+    backend: attention and verification backend, a name or a Backend record
+      (kvjax/backends.py).
+    num_scheduler_steps: most decode steps one device call runs (multi-step
+      scheduling): when every running request decodes and nothing could be
+      admitted meanwhile, emitted tokens feed the next step on device, so host
+      scheduling and dispatch are paid once per burst.  Outputs do not change;
+      a burst's tokens stream out together.  1: one step per call.
+    kv_dtype: how pages store K/V: None (the model dtype), "fp32", "bf16",
+      "fp16", "int8" or "int4" (kvjax/caches/).  int4 (KIVI) keeps each slot's
+      incomplete page in a per-slot full-precision residual, not in the pool,
+      so it refuses what would resume a slot mid-page on stale residual data:
+      token-mode prefix hits and speculative decoding.  Its outputs also depend
+      on chunking (a query reads its own incomplete page in full precision), so
+      they match the static batch only for unchunked prompts; int8 matches it
+      always.
+  """
+
+  page_size: int = 16
+  num_pages: Optional[int] = None
+  max_num_seqs: int = 8
+  max_num_batched_tokens: int = 512
+  max_model_len: Optional[int] = None
+  prefix_cache: bool = True
+  prefix_match: str = "block"
+  min_cacheable_tokens: int = 0
+  speculative: Any = None
+  num_draft: int = 2
+  backend: Union[str, Backend] = "reference"
+  num_scheduler_steps: int = 16
+  kv_dtype: Optional[str] = None
+
+  @property
+  def draft_model(self):
+    """The separate draft model, or None (no speculation, or MTP drafting)."""
+    return None if isinstance(self.speculative, (str, type(None))) else self.speculative
+
+  @property
+  def drafts_per_step(self) -> int:
+    """J of the step programs: num_draft with speculation, 0 without."""
+    return self.num_draft if self.speculative is not None else 0
+
+  def resolve(self, model) -> "EngineConfig":
+    """Validated against `model`, defaults filled; ValueError naming a bad option."""
+    cfg: ModelConfig = model.config
+    backend = get_backend(self.backend)
+    check_cache_support(self.kv_dtype, cfg, "paged", backend)
+    self._check_int4()
+    draft = self.draft_model
+    if draft is not None:
+      if not (hasattr(draft, "config") and hasattr(draft, "params")):
+        raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
+                         f"{type(draft).__name__}")
+      spec.check_draft_model(cfg, draft.config, self.num_draft)
+    elif self.speculative not in (None, "mtp"):
+      raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
+                       f"{self.speculative!r}")
+    elif self.speculative:
+      spec.check_mtp(cfg, model.params, self.num_draft)
+    if self.prefix_match not in ("block", "token"):
+      raise ValueError(f"prefix_match must be 'block' or 'token', got {self.prefix_match!r}")
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    max_model_len = cfg.max_position_embeddings if self.max_model_len is None else \
+        self.max_model_len
+    if not 1 <= max_model_len <= cfg.max_position_embeddings:
+      raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
+                       f"(the model context), got {max_model_len}")
+    num_pages = self.num_pages
+    if num_pages is None:  # a windowed model's requests hold a bounded number of pages
+      num_pages = 1 + self.max_num_seqs * max_pages_held(
+          max_model_len, page_size=self.page_size,
+          max_num_batched_tokens=self.max_num_batched_tokens,
+          sliding_window=self.widest_window(cfg))
+    return dataclasses.replace(self, backend=backend, max_model_len=max_model_len,
+                               num_pages=num_pages)
+
+  def widest_window(self, cfg: ModelConfig) -> Optional[int]:
+    """Widest window over every layer reading the pages; None if one sees everything."""
+    draft = self.draft_model
+    windows = [cfg.kv_window] + ([draft.config.kv_window] if draft is not None else [])
+    return None if None in windows else max(windows)
+
+  def _check_int4(self) -> None:
+    """ValueError for what int4 (KIVI) pages cannot serve; see kv_dtype."""
+    if self.kv_dtype != "int4":
+      return
+    if self.speculative is not None:
+      drafter = self.speculative if isinstance(self.speculative, str) else "a draft model"
+      raise ValueError(f"kv_dtype 'int4' cannot verify drafts (speculative={drafter!r}): a "
+                       "rejected draft that completed a page leaves the slot's full-precision "
+                       "residual holding the wrong page; use kv_dtype='int8' or no speculation")
+    if self.prefix_cache and self.prefix_match == "token":
+      raise ValueError("kv_dtype 'int4' cannot reuse partial pages (prefix_match='token'): a "
+                       "resumed page's leading tokens must sit in the slot's full-precision "
+                       "residual, not in a copied, already-quantized page; use "
+                       "prefix_match='block' or prefix_cache=False")

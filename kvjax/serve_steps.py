@@ -1,0 +1,154 @@
+"""The engine's device programs: one serve step, its multi-step loop, page copies.
+
+`serve_step` runs one group of scheduled rows (a StepBatch packed on the host
+by kvjax/batching.py): the trunk forward, then either one sampled token per
+row (plain decoding) or the verification of each row's drafts through the
+backend's verifier plus a fresh draft (speculative decoding, C9-C11).  The
+host owns every length and block table, so preemption, abort and rejected
+drafts need no device rollback: the next batch simply says where each row
+sits.  `serve_burst` runs up to U such decode steps in one device while_loop
+(multi-step scheduling, C13), its carry moving the rows forward.  Both donate
+the state and take the model config, backend and draft count as static
+arguments.  Shapes: docs/DIMENSIONS.md.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import speculative as spec
+from kvjax.caches import PagedKVCache, copy_cache_pages
+from kvjax.config import ModelConfig
+from kvjax.model import lm_logits
+from kvjax.params import Params
+from kvjax.sampling import sample
+from kvjax.step_batch import StepBatch
+from kvjax.steps import cache_attend, model_step
+from kvjax.xla_options import jit_step
+
+__all__ = ["EngineState", "serve_step", "serve_burst", "copy_pages"]
+
+
+@struct.dataclass
+class EngineState:
+  cache: object  # the trunk's (and MTP modules') pages: a kvjax.caches paged cache
+  drafts: jax.Array  # [M, J] int32 drafts each slot feeds at its next verify
+  draft_probs: jax.Array  # [M, J, V] f32 draft distributions (C10's p_draft)
+  draft_cache: Optional[PagedKVCache] = None  # a draft model's KV, same pages and tables
+
+
+def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
+                batch: StepBatch, *, config: ModelConfig, draft_config: Optional[ModelConfig],
+                backend, num_draft: int, use_filter: bool):
+  """Run one row group -> (state, emitted [B, J+1] int32 padded -1, num_emitted [B]).
+
+  num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
+  num_draft = J: rows verify their drafts (C9-C10) and every row drafts anew, with
+  the MTP modules (draft_config None) or the draft model.
+  """
+  if num_draft:
+    batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, state.drafts[batch.slot_ids],
+                                                  batch.num_draft))
+  cache, hidden = model_step(params, state.cache, batch, config=config,
+                             backend=backend)  # hidden [B, T, D]
+  base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
+  first = batch.starts + base + 1  # sequence index of the first emitted token
+  if not num_draft:
+    logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
+    new = sample(logits, batch.sampling, first, use_filter=use_filter)  # [B]
+    return state.replace(cache=cache), new[:, None], jnp.ones_like(new)
+
+  logits = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
+  logits = spec.target_logits_for_accept(logits, batch.sampling, use_filter)  # [B, J+1, V]
+  emitted, accepted = spec.accept(logits, state.drafts[batch.slot_ids],
+                                  state.draft_probs[batch.slot_ids], batch.num_draft,
+                                  batch.sampling, first, backend)
+  last = base + accepted  # [B] column whose logits emitted the last token
+  last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+  following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
+  if draft_config is not None:
+    draft_cache, drafts, probs = spec.model_draft(draft_params, draft_config, state.draft_cache,
+                                                  batch, last, following, backend, num_draft)
+    state = state.replace(cache=cache, draft_cache=draft_cache)
+  else:
+    t = batch.tokens.shape[1]
+    shifted = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)  # x_{t+1}
+    at_last = jnp.arange(t)[None, :] == last[:, None]
+    next_tokens = jnp.where(at_last, following[:, None], shifted)  # [B, T]
+    cache, drafts, probs = spec.mtp_draft(params, config, cache, batch, hidden, next_tokens,
+                                          last, cache_attend(config, batch, backend),
+                                          num_draft)
+    state = state.replace(cache=cache)
+  state = state.replace(drafts=state.drafts.at[batch.slot_ids].set(drafts),
+                        draft_probs=state.draft_probs.at[batch.slot_ids].set(probs))
+  return state, emitted, accepted + 1
+
+
+_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter")
+serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+@jit_step(static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
+def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
+                batch: StepBatch, left: jax.Array, stop_ids: jax.Array, num_steps: jax.Array,
+                *, config: ModelConfig, draft_config: Optional[ModelConfig], backend,
+                num_draft: int, use_filter: bool, max_steps: int):
+  """Up to num_steps decode steps of one row group in one device loop (multi-step).
+
+  batch: the first step's decode rows ([B, 1 + J]); each later step feeds a
+  row's last emitted token at its new position.  Row b runs until it has
+  emitted left[b] tokens or one of stop_ids[b] ([B, E], -1 padded), then
+  becomes a padding row; the loop ends early once no row runs.  Drafts per
+  step are min(J, tokens still allowed - 1), as the scheduler plans a single
+  step.  -> (state, emitted [U, B, J+1] (-1 padded), counts [U, B] (0 once a
+  row stopped), drafted [U, B], steps run), U = max_steps.
+  """
+  b, t = batch.tokens.shape
+  scratch = state.drafts.shape[0] - 1  # the padding rows' slot
+  col = jnp.arange(t)[None, :]
+
+  def cond(carry):
+    step, active = carry[0], carry[4]
+    return (step < num_steps) & jnp.any(active)
+
+  def body(carry):
+    step, state, last, starts, active, left, emitted_all, counts_all, drafted_all = carry
+    drafted = jnp.where(active, jnp.maximum(jnp.minimum(num_draft, left - 1), 0), 0)
+    step_batch = batch.at_starts(starts, jnp.where(active, 1 + drafted, 0)).replace(
+        tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
+        slot_ids=jnp.where(active, batch.slot_ids, scratch),
+        block_tables=jnp.where(active[:, None], batch.block_tables, 0))
+    state, emitted, counts = _serve_rows(
+        params, draft_params, state, step_batch, config=config, draft_config=draft_config,
+        backend=backend, num_draft=num_draft, use_filter=use_filter)
+    counts = jnp.where(active, counts, 0)
+    emitted = jnp.where(col < counts[:, None], emitted, -1)
+    stopped = jnp.any((emitted[:, :, None] == stop_ids[:, None, :]) & (emitted >= 0)[..., None],
+                      axis=(1, 2))
+    left = left - counts
+    last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    return (step + 1, state, jnp.where(active, last, batch.tokens[:, 0]), starts + counts,
+            active & ~stopped & (left > 0), left, emitted_all.at[step].set(emitted),
+            counts_all.at[step].set(counts), drafted_all.at[step].set(drafted))
+
+  carry = (jnp.int32(0), state, batch.tokens[:, 0], batch.starts,
+           (batch.q_lens > 0) & (left > 0), left, jnp.full((max_steps, b, t), -1, jnp.int32),
+           jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.int32))
+  steps_run, state, *_, emitted, counts, drafted = jax.lax.while_loop(cond, body, carry)
+  return state, emitted, counts, drafted, steps_run
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineState:
+  """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits).
+
+  Every per-page array moves (quantized caches' scales too; kvjax/caches/paged.py).
+  """
+  state = state.replace(cache=copy_cache_pages(state.cache, src, dst))
+  if state.draft_cache is not None:
+    state = state.replace(draft_cache=copy_cache_pages(state.draft_cache, src, dst))
+  return state
