@@ -179,7 +179,7 @@ class Engine:
     launched = [(group, self._launch(plan, group)) for group in groups if group]
     new_ids, verified = {}, []
     steps_run = 1
-    for group, (emitted, counts, drafted, steps) in launched:
+    for group, (_, emitted, counts, drafted, steps) in launched:
       # emitted [S, B, K+1], counts and drafted [S, B]: S = 1 but for a burst (which is
       # the plan's only group).  np.asarray is the step's host sync.
       emitted, counts, drafted = np.asarray(emitted), np.asarray(counts), np.asarray(drafted)
@@ -217,7 +217,8 @@ class Engine:
                       utilization=allocator.utilization, pages_used=allocator.num_used,
                       batched_tokens=plan.num_batched_tokens, step_s=now - start,
                       decode_only=bool(plan.rows) and all(r.is_decode for r in plan.rows),
-                      num_steps=steps_run)
+                      num_steps=steps_run,
+                      row_shapes=[shape for _, (shape, *_) in launched])
     return outputs
 
   def stream(self) -> Iterator[RequestOutput]:
@@ -230,10 +231,11 @@ class Engine:
   def _launch(self, plan: SchedulerOutput, group: list[int]):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
-    -> (emitted [U, B, J+1], counts [U, B], drafted [U, B], steps run), U = 1
+    -> ((B, T), emitted [U, B, J+1], counts [U, B], drafted [U, B], steps run), U = 1
     unless the plan is a burst.
     """
     batch = self.packing.pack(plan, group)
+    shape = batch.tokens.shape
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     draft = self.draft_model
     static = dict(config=self.model_config, draft_config=draft and draft.config,
@@ -241,12 +243,12 @@ class Engine:
     if plan.num_steps == 1:
       self.state, emitted, counts = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
-      return emitted[None], counts[None], batch.num_draft[None], 1
+      return shape, emitted[None], counts[None], batch.num_draft[None], 1
     left, stop_ids = burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0])
     self.state, emitted, counts, drafted, steps = serve_burst(
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
         np.int32(plan.num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
-    return emitted, counts, drafted, steps
+    return shape, emitted, counts, drafted, steps
 
   # -- one-shot ---------------------------------------------------------------
 

@@ -69,20 +69,23 @@ class StepBatch:
                         q_lens=q_lens, cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32) * t)
 
 
-def make_step_batch(tokens: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
-                    block_tables: np.ndarray, slot_ids: np.ndarray,
-                    sampling: SamplingParams, *, num_draft=None,
+def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=None,
+                    sampling: SamplingParams = None, *, num_draft=None,
                     next_tokens=None) -> StepBatch:
   """Host arrays of padded rows -> StepBatch (positions, kv_lens, cu_q_lens derived once).
 
-  tokens [B, T], starts / q_lens / slot_ids [B], block_tables [B, W]; num_draft
-  defaults to 0 and next_tokens to -1 (every row samples).
+  tokens [B, T], starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
+  default to 0..B-1, sampling to greedy, num_draft to 0 and next_tokens to -1
+  (every row samples).
   """
+  tokens = np.asarray(tokens, np.int32)
   b, t = tokens.shape
   starts = np.asarray(starts, np.int32)
   zeros = np.zeros(b, np.int32)
+  slot_ids = np.arange(b, dtype=np.int32) if slot_ids is None else slot_ids
+  sampling = SamplingParams.make(b) if sampling is None else sampling
   return StepBatch(
-      tokens=np.asarray(tokens, np.int32),
+      tokens=tokens,
       positions=starts[:, None] + np.arange(t, dtype=np.int32)[None],
       q_lens=np.asarray(q_lens, np.int32), kv_lens=starts + np.int32(t),
       block_tables=np.asarray(block_tables, np.int32), slot_ids=np.asarray(slot_ids, np.int32),

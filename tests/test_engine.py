@@ -8,7 +8,7 @@ import pytest
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax import engine as engine_lib
+from kvjax import serve_steps
 from tests import engine_helpers as h
 
 # name: (engine overrides, expect preemption, expect prefix hits)
@@ -191,13 +191,13 @@ def test_engine_compiles_a_bounded_number_of_steps(monkeypatch):
   model = h.mtp_model()
   fresh = kvjax.Model(model.config.replace(name="trace-count-engine"), model.params)
   eng = kvjax.Engine(fresh, **h.ENGINE_DEFAULTS)
-  before = engine_lib.serve_step._cache_size(), engine_lib.serve_burst._cache_size()
-  monkeypatch.setattr(engine_lib, "model_step",
-                      chex.assert_max_traces(engine_lib.model_step, n=3))
+  before = serve_steps.serve_step._cache_size(), serve_steps.serve_burst._cache_size()
+  monkeypatch.setattr(serve_steps, "model_step",
+                      chex.assert_max_traces(serve_steps.model_step, n=3))
   for n in (1, 5, 9, 30):
     eng.generate([[7] * n, list(range(3, 3 + n))], 5)
-  assert engine_lib.serve_step._cache_size() - before[0] == 2
-  assert engine_lib.serve_burst._cache_size() - before[1] == 1
+  assert serve_steps.serve_step._cache_size() - before[0] == 2
+  assert serve_steps.serve_burst._cache_size() - before[1] == 1
   assert max(eng.steps.num_steps) > 1
 
 
@@ -226,22 +226,16 @@ def test_multi_step_bursts_equal_single_steps(speculative):
   assert (sum(sum(p) for _, p, _ in runs[16]) > 0) == (speculative is not None)
 
 
-def test_long_prefill_chunks_pad_few_rows(monkeypatch):
+def test_long_prefill_chunks_pad_few_rows():
   # Padding rows cost t tokens each: 2 rows of 64-token chunks run as 2 rows
   # (<= 128 padding tokens), 2 rows of 16-token chunks as 8 (fewer shapes).
-  shapes, step = [], engine_lib.serve_step
-
-  def record(params, draft_params, state, rows, *args, **kwargs):
-    shapes.append(rows.tokens.shape)
-    return step(params, draft_params, state, rows, *args, **kwargs)
-
-  monkeypatch.setattr(engine_lib, "serve_step", record)
   eng = h.engine(max_num_seqs=8, max_num_batched_tokens=128, num_scheduler_steps=1)
   for lengths, prefill_shape in (((40, 48), (2, 64)), ((9, 12), (8, 16))):
     batch = h.prompts(2, seed=51, lengths=lengths)
-    shapes.clear()
+    mark = eng.steps.num_recorded
     assert eng.generate(batch, 2).tokens == [h.reference(p)[:2] for p in batch]
-    assert shapes == [prefill_shape, (8, 1)]  # one prefill step, one decode step
+    # one prefill step, one decode step
+    assert eng.steps.since(mark).row_shapes == [(prefill_shape,), ((8, 1),)]
 
 
 def test_mtp_kv_layers_are_allocated_only_when_drafting():
@@ -251,7 +245,7 @@ def test_mtp_kv_layers_are_allocated_only_when_drafting():
   assert cfg.mtp_num_hidden_layers > 0
   plain = kvjax.Engine(model, **h.ENGINE_DEFAULTS)
   drafting = kvjax.Engine(model, speculative="mtp", **h.ENGINE_DEFAULTS)
-  assert plain.state.decode.cache.k_pages.shape[0] == cfg.num_layers
-  assert drafting.state.decode.cache.k_pages.shape[0] == cfg.num_layers + cfg.mtp_num_hidden_layers
+  assert plain.state.cache.k_pages.shape[0] == cfg.num_layers
+  assert drafting.state.cache.k_pages.shape[0] == cfg.num_layers + cfg.mtp_num_hidden_layers
   batch = h.prompts(2, seed=31)
   assert plain.generate(batch, h.MAX_NEW).tokens == [h.reference(p) for p in batch]

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.attention.mla import MLAPagedCache
-from kvjax.cache import PagedKVCache, copy_cache_pages
-from kvjax.quant.kv import KIVIPagedKVCache
+from kvjax.caches import KIVIPagedKVCache, MLAPagedCache, PagedKVCache, copy_cache_pages
 from tests import engine_helpers as h
 
 UNCHUNKED = 128  # token budget above the sum of every batch's prompt lengths
@@ -40,7 +38,7 @@ def test_engine_matches_the_static_batch(name):
   kv_dtype, overrides = SCENARIOS[name]
   batch = h.prompts(4, seed=5)
   eng = h.engine(kv_dtype=kv_dtype, **overrides)
-  assert eng.state.decode.cache.k_pages.dtype == jnp.int8
+  assert eng.state.cache.k_pages.dtype == jnp.int8
   assert eng.generate(batch, h.MAX_NEW).tokens == _static(batch, kv_dtype)
   h.assert_no_pages_held(eng)
 

@@ -8,11 +8,11 @@ import pytest
 
 import kvjax
 from kvjax import ledger
-from kvjax.attention.paged import paged_attention
-from kvjax.cache import PagedKVCache, StepBatch
-from kvjax.quant.kv import KIVIPagedKVCache
+from kvjax.backends import get_backend
+from kvjax.caches import KIVIPagedKVCache, PagedKVCache, create_paged_cache
 from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
-from kvjax.steps import init_paged_state, prefill
+from kvjax.step_batch import make_step_batch
+from kvjax.steps import prefill
 
 L, K, N, H, G = 1, 2, 4, 16, 4  # layers, kv heads, q heads, head_dim, page size
 PAGES_PER_SEQ = 6
@@ -21,11 +21,8 @@ PROMPTS = [[5, 9, 11, 40, 50, 60, 70, 80, 90, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 
 
 def _batch(slots, context, t, q_lens):
   """Rows `slots` appending t tokens (q_lens real) after `context` cached tokens."""
-  context = jnp.asarray(context, jnp.int32)
-  tables = 1 + jnp.arange(len(slots) * PAGES_PER_SEQ, dtype=jnp.int32).reshape(len(slots), -1)
-  return StepBatch(slot_ids=jnp.asarray(slots, jnp.int32), q_lens=jnp.asarray(q_lens, jnp.int32),
-                   positions=context[:, None] + jnp.arange(t, dtype=jnp.int32)[None],
-                   kv_lens=context + t, block_tables=tables)
+  tables = 1 + np.arange(len(slots) * PAGES_PER_SEQ, dtype=np.int32).reshape(len(slots), -1)
+  return make_step_batch(np.zeros((len(slots), t)), context, q_lens, tables, slots)
 
 
 def _random_kv(seed, s):
@@ -66,7 +63,7 @@ def test_int8_attention_relative_error_is_small():
   ref = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.float32)
   q8 = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.int8)
   batch = _batch([0, 1], [0, 0], 18, [18, 18])
-  kwargs = dict(sm_scale=H ** -0.5, window=None, backend=paged_attention)
+  kwargs = dict(sm_scale=H ** -0.5, window=None, backend=get_backend("reference"))
   _, want = ref.attend(0, q, k, v, batch, **kwargs)
   cache, got = q8.attend(0, q, k, v, batch, **kwargs)
   assert cache.k_pages.dtype == jnp.int8 and cache.k_scales.shape == (L, K, 13, G)
@@ -110,11 +107,9 @@ def test_int4_per_channel_keys_beat_per_token_on_outlier_channels():
 
 def _last_logits(model, kv_dtype, tokens):
   cfg = model.config
-  state = init_paged_state(cfg, 1, 1 + 8, 8, 8, jnp.float32, kv_dtype)
-  state = state.replace(block_tables=1 + jnp.arange(8, dtype=jnp.int32)[None])
-  tokens = jnp.asarray([tokens], jnp.int32)
-  _, logits, _ = prefill(model.params, state, tokens, jnp.asarray([tokens.shape[1]]),
-                         jnp.zeros((1,), jnp.int32), config=cfg)
+  cache = create_paged_cache(cfg, kv_dtype, 1, 1 + 8, 8, jnp.float32)
+  batch = make_step_batch([tokens], [0], [len(tokens)], 1 + np.arange(8)[None])
+  _, logits, _ = prefill(model.params, cache, batch, config=cfg)
   return np.asarray(logits[0])
 
 
@@ -140,8 +135,8 @@ def test_int8_greedy_agrees_with_the_float_cache(tiny_model):
 def test_cache_bytes_per_token_match_the_ledger(kv_dtype, with_mtp):
   cfg = kvjax.get_preset("tiny-code")  # MTP layers hold KV only when drafting
   page_size, num_pages = 16, 9
-  cache = init_paged_state(cfg, 2, num_pages, page_size, 4, jnp.float32, kv_dtype,
-                           with_mtp=with_mtp).cache
+  cache = create_paged_cache(cfg, kv_dtype, 2, num_pages, page_size, jnp.float32,
+                             with_mtp=with_mtp)
   stored = sum(x.nbytes for name, x in vars(cache).items()
                if x is not None and not name.endswith("residual"))
   per_token = stored / (num_pages * page_size)

@@ -11,8 +11,7 @@ import transformers
 
 import kvjax
 from kvjax import ledger
-from kvjax.attention.mla import MLAPagedCache
-from kvjax.steps import init_paged_state
+from kvjax.caches import MLAPagedCache, create_paged_cache
 
 # Dense: first_k_dense_replace = num_hidden_layers, so no layer is MoE.  Wide init
 # so greedy argmax margins dwarf float32 rounding.
@@ -84,11 +83,11 @@ def test_greedy_generate_matches_hf(mla_pair, variant, caches):
 def test_paged_cache_holds_only_latent_and_rope_key(mla_pair):
   _, model, _ = mla_pair("deepseek_v2")
   cfg = model.config
-  state = init_paged_state(cfg, num_slots=2, num_pages=5, page_size=8, max_pages_per_seq=2,
-                           dtype=np.float32)
-  assert isinstance(state.cache, MLAPagedCache)
+  cache = create_paged_cache(cfg, None, num_slots=2, num_pages=5, page_size=8,
+                             dtype=np.float32)
+  assert isinstance(cache, MLAPagedCache)
   width = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # 32 + 8, not 2 * 4 heads * 16
-  assert state.cache.pages.shape == (cfg.num_layers, 5, 8, width)
+  assert cache.pages.shape == (cfg.num_layers, 5, 8, width)
   assert ledger.kv_values_per_token(cfg) == cfg.num_layers * width
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from kvjax.pages import NULL_PAGE
-from kvjax.scheduler import (PageCopy, RequestStatus, Scheduler, bucket,
-                             bucket_sizes)
+from kvjax.batching import bucket, bucket_sizes
+from kvjax.requests import PageCopy, RequestStatus
+from kvjax.scheduler import Scheduler
 
 VOCAB = 50
 

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.steps import init_paged_state, prefill
+from kvjax.caches import create_paged_cache
+from kvjax.step_batch import make_step_batch
+from kvjax.steps import prefill
 
 T = 40  # sequence length; the last position p = T - 1 carries the "question"
 BASE = [(7 * i + 3) % 500 for i in range(T)]
@@ -30,11 +32,9 @@ def _model(tiny_model, num_layers, windows):
 def _last_logits(model, tokens, cache):
   if cache == "none":
     return np.asarray(kvjax.forward(model, [tokens]))[0, -1]
-  state = init_paged_state(model.config, 1, 1 + 8, 8, 8, jnp.float32)
-  state = state.replace(block_tables=1 + jnp.arange(8, dtype=jnp.int32)[None])
-  _, logits, _ = prefill(model.params, state, jnp.asarray([tokens], jnp.int32),
-                         jnp.asarray([len(tokens)], jnp.int32), jnp.zeros((1,), jnp.int32),
-                         config=model.config)
+  cache = create_paged_cache(model.config, None, 1, 1 + 8, 8, jnp.float32)
+  batch = make_step_batch([tokens], [0], [len(tokens)], 1 + np.arange(8)[None])
+  _, logits, _ = prefill(model.params, cache, batch, config=model.config)
   return np.asarray(logits[0])
 
 

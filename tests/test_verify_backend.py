@@ -1,0 +1,83 @@
+"""Verification is a backend: the engine's speculative step calls the backend's verifier
+for the whole batch (the fused Pallas rejection sampler under pallas_interpret), with
+fixed shapes, one trace and no host transfer or callback inside the step."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import serve_steps
+from kvjax.backends import get_backend
+from kvjax.sampling import SamplingParams
+from kvjax.step_batch import make_step_batch
+from tests import engine_helpers as h
+from tests.device_checks import assert_no_host_callback
+
+_VERIFY_KERNELS = {"rejection_sample_stats", "rejection_sample_emit"}
+
+
+def _pallas_names(jaxpr) -> set:
+  """Names of every pallas_call in a jaxpr, sub-jaxprs (cond branches, loops) included."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found |= {str(v).split(" ")[0] for k, v in eqn.params.items() if "name" in k}
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found |= _pallas_names(sub)
+  return found
+
+
+def _decode_batch(eng, temperature):
+  """Two decode rows (1 + J columns) at positions 5 and 9 of slots 0 and 1."""
+  b, t = 2, 1 + eng.num_draft
+  tables = np.zeros((b, 8), np.int32)
+  tables[0, 0], tables[1, 0] = 1, 2
+  sampling = SamplingParams.make(b, temperature=temperature, seeds=[3, 4])
+  return make_step_batch(np.full((b, t), 7), [5, 9], [t, t], tables, [0, 1], sampling,
+                         num_draft=[eng.num_draft] * b)
+
+
+def _static(eng):
+  return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
+              num_draft=eng.num_draft, use_filter=False)
+
+
+@pytest.mark.parametrize("backend,kernels", [("pallas_interpret", _VERIFY_KERNELS),
+                                             ("reference", set())])
+def test_the_engine_step_traces_the_backends_verifier(backend, kernels):
+  eng = h.engine(speculative="mtp", backend=backend)
+  step = functools.partial(serve_steps._serve_rows, **_static(eng))
+  jaxpr = jax.make_jaxpr(step)(eng.model.params, None, eng.state, _decode_batch(eng, 1.0))
+  assert _pallas_names(jaxpr.jaxpr) & _VERIFY_KERNELS == kernels
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_k=50, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_pallas_verifier_engine_equals_reference(sampling):
+  batch = h.prompts(3, seed=61)
+  outputs = {}
+  for backend in ("reference", "pallas_interpret"):
+    eng = h.engine(speculative="mtp", backend=backend, num_scheduler_steps=1)
+    outputs[backend] = h.run_staggered(eng, batch, **sampling)
+  assert outputs["pallas_interpret"] == outputs["reference"]
+  if not sampling:
+    assert outputs["reference"] == {i: h.reference(p) for i, p in enumerate(batch)}
+
+
+def test_the_verify_step_stays_on_the_device():
+  eng = h.engine(speculative="mtp")
+  static = _static(eng)
+  params, state = jax.device_put((eng.model.params, eng.state))
+  batch = jax.device_put(_decode_batch(eng, 0.8))
+  before = serve_steps.serve_step._cache_size()
+  with jax.transfer_guard("disallow"):  # an implicit host<->device copy raises
+    for _ in range(2):
+      state, emitted, counts = serve_steps.serve_step(params, None, state, batch, **static)
+  assert serve_steps.serve_step._cache_size() - before <= 1  # one trace for both calls
+  assert_no_host_callback(serve_steps.serve_step.lower(params, None, state, batch, **static))
+  counts = np.asarray(counts)
+  assert emitted.shape == (2, 1 + eng.num_draft) and np.all((counts >= 1) & (counts <= 3))
