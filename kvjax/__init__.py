@@ -2,11 +2,11 @@
 
 Layers (imports only go down; tests/test_layering.py checks it):
   0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
-  1  layers, params, sampling, step_batch,           pure math and the step metadata pytree
-     attention/
+  1  layers, params, sampling, step_batch,           pure math, weight quantization and the
+     attention/, quant/                             step metadata pytree
   2  backends                                        capability records (+ pallas_kernels)
   3  caches/                                         KV cache layouts, one attend contract
-  4  model, quant/                                   the decoder (GQA and MLA blocks), weight quant
+  4  model                                           the decoder (GQA and MLA blocks)
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, batching                          request vocabulary, host packing

@@ -15,6 +15,8 @@ import numpy as np
 import kvjax
 from kvjax.engine import Engine
 from kvjax.params import init_params
+from kvjax.sampling import SamplingParams
+from kvjax.step_batch import make_step_batch
 
 MAX_NEW = 8
 ENGINE_DEFAULTS = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
@@ -87,3 +89,19 @@ def run_to_end(eng: Engine) -> dict:
 def assert_no_pages_held(eng: Engine) -> None:
   eng.scheduler.check_invariants()
   assert eng.scheduler.allocator.num_used == 0
+
+
+def decode_batch(eng, temperature):
+  """Two decode rows (1 + J columns) at positions 5 and 9 of slots 0 and 1."""
+  b, t = 2, 1 + eng.num_draft
+  tables = np.zeros((b, 8), np.int32)
+  tables[0, 0], tables[1, 0] = 1, 2
+  sampling = SamplingParams.make(b, temperature=temperature, seeds=[3, 4])
+  return make_step_batch(np.full((b, t), 7), [5, 9], [t, t], tables, [0, 1], sampling,
+                         num_draft=[eng.num_draft] * b)
+
+
+def step_static(eng):
+  """The static arguments of eng's serve_step (plain top-k/top-p off)."""
+  return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
+              num_draft=eng.num_draft, use_filter=False)

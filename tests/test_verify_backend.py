@@ -12,8 +12,6 @@ import pytest
 
 from kvjax import serve_steps
 from kvjax.backends import get_backend
-from kvjax.sampling import SamplingParams
-from kvjax.step_batch import make_step_batch
 from tests import engine_helpers as h
 from tests.device_checks import assert_no_host_callback
 
@@ -31,27 +29,12 @@ def _pallas_names(jaxpr) -> set:
   return found
 
 
-def _decode_batch(eng, temperature):
-  """Two decode rows (1 + J columns) at positions 5 and 9 of slots 0 and 1."""
-  b, t = 2, 1 + eng.num_draft
-  tables = np.zeros((b, 8), np.int32)
-  tables[0, 0], tables[1, 0] = 1, 2
-  sampling = SamplingParams.make(b, temperature=temperature, seeds=[3, 4])
-  return make_step_batch(np.full((b, t), 7), [5, 9], [t, t], tables, [0, 1], sampling,
-                         num_draft=[eng.num_draft] * b)
-
-
-def _static(eng):
-  return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
-              num_draft=eng.num_draft, use_filter=False)
-
-
 @pytest.mark.parametrize("backend,kernels", [("pallas_interpret", _VERIFY_KERNELS),
                                              ("reference", set())])
 def test_the_engine_step_traces_the_backends_verifier(backend, kernels):
   eng = h.engine(speculative="mtp", backend=backend)
-  step = functools.partial(serve_steps._serve_rows, **_static(eng))
-  jaxpr = jax.make_jaxpr(step)(eng.model.params, None, eng.state, _decode_batch(eng, 1.0))
+  step = functools.partial(serve_steps._serve_rows, **h.step_static(eng))
+  jaxpr = jax.make_jaxpr(step)(eng.model.params, None, eng.state, h.decode_batch(eng, 1.0))
   assert _pallas_names(jaxpr.jaxpr) & _VERIFY_KERNELS == kernels
 
 
@@ -70,9 +53,9 @@ def test_pallas_verifier_engine_equals_reference(sampling):
 
 def test_the_verify_step_stays_on_the_device():
   eng = h.engine(speculative="mtp")
-  static = _static(eng)
+  static = h.step_static(eng)
   params, state = jax.device_put((eng.model.params, eng.state))
-  batch = jax.device_put(_decode_batch(eng, 0.8))
+  batch = jax.device_put(h.decode_batch(eng, 0.8))
   before = serve_steps.serve_step._cache_size()
   with jax.transfer_guard("disallow"):  # an implicit host<->device copy raises
     for _ in range(2):

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import engine, generation
+from kvjax import serve_steps
 from kvjax.xla_options import jit_step, step_compiler_options
+from tests import engine_helpers as h
 
 
 def test_cpu_step_programs_turn_ynn_fusions_off():
@@ -23,7 +24,13 @@ def test_cpu_step_programs_turn_ynn_fusions_off():
                              rtol=1e-5, atol=1e-4)
 
 
-def test_engine_and_generation_steps_use_them():
-  for program in (engine.serve_step, engine.serve_burst, generation._decode_loop):
-    assert program.jitted is program.jitted  # built once
-    assert program.__wrapped__.__name__ in ("_serve_rows", "serve_burst", "_decode_loop")
+def test_the_engines_verify_step_compiles_with_them():
+  # The compiled serve step itself (MTP verify + draft, batch 2) carries the options: its
+  # program has no YNN fusion, while the same function under a plain jax.jit has many.
+  eng = h.engine(speculative="mtp")
+  batch, static = h.decode_batch(eng, 0.8), h.step_static(eng)
+  args = (eng.model.params, None, eng.state, batch)
+  step = serve_steps.serve_step.lower(*args, **static).compile().as_text()
+  plain = jax.jit(serve_steps._serve_rows, static_argnames=serve_steps._STATIC)
+  assert '"__ynn_fusion"' in plain.lower(*args, **static).compile().as_text()
+  assert '"__ynn_fusion"' not in step
