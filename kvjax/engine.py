@@ -180,7 +180,7 @@ class Engine:
     new_ids, verified = {}, []
     steps_run = 1
     for group, (_, emitted, counts, drafted, steps) in launched:
-      # emitted [S, B, K+1], counts and drafted [S, B]: S = 1 but for a burst (which is
+      # emitted [U, B, J+1], counts and drafted [U, B]: U = 1 but for a burst (which is
       # the plan's only group).  np.asarray is the step's host sync.
       emitted, counts, drafted = np.asarray(emitted), np.asarray(counts), np.asarray(drafted)
       steps_run = int(steps)

@@ -43,8 +43,8 @@ class RequestMetrics:
   num_preemptions: int = 0
   verify_steps: int = 0  # steps that fed >= 1 draft
   emitted: int = 0  # tokens those steps emitted (accepted + 1)
-  proposed: list = dataclasses.field(default_factory=list)  # [K] drafts offered per position
-  accepted: list = dataclasses.field(default_factory=list)  # [K] drafts accepted per position
+  proposed: list = dataclasses.field(default_factory=list)  # [J] drafts offered per position
+  accepted: list = dataclasses.field(default_factory=list)  # [J] drafts accepted per position
 
   def record_tokens(self, n: int, now: float) -> None:
     self.token_times.extend([now] * n)

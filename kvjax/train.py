@@ -134,7 +134,7 @@ def greedy_continuation(params: Params, cfg: ModelConfig, prompts: jax.Array,
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _accepted(params: Params, cfg: ModelConfig, seqs: jax.Array, prompt_len: int):
-  """seqs [B, S] greedy from `prompt_len` -> bool [K, B, positions]: drafts 1..k accepted."""
+  """seqs [B, T] greedy from `prompt_len` -> bool [J, B, positions]: drafts 1..j accepted."""
   _, mtp_logits = forward_with_mtp(params, cfg, seqs)
   num_drafts, s = len(mtp_logits), seqs.shape[1]
   first, last = prompt_len - 2, s - num_drafts - 2  # every target x_{t+k+1} is greedy

@@ -16,16 +16,17 @@ the residual never needs normalizing and q_v = 0 is never drawn.  NaN scores
 and vocab padding are -inf; a row with no finite score yields id 0, so no id is
 ever >= V.  Fixed shapes, no host sync.
 
-Dimension legend: B rows, K draft tokens per row, V vocab, C vocab chunks.
+Dimension legend (kvjax's docs/DIMENSIONS.md): B rows, J draft tokens per row, V
+vocab, C vocab chunks, Tv vocab tile.
 Two Pallas passes, each parallel over (row, vocab chunk) and looping over
-`block_v` tiles inside a chunk; the [B, K+1, C] partials are combined in XLA:
-  1. `_stats_kernel`: per target row, max and sum of exp(logits / T) (-> logsumexp)
+`block_v` tiles inside a chunk; the [B, J+1, C] partials are combined in XLA:
+  1. `_stats_kernel`: per target row, max and sum of exp(logits / temperature) (-> logsumexp)
      and the first argmax of the logits.
   2. the accept test needs two scalars per draft (`_accept`, shared with the
      reference), then `_emit_kernel` takes the Gumbel argmax over the stop row's
      residual (or bonus, or greedy) scores.
 A first version ran one program per row with sequential vocab passes; on the
-H200 (B=64, K=4, V=151,936, bf16 logits) it took 0.60 ms against 0.20 ms for
+H200 (B=64, J=4, V=151,936, bf16 logits) it took 0.60 ms against 0.20 ms for
 the XLA reference.  Split across (row, chunk) programs it takes 0.18 ms, with
 tokens and accept counts equal to the reference's on every row
 (results/kernel_bench.json, checks.rs_*).
@@ -47,7 +48,7 @@ _NEG_INF = float("-inf")
 
 
 def draw_noise(keys: jax.Array, num_draft_max: int, vocab: int):
-  """Per-row keys [B] -> uniforms [B, K] for the accept tests, Gumbel noise [B, V] to emit."""
+  """Per-row keys [B] -> uniforms [B, J] for the accept tests, Gumbel noise [B, V] to emit."""
   if keys.ndim != 1 and not (keys.ndim == 2 and keys.dtype == jnp.uint32):
     raise ValueError(f"keys must hold one PRNG key per row ([B]), got shape {keys.shape}")
 
@@ -114,8 +115,8 @@ def _stats_kernel(temp_ref, logits_ref, m_ref, s_ref, best_ref, idx_ref, *,
 def _emit_kernel(ints_ref, floats_ref, logits_ref, gumbel_ref, *rest,
                  block_v: int, chunk_tiles: int, has_draft_probs: bool):
   """One (row b, chunk c).  ints [4]: stop row, rejected, stop draft id, draft-prob
-  row; floats [2]: logsumexp of the stop row, temperature; logits [K+1, V];
-  gumbel [V]; draft probs [K, V] (optional); outputs best [1] f32, idx [1] i32."""
+  row; floats [2]: logsumexp of the stop row, temperature; logits [J+1, V];
+  gumbel [V]; draft probs [J, V] (optional); outputs best [1] f32, idx [1] i32."""
   if has_draft_probs:
     dprobs_ref, best_ref, idx_ref = rest
   else:
@@ -158,9 +159,9 @@ def _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature, u,
   vocab = target_logits.shape[2]
   greedy, inv_t = _inv_temperature(temperature)  # [B]
   d_ok = (draft_tokens >= 0) & (draft_tokens < vocab)
-  d_c = jnp.clip(draft_tokens, 0, vocab - 1)  # [B, K]
+  d_c = jnp.clip(draft_tokens, 0, vocab - 1)  # [B, J]
   x_d = jnp.take_along_axis(target_logits[:, :num_k], d_c[..., None], axis=-1)[..., 0]
-  p_t = jnp.exp(x_d.astype(jnp.float32) * inv_t[:, None] - lse[:, :num_k])  # [B, K]
+  p_t = jnp.exp(x_d.astype(jnp.float32) * inv_t[:, None] - lse[:, :num_k])  # [B, J]
   if draft_probs is None:
     p_d = jnp.ones_like(p_t)
   else:
@@ -173,17 +174,17 @@ def _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature, u,
 
 def _check(draft_tokens, draft_probs, target_logits, num_draft, temperature):
   if draft_tokens.ndim != 2 or draft_tokens.dtype != jnp.int32:
-    raise ValueError(f"draft_tokens must be int32 [B, K], got {draft_tokens.dtype} "
+    raise ValueError(f"draft_tokens must be int32 [B, J], got {draft_tokens.dtype} "
                      f"{draft_tokens.shape}")
   batch, num_k = draft_tokens.shape
   if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, num_k + 1):
-    raise ValueError(f"target_logits.shape {target_logits.shape} != [B, K+1, V] with "
-                     f"B={batch}, K+1={num_k + 1}")
+    raise ValueError(f"target_logits.shape {target_logits.shape} != [B, J+1, V] with "
+                     f"B={batch}, J+1={num_k + 1}")
   if not jnp.issubdtype(target_logits.dtype, jnp.floating):
     raise ValueError(f"target_logits.dtype must be floating, got {target_logits.dtype}")
   vocab = target_logits.shape[2]
   if draft_probs is not None and draft_probs.shape != (batch, num_k, vocab):
-    raise ValueError(f"draft_probs.shape {draft_probs.shape} != [B, K, V] = "
+    raise ValueError(f"draft_probs.shape {draft_probs.shape} != [B, J, V] = "
                      f"{(batch, num_k, vocab)}")
   if num_draft.shape != (batch,) or num_draft.dtype != jnp.int32:
     raise ValueError(f"num_draft must be int32 [B]={batch}, got {num_draft.dtype} "
@@ -192,15 +193,15 @@ def _check(draft_tokens, draft_probs, target_logits, num_draft, temperature):
     raise ValueError(f"temperature must have shape [B]=({batch},), got "
                      f"{jnp.shape(temperature)}")
   if num_k < 1:
-    raise ValueError(f"need at least one draft slot, got K={num_k}")
+    raise ValueError(f"need at least one draft slot, got J={num_k}")
   return batch, num_k, vocab
 
 
 def _layout_tokens(draft_tokens, n_acc, token):
   """tokens[b, i] = draft i (< n_acc), the emitted token (== n_acc), -1 after."""
   _, num_k = draft_tokens.shape
-  pos = jnp.arange(num_k + 1, dtype=jnp.int32)[None, :]  # [1, K+1]
-  drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)  # [B, K+1]
+  pos = jnp.arange(num_k + 1, dtype=jnp.int32)[None, :]  # [1, J+1]
+  drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)  # [B, J+1]
   tokens = jnp.where(pos < n_acc[:, None], drafts, -1)
   return jnp.where(pos == n_acc[:, None], token[:, None], tokens).astype(jnp.int32)
 
@@ -211,8 +212,8 @@ def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array,
 
   Equals `rejection_sample_reference` with every temperature 0: accept while
   draft == first argmax of its target row (NaN scores count as -inf), then emit
-  the argmax of the stop row.  draft_tokens [B, K], target_logits [B, K+1, V],
-  num_draft [B] -> (tokens [B, K+1] padded with -1, num_accepted [B]).
+  the argmax of the stop row.  draft_tokens [B, J], target_logits [B, J+1, V],
+  num_draft [B] -> (tokens [B, J+1] padded with -1, num_accepted [B]).
   """
   batch, num_k = draft_tokens.shape
   x = target_logits
@@ -226,10 +227,10 @@ def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array,
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "chunk_tiles",
                                              "num_warps", "num_stages"))
 def rejection_sample(
-    draft_tokens: jax.Array,  # [B, K] int32
-    draft_probs: Optional[jax.Array],  # [B, K, V] or None (one-hot drafter)
-    target_logits: jax.Array,  # [B, K+1, V]
-    num_draft: jax.Array,  # [B] int32 in 0..K
+    draft_tokens: jax.Array,  # [B, J] int32
+    draft_probs: Optional[jax.Array],  # [B, J, V] or None (one-hot drafter)
+    target_logits: jax.Array,  # [B, J+1, V]
+    num_draft: jax.Array,  # [B] int32 in 0..J
     keys: jax.Array,  # [B] one PRNG key per row
     *,
     temperature: jax.Array,  # [B] f32, 0 = greedy
@@ -239,12 +240,12 @@ def rejection_sample(
     num_warps: int = 4,
     num_stages: int = 2,
 ):
-  """Returns (tokens [B, K+1] int32 padded with -1, num_accepted [B] int32)."""
+  """Returns (tokens [B, J+1] int32 padded with -1, num_accepted [B] int32)."""
   batch, num_k, vocab = _check(draft_tokens, draft_probs, target_logits, num_draft,
                                temperature)
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v={block_v} must be a power of two >= 16")
-  u, g = draw_noise(keys, num_k, vocab)  # [B, K], [B, V]
+  u, g = draw_noise(keys, num_k, vocab)  # [B, J], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
   chunks = pl.cdiv(vocab, block_v * chunk_tiles)  # C
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
@@ -261,11 +262,11 @@ def rejection_sample(
       out_specs=[one(0, 0)] * 4,
       out_shape=[part] * 3 + [part.update(dtype=jnp.int32)],
       interpret=interpret, compiler_params=params, name="rejection_sample_stats",
-  )(temperature[:, None], target_logits)  # each [B, K+1, C]
+  )(temperature[:, None], target_logits)  # each [B, J+1, C]
   m_top = m.max(axis=-1, keepdims=True)
   m_safe = jnp.where(m_top == _NEG_INF, 0.0, m_top)
-  lse = m_top[..., 0] + jnp.log((s * jnp.exp(m - m_safe)).sum(axis=-1))  # [B, K+1]
-  amax = _combine_argmax(best, idx, vocab)  # [B, K+1]
+  lse = m_top[..., 0] + jnp.log((s * jnp.exp(m - m_safe)).sum(axis=-1))  # [B, J+1]
+  amax = _combine_argmax(best, idx, vocab)  # [B, J+1]
   n_acc = _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature,
                   u, lse, amax)  # [B]
 
@@ -299,11 +300,11 @@ def rejection_sample_reference(draft_tokens, draft_probs, target_logits, num_dra
   """Pure-jnp oracle of `rejection_sample` (same noise, same rule)."""
   batch, num_k, vocab = _check(draft_tokens, draft_probs, target_logits, num_draft,
                                temperature)
-  u, g = draw_noise(keys, num_k, vocab)  # [B, K], [B, V]
+  u, g = draw_noise(keys, num_k, vocab)  # [B, J], [B, V]
   temperature = jnp.asarray(temperature, jnp.float32)
   greedy, inv_t = _inv_temperature(temperature)  # [B]
-  x = target_logits.astype(jnp.float32)  # [B, K+1, V]
-  lse = jax.nn.logsumexp(x * inv_t[:, None, None], axis=-1)  # [B, K+1]
+  x = target_logits.astype(jnp.float32)  # [B, J+1, V]
+  lse = jax.nn.logsumexp(x * inv_t[:, None, None], axis=-1)  # [B, J+1]
   amax = jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1).astype(jnp.int32)
   n_acc = _accept(draft_tokens, draft_probs, target_logits, num_draft, temperature,
                   u, lse, amax)  # [B]

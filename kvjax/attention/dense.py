@@ -45,7 +45,7 @@ def padded_visibility(kv_lens: jax.Array, t: int, s: int,
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
                       sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
-  """q [K, B, Q, T, H], k [K, B, S, H], v [K, B, S, Hv], visible [B, T, S] -> f32 [K, B, Q, T, Hv].
+  """q [K, B, Gq, T, H], k [K, B, S, H], v [K, B, S, Hv], visible [B, T, S] -> f32 [K, B, Gq, T, Hv].
 
   Softmax normalization is applied after the value matmul (on [.., Hv], not
   [.., S]); rows with no visible key (padding) get zeros instead of NaN.
@@ -53,7 +53,7 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arr
   num_kv, b, group, t, h = q.shape
   scores = jnp.einsum("kbih,kbsh->kbis", q.reshape(num_kv, b, group * t, h), k,
                       preferred_element_type=jnp.float32)
-  scores = scores.reshape(num_kv, b, group, t, -1) * sm_scale  # [K, B, Q, T, S]
+  scores = scores.reshape(num_kv, b, group, t, -1) * sm_scale  # [K, B, Gq, T, S]
   if soft_cap is not None:
     scores = soft_cap * jnp.tanh(scores / soft_cap)
   scores = jnp.where(visible[None, :, None], scores, -jnp.inf)
@@ -75,7 +75,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
   """
   b, t, n, h = q.shape
   num_kv = k.shape[2]
-  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Q, T, H]
+  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   out = grouped_attention(qg, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible,
                           sm_scale=sm_scale, soft_cap=soft_cap)
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, v.shape[-1]).astype(q.dtype)

@@ -20,13 +20,13 @@ __all__ = ["paged_attention", "gather_pages"]
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array,
                  scales: Optional[jax.Array] = None) -> jax.Array:
-  """pages [K, P, G, H] gathered by block_tables [B, Pmax] -> [K, B, Pmax*G, H] (f32 if scaled).
+  """pages [K, P, Z, H] gathered by block_tables [B, W] -> [K, B, W*Z, H] (f32 if scaled).
 
   Kv-head-major, the order `grouped_attention` multiplies in without a copy.
   """
   num_kv, _, g, h = pages.shape
   b, pmax = block_tables.shape
-  gathered = pages[:, block_tables]  # [K, B, Pmax, G, H]
+  gathered = pages[:, block_tables]  # [K, B, W, Z, H]
   if scales is not None:
     gathered = gathered.astype(jnp.float32) * scales[:, block_tables][..., None]
   return gathered.reshape(num_kv, b, pmax * g, h)
@@ -37,13 +37,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
                     k_scales: Optional[jax.Array] = None,
                     v_scales: Optional[jax.Array] = None) -> jax.Array:
-  """q [B, T, N, H]; k/v_pages [K, P, G, H]; kv_lens [B]; block_tables [B, Pmax] -> [B, T, N, H]."""
+  """q [B, T, N, H]; k/v_pages [K, P, Z, H]; kv_lens [B]; block_tables [B, W] -> [B, T, N, H]."""
   b, t, n, h = q.shape
   num_kv = k_pages.shape[0]
   keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
   visible = padded_visibility(kv_lens, t, keys.shape[2], sliding_window)  # [B, T, S]
-  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Q, T, H]
+  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   out = grouped_attention(qg, keys.astype(q.dtype) if k_scales is None else keys, values,
                           visible, sm_scale=sm_scale, soft_cap=soft_cap)
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, h).astype(q.dtype)
