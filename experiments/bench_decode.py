@@ -11,16 +11,14 @@ idle machine at these sizes.  Writes results/<name>.json and .png.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import platform
-import statistics
 import tempfile
-import time
 
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
 import numpy as np
+
+from experiments import common
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_decode.py", lock_config=True)
 
@@ -39,23 +37,6 @@ def _hf_model(cfg, directory):
   model = transformers.LlamaForCausalLM(hf_config).eval()
   model.save_pretrained(directory)
   return model
-
-
-def _interleaved_times(runs, repeats, cheap_repeats):
-  """Warm every run once (compilation excluded), then time them in alternating
-  rounds so machine noise hits all engines alike; the no-cache baselines, which
-  are slow by design, get `cheap_repeats` rounds."""
-  for fn in runs.values():
-    fn()
-  times = {name: [] for name in runs}
-  for round_index in range(repeats):
-    for name, fn in runs.items():
-      if "no cache" in name and round_index >= cheap_repeats:
-        continue
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return times
 
 
 def _hf_engine(threads: int) -> str:
@@ -97,8 +78,12 @@ def main(argv):
       runs.update({_hf_engine(t): functools.partial(run_hf, t) for t in hf_threads})
       if cfg.include_no_cache:
         runs["kvjax no cache"] = lambda: run_kvjax("none")
-      for name, times in _interleaved_times(runs, cfg.repeats, cfg.no_cache_repeats).items():
-        median = statistics.median(times)
+      # Alternating rounds after a warm-up each; the no-cache baseline, slow by
+      # design, sits out the rounds past no_cache_repeats.
+      timings = common.interleaved(runs, cfg.repeats, max_rounds={
+          name: cfg.no_cache_repeats for name in runs if "no cache" in name})
+      for name, times in timings.seconds.items():
+        median = common.median(times)
         tokens_per_s = batch * cfg.new_tokens / median
         logging.info("batch %d %-15s median %.3f s  %.1f tok/s", batch, name, median,
                      tokens_per_s)
@@ -113,8 +98,7 @@ def main(argv):
   engines = ["kvjax paged"] + hf_engines + ["kvjax no cache"]
   summary = []
   print(f"\nDecode throughput, prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, "
-        f"median of {cfg.repeats}, device: {platform.processor() or platform.machine()} "
-        f"({os.cpu_count()} cores, CPU)")
+        f"median of {cfg.repeats}, device: {common.device_label()}")
   print(f"{'batch':>5} {'engine':>16} {'tok/s':>9} {'vs HF':>7}")
   for batch in cfg.batch_sizes:
     hf_best = max(hf_engines, key=lambda e: by[(batch, e)]["tokens_per_s"])
@@ -138,34 +122,24 @@ def main(argv):
             f"{cfg.prompt_len}+{cfg.new_tokens} tokens (seed C2 counts ~2n/3 fewer attention "
             f"FLOPs; whole-model time also pays the MLP per recomputed token)")
 
-  os.makedirs(cfg.out_dir, exist_ok=True)
-  path = os.path.join(cfg.out_dir, cfg.name)
-  with open(path + ".json", "w") as f:
-    json.dump(dict(config=cfg.to_dict(), device=f"CPU {platform.machine()} x{os.cpu_count()}",
-                   rows=rows, summary=summary), f, indent=1)
-  _plot(cfg, by, engines, path + ".png")
-  print(f"wrote {path}.json and {path}.png")
+  common.write_results(cfg.out_dir, cfg.name, dict(
+      config=cfg.to_dict(), device=common.device_label(), rows=rows, summary=summary),
+      plot=functools.partial(_plot, cfg, by, engines))
 
 
 def _plot(cfg, by, engines, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   engines = [e for e in engines if (cfg.batch_sizes[0], e) in by]
-  fig, ax = plt.subplots(figsize=(7, 4))
-  width = 0.8 / len(engines)
-  for i, engine in enumerate(engines):
-    values = [by[(b, engine)]["tokens_per_s"] for b in cfg.batch_sizes]
-    ax.bar(np.arange(len(cfg.batch_sizes)) + i * width, values, width, label=engine)
-  ax.set_xticks(np.arange(len(cfg.batch_sizes)) + width * (len(engines) - 1) / 2)
-  ax.set_xticklabels([f"batch {b}" for b in cfg.batch_sizes])
-  ax.set_ylabel("generated tokens / s (median)")
-  ax.set_yscale("log")
-  ax.set_title(f"Decode: prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, CPU")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with common.figure(path, figsize=(7, 4), dpi=120) as (_, ax):
+    width = 0.8 / len(engines)
+    for i, engine in enumerate(engines):
+      values = [by[(b, engine)]["tokens_per_s"] for b in cfg.batch_sizes]
+      ax.bar(np.arange(len(cfg.batch_sizes)) + i * width, values, width, label=engine)
+    ax.set_xticks(np.arange(len(cfg.batch_sizes)) + width * (len(engines) - 1) / 2)
+    ax.set_xticklabels([f"batch {b}" for b in cfg.batch_sizes])
+    ax.set_ylabel("generated tokens / s (median)")
+    ax.set_yscale("log")
+    ax.set_title(f"Decode: prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, CPU")
+    ax.legend()
 
 
 if __name__ == "__main__":

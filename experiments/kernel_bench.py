@@ -8,25 +8,24 @@ Sections, each appended to results/<name>.json as soon as it is done:
   decode   achieved HBM bandwidth (bytes of K, V and q read / median time) of
            ours, jax's paged_attention and an XLA gather baseline, at every
            (batch, context); ours also at q_len 3 (speculative verify, C9).
-  mosaic   a Mosaic GPU (plgpu) probe: does a paged page-streaming kernel
-           lower and run under this jax, and at what bandwidth.
+  mosaic   the Mosaic GPU (plgpu) page-streaming kernel of
+           pallas_kernels/mosaic_decode.py: does it lower and run under this
+           jax, and at what bandwidth.
 Prints the C9 row (seed ~1x vs ours) and the issue's goals, and plots a PNG.
 """
 import functools
 import json
 import os
-import statistics
 import time
 
 from absl import app
 from ml_collections import config_flags
 import jax
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
+from pallas_kernels import mosaic_decode
 from pallas_kernels import paged_attention as rpa_lib
 from pallas_kernels import spec_verify
 
@@ -36,16 +35,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def _timeit(cfg, fn, *args):
   """Median seconds per call over cfg.repeats runs of cfg.inner back-to-back calls."""
-  for _ in range(cfg.warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(cfg.repeats):
-    start = time.perf_counter()
-    for _ in range(cfg.inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / cfg.inner)
-  return statistics.median(times)
+  return common.median_seconds(functools.partial(fn, *args), cfg.repeats, warmup=cfg.warmup,
+                               inner=cfg.inner, block=jax.block_until_ready)
 
 
 def _decode_problem(cfg, pool, batch, context, q_len, key):
@@ -78,104 +69,8 @@ def xla_gather_decode(q, k_pages, v_pages, kv_lens, tables, *, sm_scale):
   return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def mgpu_paged_decode(q, k_pages, v_pages, tables, *, sm_scale, slots=4, interpret=None):
-  """Mosaic GPU (plgpu) probe: full-context paged decode, bf16, no split-K.
-
-  One CTA (one warpgroup) per (sequence, kv head); each step gathers 64 keys
-  (64 / page_size pages) of K and V with TMA into a `slots`-deep SMEM ring that
-  completes on one mbarrier per slot, then two wgmmas (q padded to 64 rows).
-  With `interpret` (InterpretGPUParams) the wgmmas are replaced by jnp dots,
-  which the GPU interpreter supports.
-  """
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  group = num_q_heads // num_kv_heads
-  pages_per_seq = tables.shape[1]
-  rows, block_k = 64, 64
-  pages_per_step = block_k // page_size
-  steps = pages_per_seq // pages_per_step
-  slots = min(slots, steps)
-  qp = q.reshape(batch, num_kv_heads, group, head_dim)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-  emulate = interpret is not None
-  cast = (lambda x, layout: x) if emulate else plgpu.layout_cast
-  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-  def body(tables_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, k_smem, v_smem, o_smem,
-           q_bar, kv_bar):
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
-
-    def issue(step, slot):
-      for j in range(pages_per_step):
-        page = tables_gmem[b, step * pages_per_step + j]
-        dst = pl.ds(j * page_size, page_size)
-        plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_smem.at[slot, dst], kv_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_smem.at[slot, dst], kv_bar.at[slot])
-
-    for s in range(slots):
-      issue(s, s)
-    plgpu.barrier_wait(q_bar)
-
-    def loop(step, carry):
-      acc, m_i, l_i = carry
-      slot = lax.rem(step, slots)
-      plgpu.barrier_wait(kv_bar.at[slot])
-      if emulate:
-        s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-      else:
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC((rows, block_k), jnp.float32))
-      s = s * sm_scale
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp(m_i - m_new)
-      p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(q_smem.dtype)
-      if emulate:
-        pv = jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-      else:
-        def pv_scope(pv_ref):
-          plgpu.wgmma(pv_ref, p16, v_smem.at[slot])
-          return pv_ref[...]
-        pv = pl.run_scoped(pv_scope, plgpu.ACC((rows, head_dim), jnp.float32))
-      acc = acc + pv
-      nxt = step + slots
-      @pl.when(nxt < steps)
-      def _():
-        issue(nxt, slot)
-      return acc, m_new, l_i
-
-    acc0 = cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    m0 = cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l0 = cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc, m_i, l_i = lax.fori_loop(0, steps, loop, (acc0, m0, l0))
-    o_smem[...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h])
-    plgpu.wait_smem_to_gmem(0)
-
-  kern = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), jnp.float32),
-      grid=(batch, num_kv_heads), grid_names=("b", "h"),
-      scratch_types=[plgpu.SMEM((rows, head_dim), q.dtype, transforms=transforms),
-                     plgpu.SMEM((slots, block_k, head_dim), k_pages.dtype, transforms=transforms),
-                     plgpu.SMEM((slots, block_k, head_dim), v_pages.dtype, transforms=transforms),
-                     plgpu.SMEM((rows, head_dim), jnp.float32),
-                     plgpu.Barrier(),
-                     plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=slots)],
-      **({} if interpret is None else dict(interpret=interpret)))
-  o = kern(tables, qp, k_pages, v_pages)
-  return o[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
-
-
 def mosaic_probe(cfg):
-  """Correctness and bandwidth of `mgpu_paged_decode` beside our Triton kernel."""
+  """Correctness and bandwidth of the Mosaic GPU decode kernel beside our Triton kernel."""
   out = {}
   dtype = jnp.dtype(cfg.dtype)
   n, kh, hd, ps = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
@@ -188,7 +83,7 @@ def mosaic_probe(cfg):
     v = jnp.asarray(rng.standard_normal((kh, b * pps, ps, hd)), dtype)
     tables = jnp.asarray(rng.permutation(b * pps).reshape(b, pps), jnp.int32)
     lens, cu = jnp.full((b,), pps * ps, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
-    got = jax.jit(functools.partial(mgpu_paged_decode, sm_scale=sm_scale))(q, k, v, tables)
+    got = mosaic_decode.mosaic_paged_decode(q, k, v, tables, sm_scale=sm_scale)
     want = rpa_lib.ragged_paged_attention_reference(q, k, v, lens, tables, cu,
                                                     sm_scale=sm_scale)
     out["max_err_vs_reference"] = _err(got, want)
@@ -204,7 +99,7 @@ def mosaic_probe(cfg):
     q, lens, tables, cu = _decode_problem(cfg, (k, v), batch, context, 1, jax.random.key(22))
     nbytes = 2 * k.size * dtype.itemsize + q.size * dtype.itemsize
     for slots in (2, 4):
-      fn = jax.jit(functools.partial(mgpu_paged_decode, sm_scale=sm_scale, slots=slots))
+      fn = functools.partial(mosaic_decode.mosaic_paged_decode, sm_scale=sm_scale, slots=slots)
       try:
         sec = _timeit(cfg, fn, q, k, v, tables)
         rows.append(dict(batch=batch, context=context, slots=slots, ms=sec * 1e3,
@@ -314,7 +209,8 @@ def run_checks(cfg, sm_scale):
     drafts = jax.random.categorical(jax.random.key(2), jnp.log(dprobs)).astype(jnp.int32)
     nd = jnp.asarray(rng.integers(0, nk + 1, bsz), jnp.int32)
     temp = jnp.asarray(rng.choice([0.0, 1.0], bsz), jnp.float32)
-    args = (drafts, dprobs, logits.astype(jnp.bfloat16), nd, jax.random.key(3))
+    keys = jax.random.split(jax.random.key(3), bsz)  # one PRNG key per row
+    args = (drafts, dprobs, logits.astype(jnp.bfloat16), nd, keys)
     kernel = functools.partial(spec_verify.rejection_sample, temperature=temp,
                                interpret=cfg.interpret)
     reference = functools.partial(spec_verify.rejection_sample_reference, temperature=temp)
@@ -452,10 +348,12 @@ def summarize(cfg, rows):
 
 
 def plot(cfg, rows, summary, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw=dict(width_ratios=[3, 1]))
+  with common.figure(path, 1, 2, figsize=(13, 4.5), gridspec_kw=dict(width_ratios=[3, 1]),
+                     dpi=110) as (_, (ax, ax2)):
+    _draw(cfg, rows, summary, ax, ax2)
+
+
+def _draw(cfg, rows, summary, ax, ax2):
   points = [(b, c) for b in cfg.batches for c in cfg.contexts]
   series = [("ours", 1), ("ours", 3), ("jax", 1), ("xla", 1)]
   width = 0.8 / len(series)
@@ -479,21 +377,17 @@ def plot(cfg, rows, summary, path):
   ax2.set_xticklabels([k.replace("_ctx", "\n") for k in ratios], fontsize=7)
   ax2.set_title("C9: time(q_len 3) / time(q_len 1)")
   ax2.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
 
 
 def main(_):
   cfg = _CONFIG.value
   os.makedirs(cfg.out_dir, exist_ok=True)
   json_path = os.path.join(cfg.out_dir, f"{cfg.name}.json")
-  dev = jax.devices()[0]
-  results = dict(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
-                 jax_version=jax.__version__, config=cfg.to_dict())
+  results = dict(device=common.device_label(), jax_version=jax.__version__,
+                 config=cfg.to_dict())
 
   def save():
-    with open(json_path, "w") as f:
-      json.dump(results, f, indent=1, default=str)
+    common.write_json(json_path, results)
 
   sm_scale = cfg.head_dim ** -0.5
   if cfg.check:

@@ -20,10 +20,7 @@ median is reported, so load from other processes hits every variant alike
 (os.getloadavg() is recorded per section).  Writes results/<name>.json and .png.
 """
 import functools
-import json
 import os
-import platform
-import statistics
 import subprocess
 import time
 
@@ -34,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from experiments import common
 from experiments import mechanism_counts as counts
 from kvjax import ledger, steps
 from kvjax.attention.dense import masked_attention, visibility_mask
@@ -45,19 +43,6 @@ from kvjax.sampling import SamplingParams, sample
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/mechanism_bench.py", "experiment config", lock_config=True)
-
-
-def _interleaved(runs: dict, repeats: int) -> dict:
-  """name -> median seconds of fn(); one untimed call each first (compilation)."""
-  for fn in runs.values():
-    fn()
-  times = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, fn in runs.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _prompts(rng, num: int, length: int) -> list:
@@ -165,8 +150,9 @@ def c2_attention_work(model, c, rng) -> dict:
   timed = []
   for n in c.c2_new_tokens:
     logging.info("C2: %d new tokens, cache none vs paged", n)
-    median = _interleaved({cache: functools.partial(kvjax.generate, model, prompt, n, cache=cache)
-                           for cache in ("paged", "none")}, c.repeats)
+    median = common.interleaved({
+        cache: functools.partial(kvjax.generate, model, prompt, n, cache=cache)
+        for cache in ("paged", "none")}, c.repeats).medians()
     e = counts.score_entries(n + c.c2_prompt_len)
     timed.append(dict(n=n, paged_s=median["paged"], none_s=median["none"],
                       time_ratio=median["none"] / median["paged"],
@@ -195,10 +181,10 @@ def c3_intensity(model, c, rng) -> dict:
   decode_cost = counts.step_cost(cfg, p_len + c.c3_new_tokens // 2, 1, bytes_per_value)
   prefill_cost = counts.step_cost(cfg, 0, p_len, bytes_per_value)
   prompt = _prompts(rng, 1, p_len)
-  kvjax.generate(model, prompt, c.c3_new_tokens)  # compile
-  runs = [kvjax.generate(model, prompt, c.c3_new_tokens).stats for _ in range(c.repeats)]
-  ttft = statistics.median(r["ttft_s"] for r in runs)
-  tpot = statistics.median(r["tpot_s"] for r in runs)
+  runs = common.interleaved({"generate": lambda: kvjax.generate(
+      model, prompt, c.c3_new_tokens).stats}, c.repeats).results["generate"]
+  ttft = common.median([r["ttft_s"] for r in runs])
+  tpot = common.median([r["tpot_s"] for r in runs])
   return {"presets": presets, "ridge_flops_per_byte": c.c3_ridge_flops_per_byte,
           "default_model": {
               "prompt_len": p_len, "decode_cost": decode_cost, "prefill_cost": prefill_cost,
@@ -300,34 +286,26 @@ def c13_dispatch(model, c, rng) -> dict:
                       model.dtype)
   prompt = _prompts(rng, 1, c.c13_prompt_len)
   n = c.c13_new_tokens
-  start = time.perf_counter()
-  reference = kvjax.generate(model, prompt, n).tokens[0]
-  first_generate = time.perf_counter() - start
-  start = time.perf_counter()
-  _step_loop(model, prompt[0], n, c.page_size)
-  first_loop = time.perf_counter() - start
-  loop_walls, loop_tpot, gen_walls, gen_tpot = [], [], [], []
-  for _ in range(c.repeats):
-    start = time.perf_counter()
-    stats = kvjax.generate(model, prompt, n).stats
-    gen_walls.append(time.perf_counter() - start)
-    gen_tpot.append(stats["tpot_s"])
-    start = time.perf_counter()
-    tokens, tpot = _step_loop(model, prompt[0], n, c.page_size)
-    loop_walls.append(time.perf_counter() - start)
-    loop_tpot.append(tpot)
+  # The first (untimed) call of each is its compilation plus one run.
+  timed = common.interleaved({"generate": lambda: kvjax.generate(model, prompt, n),
+                              "step_loop": lambda: _step_loop(model, prompt[0], n, c.page_size)},
+                             c.repeats)
+  reference = timed.first_results["generate"].tokens[0]
+  tokens = timed.results["step_loop"][-1][0]
+  gen_tpot = [out.stats["tpot_s"] for out in timed.results["generate"]]
+  loop_tpot = [tpot for _, tpot in timed.results["step_loop"]]
   with jax.disable_jit():
     _step_loop(model, prompt[0], 2, c.page_size)  # per-op programs compile here
     eager_tokens, eager_tpot = _step_loop(model, prompt[0], c.c13_eager_tokens, c.page_size)
-  t_while, t_loop = statistics.median(gen_tpot), statistics.median(loop_tpot)
+  t_while, t_loop = common.median(gen_tpot), common.median(loop_tpot)
+  walls = timed.medians()
   return {
       "prompt_len": c.c13_prompt_len, "new_tokens": n,
       "tokens_per_s": {"jit_while_loop": 1 / t_while, "jit_step_python_loop": 1 / t_loop,
                        "op_by_op": 1 / eager_tpot},
       "while_loop_over_step_loop": t_loop / t_while,
       "while_loop_over_op_by_op": eager_tpot / t_while,
-      "compile_s": {"generate": first_generate - statistics.median(gen_walls),
-                    "step_loop": first_loop - statistics.median(loop_walls)},
+      "compile_s": {name: timed.first_seconds[name] - walls[name] for name in walls},
       "tokens_equal": {"step_loop": tokens == reference,
                        "op_by_op": eager_tokens == reference[:len(eager_tokens)]}}
 
@@ -342,9 +320,9 @@ def c17_crossover(model, c, rng) -> dict:
     rows = []
     for n in c.c17_new_tokens:
       logging.info("C17: prompt %d, %d new tokens", p_len, n)
-      median = _interleaved({cache: functools.partial(kvjax.generate, model, prompts, n,
-                                                      cache=cache)
-                             for cache in ("paged", "none")}, c.repeats)
+      median = common.interleaved({
+          cache: functools.partial(kvjax.generate, model, prompts, n, cache=cache)
+          for cache in ("paged", "none")}, c.repeats).medians()
       rows.append(dict(new_tokens=n, paged_s=median["paged"], none_s=median["none"],
                        none_over_paged=median["none"] / median["paged"]))
     paying = [r["new_tokens"] for r in rows if r["none_over_paged"] > 1]
@@ -452,15 +430,15 @@ def _table(r: dict, c) -> list:
                    "cache not worth it for tiny outputs",
                    " ".join(f"{x['none_over_paged']:.2f}" for x in s["rows"])
                    + f"; cache pays from {s['cache_pays_from']}"))
-  return [dict(zip(("claim", "what", "seed", "ours"), row)) for row in rows]
+  return common.claim_rows(rows)
 
 
 def _plot(r: dict, path: str):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  with common.figure(path, 2, 3, figsize=(16, 8)) as (_, axes):
+    _draw(r, axes)
 
-  fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+
+def _draw(r: dict, axes):
   ax = axes[0, 0]
   if "c2" in r:
     t = r["c2"]["timed"]
@@ -510,9 +488,6 @@ def _plot(r: dict, path: str):
     ax.set(xscale="log", xlabel="new tokens", ylabel="time no cache / paged",
            title="C17: when the cache pays")
     ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def _code_version() -> dict:
@@ -537,8 +512,9 @@ def main(argv):
   unknown = set(c.sections) - set(sections)
   if unknown:
     raise ValueError(f"unknown sections {sorted(unknown)}; use some of {sorted(sections)}")
-  results = {"device": f"CPU {platform.machine()} x{os.cpu_count()}",
-             "machine": platform.platform(), "jax": jax.__version__, "code": _code_version(),
+  device = common.describe_device()
+  results = {"device": common.device_label(device),
+             "machine": device["os"], "jax": device["jax"], "code": _code_version(),
              "model": model.config.name, "config": c.to_dict(), "loadavg": {}, "seconds": {}}
   for name in c.sections:
     logging.info("section %s", name)
@@ -549,15 +525,8 @@ def main(argv):
   results["table"] = _table(results, c)
   print(f"mechanism_bench on {results['device']}, model {model.config.name}, "
         f"loadavg {os.getloadavg()}")
-  print(f"{'claim':<5} {'what':<78} {'seed':<34} ours")
-  for row in results["table"]:
-    print(f"{row['claim']:<5} {row['what']:<78} {row['seed']:<34} {row['ours']}")
-  os.makedirs(c.out_dir, exist_ok=True)
-  stem = os.path.join(c.out_dir, c.name)
-  with open(stem + ".json", "w") as f:
-    json.dump(results, f, indent=1, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-  _plot(results, stem + ".png")
-  print(f"wrote {stem}.json and {stem}.png")
+  common.print_claims(results["table"], "{claim:<5} {what:<78} {seed:<34} {ours}")
+  common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
 
 
 if __name__ == "__main__":

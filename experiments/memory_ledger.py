@@ -10,12 +10,13 @@ exactly); a measured or "about" (~, 约) figure within `rel_tol`; ">=" and "<=" 
 seed's bound; "info" rows show other baselines and assert nothing.
 """
 import fractions
-import json
+import functools
 import os
 
 from absl import app
 from ml_collections import config_flags
 
+from experiments import common
 from kvjax import ledger
 from kvjax.config import get_preset
 from kvjax.ledger import GIB, KIB
@@ -168,12 +169,12 @@ def _c6_rows():
 
 
 def _plot(config, path):
-  import matplotlib  # plotting is an extra (setup.py "plot").
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  with common.figure(path, figsize=(7, 4.5), dpi=120) as (_, ax):
+    _draw(config, ax)
 
+
+def _draw(config, ax):
   contexts = [1 << k for k in config.plot_log2_contexts]
-  fig, ax = plt.subplots(figsize=(7, 4.5))
   for name in config.plot_presets:
     cfg = get_preset(name)
     ax.plot(contexts, [ledger.kv_bytes_per_request(cfg, n) / GIB for n in contexts],
@@ -188,9 +189,6 @@ def _plot(config, path):
   ax.set_xticks(contexts, [f"{n // 1024}K" for n in contexts])
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def main(argv):
@@ -208,9 +206,7 @@ def main(argv):
   print("C5 with llama3-8b weights counted ({:.2f} GiB): {} at 4K, {} at 32K".format(
       counted[4096].weight_bytes / GIB, counted[4096].max_concurrency,
       counted[32768].max_concurrency))
-  os.makedirs(config.out_dir, exist_ok=True)
   png = os.path.join(config.out_dir, f"{config.name}.png")
-  _plot(config, png)
   out = dict(claims=["C4", "C5", "C6"], rows=rows,
              all_seed_figures_match=all(r["match"] for r in rows if r["rule"] != "info"),
              c5_with_counted_weights={n: dict(weight_gib=p.weight_bytes / GIB,
@@ -218,9 +214,8 @@ def main(argv):
                                       for n, p in counted.items()},
              units="binary (KiB/GiB); seed 'GB' of cache/card read as GiB; kB/GB rows decimal",
              plot=png)
-  with open(os.path.join(config.out_dir, f"{config.name}.json"), "w") as f:
-    json.dump(out, f, indent=2)
-  print(f"wrote {config.out_dir}/{config.name}.json and {png}")
+  common.write_results(config.out_dir, config.name, out, plot=functools.partial(_plot, config),
+                       indent=2)
 
 
 if __name__ == "__main__":

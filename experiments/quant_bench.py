@@ -11,9 +11,7 @@ tokens/s with bf16 activations.  Prints the seed's value beside ours, writes
 results/<name>.json and .png.
 """
 import functools
-import json
 import math
-import os
 import time
 
 from absl import app
@@ -22,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 import kvjax
 from kvjax import corpus as corpus_lib
 from kvjax.config import ModelConfig
@@ -126,7 +125,8 @@ def _speed_section(cfg, model):
   """Decode tokens/s and weight bytes per step: bf16 weights vs each scheme.
 
   After one compiling run each, variants take turns for speed_repeats rounds and
-  each keeps its best round, so drift on a shared machine hits all alike.
+  each keeps its best run (the compiling one included), so drift on a shared
+  machine hits all alike.
   """
   if cfg.speed_preset:
     config = ModelConfig(**cfg.speed_preset.to_dict())
@@ -137,10 +137,10 @@ def _speed_section(cfg, model):
   prompt = [int(t) for t in np.arange(3, 3 + cfg.greedy_prompt_len) % config.vocab_size]
   variants = {name: bf16 if name == "bf16" else quantize_params(bf16, config, name)
               for name in ("bf16",) + tuple(cfg.weight_schemes)}
-  best = {name: _tokens_per_s(cfg, config, params, prompt) for name, params in variants.items()}
-  for _ in range(cfg.speed_repeats):
-    for name, params in variants.items():
-      best[name] = max(best[name], _tokens_per_s(cfg, config, params, prompt))
+  timed = common.interleaved({
+      name: functools.partial(_tokens_per_s, cfg, config, params, prompt)
+      for name, params in variants.items()}, cfg.speed_repeats)
+  best = {name: max([timed.first_results[name]] + timed.results[name]) for name in variants}
   rows = {}
   for name, params in variants.items():
     step_bytes = decode_step_weight_bytes(params)
@@ -169,16 +169,17 @@ def _claims(kv, weights, speed):
     rows.append(("C12", f"int4-g128 / bf16 decode tokens/s ({speed[0]})", "~4",
                  speed[1]["int4-g128"]["decode_tokens_per_s"] /
                  speed[1]["bf16"]["decode_tokens_per_s"]))
-  return [dict(claim=c, what=w, seed=s, ours=o) for c, w, s, o in rows]
+  return common.claim_rows(rows)
 
 
-def _plot(path, kv, weights, speed):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def _plot(kv, weights, speed, path):
   panels = [p for p in (kv and "kv", weights and "weights", speed and "speed") if p]
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+  with common.figure(path, 1, len(panels), figsize=(5 * len(panels), 4), squeeze=False) as (
+      _, axes):
+    _draw(axes, panels, kv, weights, speed)
+
+
+def _draw(axes, panels, kv, weights, speed):
   for ax, panel in zip(axes[0], panels):
     if panel == "kv":
       names = list(kv)
@@ -197,8 +198,6 @@ def _plot(path, kv, weights, speed):
       ax.set_ylabel(metric.replace("_", " "))
       ax.set_title("weight-only quantization" + ("" if panel == "weights" else
                                                  f": speed ({speed[0]})"))
-  fig.tight_layout()
-  fig.savefig(path)
 
 
 def main(_):
@@ -224,17 +223,14 @@ def main(_):
   if "speed" in cfg.sections:
     speed = _speed_section(cfg, model)
   claims = _claims(kv, weights, speed)
-  print(f"\n{'claim':5s} {'what':62s} {'seed':>5s} {'ours':>7s}")
-  for row in claims:
-    print(f"{row['claim']:5s} {row['what']:62s} {row['seed']:>5s} {row['ours']:7.3f}")
+  print()
+  common.print_claims(claims, "{claim:5s} {what:62s} {seed:>5s} {ours:>7s}", "{:.3f}")
   result = dict(config=cfg.to_dict(), model=model and model.config.name,
-                device=str(jax.devices()[0]), seconds=time.perf_counter() - start,
+                device=common.device_label(), seconds=time.perf_counter() - start,
                 kv_cache=kv, weights=weights, speed_model=speed and speed[0],
                 speed=speed and speed[1], claims=claims)
-  os.makedirs(cfg.out_dir, exist_ok=True)
-  with open(os.path.join(cfg.out_dir, cfg.name + ".json"), "w") as f:
-    json.dump(result, f, indent=1, default=str)
-  _plot(os.path.join(cfg.out_dir, cfg.name + ".png"), kv, weights, speed)
+  common.write_results(cfg.out_dir, cfg.name, result,
+                       plot=functools.partial(_plot, kv, weights, speed))
 
 
 if __name__ == "__main__":

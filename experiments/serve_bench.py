@@ -24,15 +24,14 @@ Prints claim id, seed value and ours side by
 side; writes results/<name>.json and .png.
 """
 import functools
-import json
 import os
-import platform
 import time
 
 from absl import app
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import common
 import kvjax
 from kvjax import cli_bench
 from kvjax.engine import Engine
@@ -106,16 +105,9 @@ def _interleaved(variants: dict, repeats: int) -> dict:
   """name -> the median-wall run of each variant (a callable -> dict with "wall_s").
 
   An untimed run per variant first (compiles, warms caches); then the variants
-  run in turn, `repeats` times, so load from other processes on a shared
-  machine, and its drift over minutes, hits every variant alike.
+  run in turn, `repeats` times (common.interleaved).
   """
-  for run in variants.values():
-    run()
-  runs = {name: [] for name in variants}
-  for _ in range(repeats):
-    for name, run in variants.items():
-      runs[name].append(run())
-  return {name: sorted(r, key=lambda x: x["wall_s"])[len(r) // 2] for name, r in runs.items()}
+  return common.interleaved(variants, repeats).median_results(key=lambda run: run["wall_s"])
 
 
 def _engines(model, sessions, variants: dict) -> dict:
@@ -222,11 +214,11 @@ def part_c(model, c):
 
 
 def _plot(results, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  with common.figure(path, 1, 3, figsize=(15, 4)) as (_, axes):
+    _draw(results, axes)
 
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+
+def _draw(results, axes):
   a = results["a"]
   labels = [f"{w}\nbatch {b}" for w in a for b in a[w]["by_batch"]]
   x = np.arange(len(labels))
@@ -252,9 +244,6 @@ def _plot(results, path):
   axes[2].set_xticks(x, [f"{n}\naccept {cc[n]['acceptance_length']:.2f}" for n in names])
   axes[2].set(ylabel="output tokens/s", title="(c) MTP speculation")
   axes[2].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def _spec_rows(batch: int, r: dict, first: bool) -> list:
@@ -279,9 +268,9 @@ def main(argv):
   model = kvjax.load_checkpoint(c.checkpoint or None)
   # EOS off: every request emits exactly its output length, here and in HF.
   model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype)
-  results = {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, "
-                        f"{platform.platform()}", "seed": c.seed, "model": model.config.name,
-             "config": c.to_dict()}
+  device = common.describe_device()
+  results = {"machine": f"{common.device_label(device)}, {device['os']}", "seed": c.seed,
+             "model": model.config.name, "config": c.to_dict()}
   results["a"] = part_a(model, c)
   results["b"] = part_b(model, c)
   results["c"] = part_c(model, c)
@@ -304,17 +293,10 @@ def main(argv):
       ("C14", f"TPOT batch {c.spec_batches[-1]} / batch {c.spec_batches[0]} (plain)", "~1x",
        f"{bn['plain_tpot_s'] / b1['plain_tpot_s']:.2f}x"),
   ]
-  results["table"] = [dict(zip(("claim", "what", "seed", "ours"), r)) for r in rows]
+  results["table"] = common.claim_rows(rows)
   print(f"serve_bench on {results['machine']}, seed {c.seed}, model {model.config.name}")
-  print(f"{'claim':<10} {'what':<52} {'seed':<20} ours")
-  for claim, what, seed, ours in rows:
-    print(f"{claim:<10} {what:<52} {seed:<20} {ours}")
-  os.makedirs(c.out_dir, exist_ok=True)
-  stem = os.path.join(c.out_dir, c.name)
-  with open(stem + ".json", "w") as f:
-    json.dump(results, f, indent=1)
-  _plot(results, stem + ".png")
-  print(f"wrote {stem}.json and {stem}.png")
+  common.print_claims(results["table"], "{claim:<10} {what:<52} {seed:<20} {ours}")
+  common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
 
 
 if __name__ == "__main__":

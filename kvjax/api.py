@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import generation
-from kvjax.config import ModelConfig, PRESETS, get_preset
+from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params
 from kvjax.sampling import SamplingParams
@@ -34,12 +34,15 @@ class Model:
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
-  """'float32' | 'bfloat16' | 'float16' (or the jnp dtype) -> jnp dtype."""
+  """'float32' | 'bfloat16' | 'float16' (or 'fp32', 'bf16', 'fp16', or the jnp dtype) -> jnp dtype."""
+  long_names = {short: name for name, short in DTYPE_SHORT_NAMES.items()}
+  dtype = long_names.get(dtype, dtype) if isinstance(dtype, str) else dtype
   for name, value in DTYPES.items():
     if dtype == name or dtype is value or (not isinstance(dtype, str) and
                                            np.dtype(dtype) == np.dtype(value)):
       return value
-  raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+  raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)} "
+                   f"(or {sorted(DTYPE_SHORT_NAMES.values())})")
 
 
 def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
@@ -100,7 +103,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
   `seed` is one int for every prompt or one per prompt; a prompt's samples depend
   only on its own seed and tokens, never on the rest of the batch.  `kv_dtype`
-  (None = model dtype, "bf16", "int8", "int4", ...; kvjax/quant/kv.py) is how the
+  (None = model dtype, "bf16", "int8", "int4", ...; kvjax/caches/) is how the
   paged cache stores K/V, in the static batch and the Engine alike.  Engine
   keywords (speculative, num_draft, prefix_cache, prefix_match, max_num_seqs,
   max_num_batched_tokens, num_pages, ...; see kvjax.Engine) run the prompts

@@ -33,7 +33,11 @@ def _add_generate(subparsers) -> None:
   p.add_argument("--cache", default="paged", choices=("paged", "contiguous", "none"))
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--backend", default="reference", help="attention backend name")
-  p.add_argument("--dtype", default="float32")
+  p.add_argument("--dtype", default="float32",
+                 help="weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)")
+  p.add_argument("--kv-dtype", default=None,
+                 help="KV pages: the weights' dtype (default), fp32 | bf16 | fp16 (or float32 "
+                      "| bfloat16 | float16), int8 or int4")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--no-warmup", action="store_true",
                  help="time the first call (XLA compilation included in TTFT)")
@@ -60,7 +64,7 @@ def _run_generate(args: argparse.Namespace) -> int:
   run = functools.partial(kvjax.generate, model, [prompt], args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed, cache=args.cache, page_size=args.page_size,
-                          backend=args.backend)
+                          backend=args.backend, kv_dtype=args.kv_dtype)
   warmup_s = None
   if not args.no_warmup:  # compiles every shape, so the timed run measures serving
     start = time.perf_counter()

@@ -141,7 +141,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
                       prefix_queried_tokens=hits[1] - hits_before[1],
                       num_preemptions=engine.scheduler.num_preemptions - preemptions_before)
   num_turns = max(len(s.turns) for s in sessions)
-  per_turn = [[m.ttft for rid, m in zip(owner, metrics) if owner[rid][1] == t]
+  per_turn = [[m.ttft_s for rid, m in zip(owner, metrics) if owner[rid][1] == t]
               for t in range(num_turns)]
   summary["turn_ttft_s"] = [float(np.mean(x)) for x in per_turn]
   summary["turn_prompt_tokens"] = [float(np.mean([m.prompt_len for rid, m in

@@ -16,7 +16,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["RopeScaling", "ModelConfig", "PRESETS", "get_preset"]
+__all__ = ["RopeScaling", "ModelConfig", "PRESETS", "get_preset", "DTYPE_SHORT_NAMES",
+           "short_dtype_name"]
+
+# One dtype vocabulary for weights (`dtype`, --dtype) and KV pages (`kv_dtype`,
+# --kv-dtype): both accept either spelling; the short one is what results, the
+# ledger and error messages print.
+DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def short_dtype_name(name):
+  """'bfloat16' -> 'bf16'; short names, int8/int4 and None pass through."""
+  return DTYPE_SHORT_NAMES.get(name, name) if isinstance(name, str) else name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 from kvjax import speculative as spec
 from kvjax.backends import Backend, get_backend
 from kvjax.caches import check_cache_support
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.scheduler import max_pages_held
 
 __all__ = ["EngineConfig"]
@@ -113,7 +113,7 @@ class EngineConfig:
           max_num_batched_tokens=self.max_num_batched_tokens,
           sliding_window=self.widest_window(cfg))
     return dataclasses.replace(self, backend=backend, max_model_len=max_model_len,
-                               num_pages=num_pages)
+                               num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
 
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""
@@ -123,7 +123,7 @@ class EngineConfig:
 
   def _check_int4(self) -> None:
     """ValueError for what int4 (KIVI) pages cannot serve; see kv_dtype."""
-    if self.kv_dtype != "int4":
+    if short_dtype_name(self.kv_dtype) != "int4":
       return
     if self.speculative is not None:
       drafter = self.speculative if isinstance(self.speculative, str) else "a draft model"

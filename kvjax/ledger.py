@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, short_dtype_name
 
 __all__ = ["KIB", "GIB", "DTYPE_BITS", "SCALE_BYTES", "MemoryPlan", "bytes_for",
            "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
@@ -49,6 +49,7 @@ SCALE_BYTES = 4  # one float32 scale per quantized cached vector.
 
 
 def _check_dtype(dtype: str, what: str) -> int:
+  dtype = short_dtype_name(dtype)
   if dtype not in DTYPE_BITS:
     raise ValueError(f"unsupported {what} dtype {dtype!r}; use one of {sorted(DTYPE_BITS)}")
   return DTYPE_BITS[dtype]
@@ -89,7 +90,7 @@ def _vectors_per_layer_token(cfg: ModelConfig) -> int:
 
 def _kv_dtype(kv_dtype: str) -> str:
   _check_dtype(kv_dtype, "kv")
-  return kv_dtype
+  return short_dtype_name(kv_dtype)
 
 
 def kv_values_per_token(cfg: ModelConfig, include_mtp: bool = False) -> int:
@@ -119,7 +120,7 @@ def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
   tokens = sum(context if w is None else min(context, w)
                for w in _cache_layer_windows(cfg, include_mtp))  # layer-tokens held.
   total = bytes_for(tokens * _values_per_layer_token(cfg), _kv_dtype(kv_dtype))
-  if count_scales and kv_dtype in _QUANTIZED:
+  if count_scales and _kv_dtype(kv_dtype) in _QUANTIZED:
     total += tokens * _vectors_per_layer_token(cfg) * SCALE_BYTES
   return total
 

@@ -1,11 +1,13 @@
 """Serving metrics with vLLM's definitions (claim C18's diagnosis signals).
 
-Per request (host wall clock, seconds from `add_request`):
-  TTFT   time to the first output token (prefill, queueing, prefix cache: C15)
-  TPOT   (e2e latency - TTFT) / (output_len - 1): mean time per later token
-  ITL    gaps between consecutive token arrivals (a verify step that emits 3
-         tokens yields one gap and two zero gaps, as in vLLM)
-  e2e    add_request to the last token
+Per request (host wall clock, seconds from `add_request`; `RequestMetrics`
+names them as a run's stats do, `ttft_s`, `tpot_s`, ...):
+  ttft_s   time to the first output token (prefill, queueing, prefix cache: C15)
+  tpot_s   (e2e latency - TTFT) / (output_len - 1): mean time per later token
+  itls_s   gaps between consecutive token arrivals (a verify step that emits 3
+           tokens yields one gap and two zero gaps, as in vLLM)
+  e2e_s    add_request to the last token
+  acceptance_length  tokens emitted per verify step (speculation only)
 Per run: request and output-token throughput, KV page utilization, prefix hit
 tokens and rate, speculative acceptance rate per draft position and mean
 acceptance length (tokens emitted per verify step), preemptions and queue
@@ -59,25 +61,30 @@ class RequestMetrics:
       self.accepted[j] += j < num_accepted
 
   @property
+  def acceptance_length(self) -> Optional[float]:
+    """Mean tokens emitted per verify step (accepted drafts + 1); None without speculation."""
+    return self.emitted / self.verify_steps if self.verify_steps else None
+
+  @property
   def output_len(self) -> int:
     return len(self.token_times)
 
   @property
-  def ttft(self) -> Optional[float]:
+  def ttft_s(self) -> Optional[float]:
     return self.token_times[0] - self.arrival_s if self.token_times else None
 
   @property
-  def e2e(self) -> Optional[float]:
+  def e2e_s(self) -> Optional[float]:
     return self.token_times[-1] - self.arrival_s if self.token_times else None
 
   @property
-  def tpot(self) -> Optional[float]:
+  def tpot_s(self) -> Optional[float]:
     if self.output_len < 2:
       return None
-    return (self.e2e - self.ttft) / (self.output_len - 1)
+    return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
 
   @property
-  def itls(self) -> list:
+  def itls_s(self) -> list:
     return list(np.diff(self.token_times)) if self.output_len > 1 else []
 
 
@@ -146,15 +153,15 @@ def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float,
     proposed[:len(r.proposed)] += r.proposed
     accepted[:len(r.accepted)] += r.accepted
   verify_steps = sum(r.verify_steps for r in done)
-  ttft = distribution(r.ttft for r in done)
-  tpot = distribution(r.tpot for r in done if r.tpot is not None)
+  ttft = distribution(r.ttft_s for r in done)
+  tpot = distribution(r.tpot_s for r in done if r.tpot_s is not None)
   return {
       "num_requests": len(done),
       "wall_s": wall_s,
       "ttft_s": ttft["mean"], "tpot_s": tpot["mean"],
       "ttft": ttft, "tpot": tpot,
-      "itl": distribution(x for r in done for x in r.itls),
-      "e2e_latency": distribution(r.e2e for r in done),
+      "itl": distribution(x for r in done for x in r.itls_s),
+      "e2e_latency": distribution(r.e2e_s for r in done),
       "request_throughput": len(done) / wall_s if wall_s else 0.0,
       "tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
       "num_generated_tokens": out_tokens,

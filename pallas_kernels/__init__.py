@@ -5,7 +5,11 @@ Each module holds a kernel, its jitted wrapper and a pure-jnp reference:
                    prefill in one call; GQA packing, int8 KV, sliding window,
                    soft cap, batch-invariant split-K)
   spec_verify      fused rejection-sampling verification (claim C10)
+  mosaic_decode    full-context paged decode in Mosaic GPU (Hopper: TMA page
+                   ring, wgmma); Mosaic GPU is imported on first use
 """
+from pallas_kernels.mosaic_decode import mosaic_paged_decode
+from pallas_kernels.mosaic_decode import mosaic_paged_decode_reference
 from pallas_kernels.paged_attention import ragged_paged_attention
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.spec_verify import greedy_verify
@@ -14,6 +18,8 @@ from pallas_kernels.spec_verify import rejection_sample_reference
 
 __all__ = [
     "greedy_verify",
+    "mosaic_paged_decode",
+    "mosaic_paged_decode_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "rejection_sample",

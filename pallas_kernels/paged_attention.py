@@ -15,13 +15,14 @@ pages_per_seq * page_size, and the first cdiv(kv_lens[s], page_size) entries of
 block_tables[s] are valid page ids (others may hold anything, -1 included:
 they are clamped and never contribute).
 
-Kernel design (dimension legend: T query tokens, N q heads, K kv heads, G q
-heads per kv head, H head_dim, P pages, S sequences).
+Kernel design (dimension legend, as kvjax's docs/DIMENSIONS.md: T query tokens
+(all rows flattened), B sequences, N q heads, K kv heads, Gq q heads per kv
+head, H head_dim, P pages, Z page size, S key positions).
   * Work tile = (query tile, kv head, kv split).  A query tile holds `block_q`
-    consecutive tokens of ONE sequence times all G query heads of one kv head,
-    so each K/V page is read once per GQA group ([block_q * G, H] rows).  Tiles
+    consecutive tokens of ONE sequence times all Gq query heads of one kv head,
+    so each K/V page is read once per GQA group ([block_q * Gq, H] rows).  Tiles
     start at sequence starts, so a sequence's tiling depends on its own q_len
-    only; the static tile count min(T, cdiv(T, block_q) + S) covers any ragged
+    only; the static tile count min(T, cdiv(T, block_q) + B) covers any ragged
     mix and surplus tiles exit at once.
   * Split-K at fixed absolute kv chunks of `pages_per_split` pages: the split of
     a sequence never depends on the other sequences or on the batch size (batch
@@ -43,7 +44,7 @@ Hopper path decision: Pallas-Triton, decided by trying both on the H200 (jax
     of 4.8 TB/s), 2.8 TB/s at 8 x 32k; 1.37-1.54x jax's paged_attention at
     batch 64, ~3x an XLA gather.  Small batches (B <= 8 at <= 8k) take
     0.05-0.2 ms, where launch and dispatch dominate every backend.
-  * Mosaic GPU probe (experiments/kernel_bench.py:mgpu_paged_decode: TMA page
+  * Mosaic GPU probe (pallas_kernels/mosaic_decode.py: TMA page
     gathers into a 2-4 deep SMEM ring, wgmma, q padded to 64 rows, decode only,
     no split-K/mask/window/int8): 3.34 TB/s at 64 x 8k, 3.52 TB/s at 64 x 32k
     (+7-9% over Triton), but 1.7 TB/s at 8 x 32k (no split-K) where Triton
@@ -104,7 +105,7 @@ def default_block_sizes(page_size: int, head_dim: int, group: int):
 
 def _rpa_kernel(
     meta_ref,  # [4] int32: seq row in block table, q start, q rows, pos of row 0
-    block_tables_ref,  # [S + 1, pages_per_seq + pages_per_block] int32
+    block_tables_ref,  # [B + 1, pages_per_seq + pages_per_block] int32
     q_ref,  # [T_pad, Gp, H]  (this kv head)
     k_ref,  # [P, G_page, H]  (this kv head)
     v_ref,  # [P, G_page, H]
@@ -204,8 +205,8 @@ def _segment_of(ends, idx):
 def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
   """Per query tile: (seq, q_start, q_rows, pos0); tiles past the work are empty."""
   num_seqs = kv_lens.shape[0]
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-  tiles_per_seq = (q_lens + block_q - 1) // block_q  # [S]
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
+  tiles_per_seq = (q_lens + block_q - 1) // block_q  # [B]
   tile_cu = jnp.concatenate(
       [jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_per_seq, dtype=jnp.int32)])
   t = jnp.arange(num_tiles, dtype=jnp.int32)  # [nt]
@@ -214,7 +215,7 @@ def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
   seq_c = jnp.minimum(seq, num_seqs - 1)
   q_off = (t - tile_cu[seq_c]) * block_q
   meta = jnp.stack([
-      jnp.where(valid, seq_c, num_seqs),  # row S of the table is all zeros
+      jnp.where(valid, seq_c, num_seqs),  # row B of the table is all zeros
       jnp.where(valid, cu_q_lens[seq_c] + q_off, 0),
       jnp.where(valid, jnp.minimum(block_q, q_lens[seq_c] - q_off), 0),
       jnp.where(valid, kv_lens[seq_c] - q_lens[seq_c] + q_off, 0),
@@ -222,10 +223,13 @@ def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
   return meta.astype(jnp.int32), tile_cu
 
 
-def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                  sm_scale, sliding_window, soft_cap, k_scales, v_scales):
+def check_q_and_pages(q, k_pages, v_pages, q_rows: str = "total_q_tokens"):
+  """q [q_rows, num_q_heads, head_dim] and K/V pages [K, P, Z, H] that fit together.
+
+  Shared with mosaic_decode.py.
+  """
   if q.ndim != 3:
-    raise ValueError(f"q must be [total_q_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    raise ValueError(f"q must be [{q_rows}, num_q_heads, head_dim], got shape {q.shape}")
   if k_pages.ndim != 4:
     raise ValueError("k_pages must be [num_kv_heads, num_pages, page_size, head_dim], "
                      f"got shape {k_pages.shape}")
@@ -234,7 +238,7 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
   if k_pages.dtype != v_pages.dtype:
     raise ValueError(f"k_pages.dtype {k_pages.dtype} != v_pages.dtype {v_pages.dtype}")
   _, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, head_dim_k = k_pages.shape
+  num_kv_heads, _, _, head_dim_k = k_pages.shape
   if not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(f"q.dtype must be floating, got {q.dtype}")
   if head_dim_k != head_dim:
@@ -242,6 +246,12 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
   if num_q_heads % num_kv_heads:
     raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
                      f"num_kv_heads={num_kv_heads}")
+
+
+def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                  sm_scale, sliding_window, soft_cap, k_scales, v_scales):
+  check_q_and_pages(q, k_pages, v_pages)
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
   if not 8 <= page_size <= 128:
     raise ValueError(f"page_size={page_size} must be in [8, 128]")
   for name, arr, ndim in (("kv_lens", kv_lens, 1), ("block_tables", block_tables, 2),
@@ -292,9 +302,9 @@ def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, P, G_page, H]
     v_pages: jax.Array,  # [K, P, G_page, H]
-    kv_lens: jax.Array,  # [S] int32
-    block_tables: jax.Array,  # [S, pages_per_seq] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
+    kv_lens: jax.Array,  # [B] int32
+    block_tables: jax.Array,  # [B, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [B + 1] int32
     *,
     sm_scale: float,
     sliding_window: Optional[int] = None,
@@ -341,10 +351,10 @@ def ragged_paged_attention(
 
   meta, tile_cu = _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q)  # [nt, 4]
   # Clamp page ids (unused entries may be -1) and pad so every page-block load
-  # and the all-zero row S used by surplus tiles stay in bounds.
+  # and the all-zero row B used by surplus tiles stay in bounds.
   tables = jnp.clip(block_tables, 0, num_pages - 1)
-  tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [S+1, pps+ppb]
-  q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, G, H]
+  tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [B+1, pps+ppb]
+  q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, Gq, H]
   q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
   q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, Gp, H]
 
@@ -406,7 +416,7 @@ def ragged_paged_attention(
   tseq = jnp.minimum(tseq, num_seqs - 1)
   i = tok - cu_q_lens[tseq]
   tile = jnp.clip(tile_cu[tseq] + i // block_q, 0, num_tiles - 1)
-  out = o[tile, :, i % block_q]  # [T, K, G, H]
+  out = o[tile, :, i % block_q]  # [T, K, Gq, H]
   out = jnp.where(tvalid[:, None, None, None], out, 0.0)
   return out.reshape(total_q, num_q_heads, head_dim).astype(q.dtype)
 
@@ -416,9 +426,9 @@ def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, P, G_page, H]
     v_pages: jax.Array,  # [K, P, G_page, H]
-    kv_lens: jax.Array,  # [S] int32
-    block_tables: jax.Array,  # [S, pages_per_seq] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
+    kv_lens: jax.Array,  # [B] int32
+    block_tables: jax.Array,  # [B, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [B + 1] int32
     *,
     sm_scale: float,
     sliding_window: Optional[int] = None,
@@ -458,7 +468,7 @@ def ragged_paged_attention_reference(
     if k_scales is not None:
       k = k * k_scales[:, pages].reshape(num_kv_heads, max_kv, 1)
       v = v * v_scales[:, pages].reshape(num_kv_heads, max_kv, 1)
-    qg = q_t.reshape(num_kv_heads, group, head_dim).astype(f32)  # [K, G, H]
+    qg = q_t.reshape(num_kv_heads, group, head_dim).astype(f32)  # [K, Gq, H]
     s = jnp.einsum("kgh,ksh->kgs", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -468,7 +478,7 @@ def ragged_paged_attention_reference(
       mask = mask & (key > pos - sliding_window)
     s = jnp.where(mask, s, -jnp.inf)
     s = s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
-    p = jnp.where(mask, jnp.exp(s), 0.0)  # [K, G, S_kv]
+    p = jnp.where(mask, jnp.exp(s), 0.0)  # [K, Gq, S]
     v = jnp.where(mask[None, :, None], v, 0.0)
     o = jnp.einsum("kgs,ksh->kgh", p, v, precision=lax.Precision.HIGHEST)
     o = o / p.sum(axis=-1, keepdims=True)

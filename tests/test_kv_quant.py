@@ -163,3 +163,14 @@ def test_int8_pages_reach_the_pallas_contract_with_their_scales(tiny_model):
 def test_errors_unsupported_kv_dtype(tiny_model, kwargs, match):
   with pytest.raises(ValueError, match=match):
     kvjax.generate(tiny_model, PROMPTS[:1], 2, **kwargs)
+
+
+def test_one_dtype_vocabulary_for_weights_and_pages(tiny_model):
+  # --dtype and --kv-dtype take the same words: long and short spellings are one dtype.
+  assert kvjax.load_checkpoint("tiny", dtype="bf16").dtype == jnp.bfloat16
+  short = kvjax.generate(tiny_model, PROMPTS[:1], 4, kv_dtype="bf16").tokens
+  assert kvjax.generate(tiny_model, PROMPTS[:1], 4, kv_dtype="bfloat16").tokens == short
+  eng = kvjax.Engine(tiny_model, kv_dtype="bfloat16", max_num_seqs=1, max_model_len=64)
+  assert eng.config.kv_dtype == "bf16" and eng.state.cache.k_pages.dtype == jnp.bfloat16
+  assert ledger.kv_bytes_per_token(tiny_model.config, "bfloat16") == \
+      ledger.kv_bytes_per_token(tiny_model.config, "bf16")

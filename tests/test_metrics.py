@@ -16,11 +16,11 @@ def _request(arrival, times, **kwargs):
 def test_ttft_tpot_itl_e2e_by_hand():
   # Arrives at 1.0; tokens at 1.5, 1.7, 2.0, 2.1.
   r = _request(1.0, [1.5, 1.7, 2.0, 2.1])
-  assert r.ttft == pytest.approx(0.5)
-  assert r.e2e == pytest.approx(1.1)
-  assert r.tpot == pytest.approx((1.1 - 0.5) / 3)  # (latency - TTFT) / (output_len - 1)
-  assert r.itls == pytest.approx([0.2, 0.3, 0.1])
-  assert _request(0.0, [0.4]).tpot is None  # one token: no TPOT
+  assert r.ttft_s == pytest.approx(0.5)
+  assert r.e2e_s == pytest.approx(1.1)
+  assert r.tpot_s == pytest.approx((1.1 - 0.5) / 3)  # (latency - TTFT) / (output_len - 1)
+  assert r.itls_s == pytest.approx([0.2, 0.3, 0.1])
+  assert _request(0.0, [0.4]).tpot_s is None  # one token: no TPOT
 
 
 def test_verify_steps_give_acceptance_per_position():
@@ -38,7 +38,8 @@ def test_verify_steps_give_acceptance_per_position():
                step_s=1.0, decode_only=True, num_steps=4)  # a 4-step burst
   s = summarize([r], steps, wall_s=2.0, prefix_hit_tokens=16, prefix_queried_tokens=64,
                 num_preemptions=1)
-  assert s["acceptance_length"] == pytest.approx(6 / 3)
+  assert s["acceptance_length"] == pytest.approx(6 / 3) == r.acceptance_length
+  assert RequestMetrics("plain", prompt_len=4, arrival_s=0.0).acceptance_length is None
   assert s["acceptance_rate_per_position"] == pytest.approx([2 / 3, 1 / 2])
   assert s["acceptance_rate"] == pytest.approx(3 / 5)
   assert s["tokens_per_s"] == pytest.approx(3.0) and s["request_throughput"] == 0.5

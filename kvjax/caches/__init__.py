@@ -14,7 +14,7 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) for page copies.
   contiguous.py  ContiguousKVCache: one max-length buffer per slot (C7's baseline)
 
 kv_dtype says how pages store K/V: None keeps the model dtype; "fp32",
-"bf16", "fp16" store that float; "int8" is PagedKVCache with scales; "int4" is
+"bf16", "fp16" (or "float32", "bfloat16", "float16") store that float; "int8" is PagedKVCache with scales; "int4" is
 KIVIPagedKVCache.  Which backend reads which store is the backend's record
 (kvjax/backends.py).
 """
@@ -29,7 +29,7 @@ from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.kivi import KIVIPagedKVCache
 from kvjax.caches.mla import MLAPagedCache
 from kvjax.caches.paged import NULL_PAGE, PagedKVCache, copy_cache_pages
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, short_dtype_name
 
 __all__ = ["KV_DTYPES", "CACHE_KINDS", "PagedKVCache", "KIVIPagedKVCache", "MLAPagedCache",
            "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "check_cache_support",
@@ -44,6 +44,7 @@ def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
                         backend: Backend) -> None:
   """ValueError naming the problem unless `cache` pages stored as kv_dtype can serve cfg
   through `backend`."""
+  kv_dtype = short_dtype_name(kv_dtype)
   if cache not in CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {CACHE_KINDS}")
   if cfg.attention_type == "mla" and cache == "paged":
@@ -70,6 +71,7 @@ def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int
   drafting): a plain decoder never writes them (claim C11's memory cost).
   `num_slots` rows of per-slot state (int4's residual) sit beside the pages.
   """
+  kv_dtype = short_dtype_name(kv_dtype)
   if cfg.attention_type == "mla":
     return MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)
   args = (cfg.cache_layers(with_mtp), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
@@ -82,7 +84,7 @@ def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int
 def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
                             kv_dtype: Optional[str] = None) -> ContiguousKVCache:
   """Every slot reserves max_len tokens of the trunk's layers (the C7 baseline)."""
-  dtype = _FLOATS.get(kv_dtype, dtype)
+  dtype = _FLOATS.get(short_dtype_name(kv_dtype), dtype)
   if cfg.attention_type == "mla":
     # One latent "kv head": keys [latent; rope key], values the latent (stored twice;
     # the contiguous cache is a baseline, MLAPagedCache stores it once).
