@@ -35,11 +35,13 @@ from experiments import common
 from experiments import mechanism_counts as counts
 from kvjax import ledger, steps
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.caches import create_paged_cache
 from kvjax.config import get_preset
 from kvjax.engine import Engine
 from kvjax.generation import next_pow2
 from kvjax.model import decoder, lm_logits
 from kvjax.sampling import SamplingParams, sample
+from kvjax.step_batch import make_step_batch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/mechanism_bench.py", "experiment config", lock_config=True)
@@ -49,10 +51,17 @@ def _prompts(rng, num: int, length: int) -> list:
   return rng.integers(0, 256, (num, length)).tolist()  # byte ids of the default model
 
 
-def _one_slot_state(model, pages: int, page_size: int) -> steps.DecodeState:
-  """A paged DecodeState of one slot whose block table is pages 1..pages in order."""
-  state = steps.init_paged_state(model.config, 1, 1 + pages, page_size, pages, model.dtype)
-  return state.replace(block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None])
+def _one_slot(model, pages: int, page_size: int):
+  """Empty pages for one sequence and its block table [1, pages]: pages 1..pages in order."""
+  cache = create_paged_cache(model.config, None, 1, 1 + pages, page_size, model.dtype)
+  return cache, np.arange(1, pages + 1, dtype=np.int32)[None]
+
+
+def _feed(model, cache, tables, token_ids, start: int, num_real: int):
+  """One row feeding token_ids at positions start.. (num_real of them real)
+  -> (cache, logits [1, V] at its last real column)."""
+  batch = make_step_batch([token_ids], [start], [num_real], tables)
+  return steps.prefill(model.params, cache, batch, config=model.config)[:2]
 
 
 # -- C1 -------------------------------------------------------------------------
@@ -76,24 +85,20 @@ def _forward_kv(params, tokens, *, config):
 
 def _cached_run(model, prompt, new_tokens: int, page_size: int):
   """Prefill + greedy decode on one slot -> (tokens, K, V [L, S, K, H], logits [D+1, V])."""
-  cfg, p = model.config, model.params
+  cfg = model.config
   bucket = next_pow2(len(prompt), 8)
   pages = -(-max(bucket, len(prompt) + new_tokens) // page_size)
-  state = _one_slot_state(model, pages, page_size)
-  tokens = np.zeros((1, bucket), np.int32)
-  tokens[0, :len(prompt)] = prompt
-  slot = jnp.zeros(1, jnp.int32)
-  state, logits, _ = steps.prefill(p, state, jnp.asarray(tokens),
-                                   jnp.asarray([len(prompt)], jnp.int32), slot, config=cfg)
+  cache, tables = _one_slot(model, pages, page_size)
+  tokens = np.zeros(bucket, np.int32)
+  tokens[:len(prompt)] = prompt
+  cache, logits = _feed(model, cache, tables, tokens, 0, len(prompt))
   seq, all_logits = list(prompt), [np.asarray(logits[0])]
   for _ in range(new_tokens):
     seq.append(int(np.argmax(all_logits[-1])))
-    state, logits, _ = steps.decode(p, state, jnp.asarray([seq[-1]], jnp.int32), slot,
-                                    config=cfg)
+    cache, logits = _feed(model, cache, tables, [seq[-1]], len(seq) - 1, 1)
     all_logits.append(np.asarray(logits[0]))
-  cache = state.cache
 
-  def gather(pages_array):  # [L, K, P, G, H] -> [L, S, K, H] in logical order
+  def gather(pages_array):  # [L, K, P, Z, H] -> [L, S, K, H] in logical order
     x = np.asarray(pages_array)[:cfg.num_layers, :, 1:pages + 1]
     layers, kv_heads, _, _, h = x.shape
     return x.reshape(layers, kv_heads, -1, h).transpose(0, 2, 1, 3)[:, :len(seq)]
@@ -225,7 +230,7 @@ def _engine_kv_bytes_per_token(model, speculative, c) -> float:
   """Bytes of KV pages the Engine allocates per pool token, and its draft workspace."""
   engine = Engine(model, page_size=c.page_size, num_pages=c.c11_engine_pages,
                   max_num_seqs=1, max_model_len=c.page_size * 4, speculative=speculative)
-  cache = engine.state.decode.cache
+  cache = engine.state.cache
   page_bytes = sum(getattr(cache, n).nbytes for n in cache.PAGE_ARRAYS
                    if getattr(cache, n) is not None)
   return page_bytes / (c.c11_engine_pages * c.page_size), engine.state.draft_probs.nbytes
@@ -262,18 +267,21 @@ def c11_mtp_pool(model, c) -> dict:
 
 def _step_loop(model, prompt, new_tokens: int, page_size: int):
   """Prefill, then one jitted decode step + sample per token from Python -> (tokens, s/token)."""
-  cfg, p = model.config, model.params
-  state = _one_slot_state(model, -(-(len(prompt) + new_tokens) // page_size), page_size)
-  slot, greedy = jnp.zeros(1, jnp.int32), SamplingParams.make(1)
-  state, logits, _ = steps.prefill(p, state, jnp.asarray([prompt], jnp.int32),
-                                   jnp.asarray([len(prompt)], jnp.int32), slot, config=cfg)
-  token = sample(logits, greedy, state.seq_lens, use_filter=False)
+  cache, tables = _one_slot(model, -(-(len(prompt) + new_tokens) // page_size), page_size)
+  greedy = SamplingParams.make(1)
+  cache, logits = _feed(model, cache, tables, prompt, 0, len(prompt))
+  length = len(prompt)
+  token = sample(logits, greedy, jnp.asarray([length]), use_filter=False)
   out = [token]
   token.block_until_ready()
   start = time.perf_counter()
   for _ in range(new_tokens - 1):
-    state, logits, _ = steps.decode(p, state, token, slot, config=cfg)
-    token = sample(logits, greedy, state.seq_lens, use_filter=False)
+    # The host owns the length; the row's token stays on the device.
+    batch = make_step_batch(np.zeros((1, 1)), [length], [1], tables).replace(
+        tokens=token[:, None])
+    cache, logits, _ = steps.prefill(model.params, cache, batch, config=model.config)
+    length += 1
+    token = sample(logits, greedy, jnp.asarray([length]), use_filter=False)
     out.append(token)
   token.block_until_ready()
   return [int(t[0]) for t in out], (time.perf_counter() - start) / (new_tokens - 1)

@@ -23,9 +23,11 @@ import numpy as np
 from experiments import common
 import kvjax
 from kvjax import corpus as corpus_lib
+from kvjax.caches import create_paged_cache
 from kvjax.config import ModelConfig
 from kvjax.params import init_params
-from kvjax.steps import init_paged_state, verify
+from kvjax.step_batch import make_step_batch
+from kvjax.steps import verify
 from kvjax.tokenizer import ByteTokenizer
 from kvjax.train import bits_per_byte
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
@@ -34,21 +36,23 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/quant_bench.py", "experiment config", lock_config=True)
 
 
-def _paged_state(config, kv_dtype, rows, length, page_size):
+def _paged_rows(config, kv_dtype, inputs, page_size):
+  """A fresh paged cache for inputs [B, T] and the StepBatch scoring them from position 0."""
+  rows, length = inputs.shape
   pages = -(-length // page_size)
-  state = init_paged_state(config, rows, 1 + rows * pages, page_size, pages, jnp.float32,
-                           None if kv_dtype == "fp32" else kv_dtype)
-  tables = 1 + jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
-  return state.replace(block_tables=tables)
+  cache = create_paged_cache(config, None if kv_dtype == "fp32" else kv_dtype, rows,
+                             1 + rows * pages, page_size, jnp.float32)
+  tables = 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+  batch = make_step_batch(np.zeros((rows, length)), np.zeros(rows), np.full(rows, length),
+                          tables)
+  return cache, batch.replace(tokens=inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kv_dtype", "page_size"))
 def _cached_logits(params, inputs, *, config, kv_dtype, page_size):
   """inputs [B, T] scored in one step through a fresh paged cache -> logits [B, T, V]."""
-  b, t = inputs.shape
-  state = _paged_state(config, kv_dtype, b, t, page_size)
-  _, logits, _ = verify(params, state, inputs, jnp.full((b,), t, jnp.int32),
-                        jnp.arange(b, dtype=jnp.int32), config=config)
+  cache, batch = _paged_rows(config, kv_dtype, inputs, page_size)
+  _, logits, _ = verify(params, cache, batch, config=config)
   return logits
 
 
@@ -78,11 +82,11 @@ def _kv_section(cfg, model, windows, prompts):
              for x, y in zip(greedy, ref_greedy)]
     first_diff = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
                   for x, y in zip(greedy, ref_greedy)]
-    state = _paged_state(model.config, kv_dtype, 1, 1024, cfg.page_size)
-    leaves = jax.tree_util.tree_leaves(state.cache)
-    residual = sum(x.nbytes for name, x in vars(state.cache).items()
-                   if name.endswith("residual"))
-    capacity = state.cache.num_pages * state.cache.page_size
+    cache, _ = _paged_rows(model.config, kv_dtype, np.zeros((1, 1024), np.int32),
+                           cfg.page_size)
+    leaves = jax.tree_util.tree_leaves(cache)
+    residual = sum(x.nbytes for name, x in vars(cache).items() if name.endswith("residual"))
+    capacity = cache.num_pages * cache.page_size
     per_token = (sum(x.nbytes for x in leaves) - residual) / capacity
     rows[kv_dtype] = dict(
         heldout_bits_per_byte=nats / count / math.log(2),

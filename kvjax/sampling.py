@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 __all__ = ["SamplingParams", "sample", "filtered_logits"]
@@ -38,6 +39,12 @@ class SamplingParams:
                top_k=per_row(0 if top_k is None else top_k, jnp.int32),
                top_p=per_row(1.0 if top_p is None else top_p, jnp.float32),
                seeds=per_row(seeds, jnp.uint32))
+
+  @classmethod
+  def greedy(cls, batch: int) -> "SamplingParams":
+    """Every row greedy (host arrays: usable while tracing too)."""
+    return cls(temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
+               top_p=np.ones(batch, np.float32), seeds=np.zeros(batch, np.uint32))
 
   @property
   def needs_filter(self) -> bool:

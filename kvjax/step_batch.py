@@ -83,7 +83,7 @@ def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=N
   starts = np.asarray(starts, np.int32)
   zeros = np.zeros(b, np.int32)
   slot_ids = np.arange(b, dtype=np.int32) if slot_ids is None else slot_ids
-  sampling = SamplingParams.make(b) if sampling is None else sampling
+  sampling = SamplingParams.greedy(b) if sampling is None else sampling
   return StepBatch(
       tokens=tokens,
       positions=starts[:, None] + np.arange(t, dtype=np.int32)[None],
