@@ -165,18 +165,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--num-turns", type=int, default=10, help="turns per chat")
   p.add_argument("--range-ratio", type=float, default=0.0,
                  help="lengths uniform in [len x (1 - r), len x (1 + r)] (0: fixed)")
-  p.add_argument("--max-num-seqs", type=int, default=8)
-  p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--num-pages", type=int, default=None)
-  p.add_argument("--no-prefix-cache", action="store_true")
-  p.add_argument("--prefix-match", default="block", choices=("block", "token"))
-  p.add_argument("--speculative", default=None, choices=("mtp",))
-  p.add_argument("--num-draft", type=int, default=2)
-  p.add_argument("--num-scheduler-steps", type=int, default=16,
-                 help="most decode steps per device call (multi-step scheduling)")
+  from kvjax.engine_config import add_engine_flags  # lazy: `kvjax --help` imports no jax
+
+  add_engine_flags(p)
   p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--backend", default="reference")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-warmup", action="store_true", help="time compiles too")
   p.add_argument("--out-dir", default="results")
@@ -230,14 +222,10 @@ def _plot(summary: dict, path: str, title: str) -> None:
 
 def _engine(model, args: argparse.Namespace, max_model_len: int):
   from kvjax.engine import Engine
+  from kvjax.engine_config import engine_config_from_flags
 
-  return Engine(model, page_size=args.page_size, num_pages=args.num_pages,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=max_model_len, prefix_cache=not args.no_prefix_cache,
-                prefix_match=args.prefix_match, speculative=args.speculative,
-                num_draft=args.num_draft, backend=args.backend,
-                num_scheduler_steps=args.num_scheduler_steps)
+  return Engine(model, engine_config_from_flags(
+      args, max_model_len=args.max_model_len or max_model_len))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
   summary.pop("outputs")
   title = (f"{args.workload}: {model.config.name}, {args.num_requests} x {args.input_len}"
            f" -> {args.output_len}, spec={args.speculative}, "
-           f"prefix_cache={not args.no_prefix_cache}")
+           f"prefix_cache={args.prefix_cache}")
   print(title)
   print(format_table(summary))
   os.makedirs(args.out_dir, exist_ok=True)

@@ -7,6 +7,7 @@ ValueError naming it before anything is allocated.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any, Optional, Union
 
@@ -16,7 +17,7 @@ from kvjax.caches import check_cache_support
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.scheduler import max_pages_held
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "add_engine_flags", "engine_config_from_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +136,39 @@ class EngineConfig:
                        "resumed page's leading tokens must sit in the slot's full-precision "
                        "residual, not in a copied, already-quantized page; use "
                        "prefix_match='block' or prefix_cache=False")
+
+
+# Command-line form of each field (kvjax bench, kvjax serve): flag -> (type, choices, help).
+_FLAGS = {
+    "page_size": (int, None, "tokens per KV page"),
+    "num_pages": (int, None, "KV pages in the pool (default: sized from max_model_len)"),
+    "max_num_seqs": (int, None, "running requests at most"),
+    "max_num_batched_tokens": (int, None, "token budget per step"),
+    "max_model_len": (int, None, "prompt + new tokens cap (default: the model context)"),
+    "prefix_cache": (bool, None, "share computed blocks across requests"),
+    "prefix_match": (str, ("block", "token"), "prefix hits: whole blocks or tokens"),
+    "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
+    "speculative": (str, ("mtp",), "draft with the model's MTP modules"),
+    "num_draft": (int, None, "draft tokens per verify step"),
+    "backend": (str, None, "attention + verification backend"),
+    "num_scheduler_steps": (int, None, "most decode steps per device call"),
+    "kv_dtype": (str, None, "KV pages: fp32 | bf16 | fp16 (or float32 ...), int8, int4"),
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+  """One --flag per EngineConfig field, defaults from EngineConfig (shown in --help)."""
+  defaults = EngineConfig()
+  for name, (kind, choices, text) in _FLAGS.items():
+    flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+    text = f"{text} (default: {default})"
+    if kind is bool:
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                          help=text)
+    else:
+      parser.add_argument(flag, type=kind, choices=choices, default=default, help=text)
+
+
+def engine_config_from_flags(args: argparse.Namespace, **overrides) -> EngineConfig:
+  """The EngineConfig the flags of add_engine_flags describe (overrides win)."""
+  return EngineConfig(**{**{name: getattr(args, name) for name in _FLAGS}, **overrides})

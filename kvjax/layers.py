@@ -1,7 +1,7 @@
 """Numerics shared by every attention variant: RMSNorm, rotary embeddings, dense.
 
-Kept apart from model.py so attention variants (kvjax/attention/mla.py) can use
-them without importing the decoder that dispatches to them.
+Kept apart from model.py so attention variants (kvjax/attention/, the caches) can
+use them without importing the decoder that dispatches to them.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class AttentionParams:
 
 @struct.dataclass
 class MLAParams:
-  """Multi-head latent attention (DeepSeek-V2/V3; kvjax/attention/mla.py).
+  """Multi-head latent attention (DeepSeek-V2/V3; kvjax/model.py mla_attention).
 
   R = kv_lora_rank, Rq = q_lora_rank, Hn/Hr/Hv = qk_nope/qk_rope/v head dims.
   The queries come from `wq` or, with a q low-rank path, `wq_b(norm(wq_a))`.

@@ -4,7 +4,7 @@ This is kvjax's reference backend (the default on CPU).  The batch layout is
 padded, not ragged: q is [B, T, N, H] and row i of batch row b sits at position
 `kv_lens[b] - T + i` (every row counted, padding rows included), so the block
 table must cover `kv_lens[b]` tokens.  Pallas backends receive the same call
-flattened into the ragged layout (see kvjax/attention/registry.py).
+flattened into the ragged layout (see kvjax/backends.py).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from flax import struct
 
 from kvjax.attention.dense import masked_attention, padded_visibility
 from kvjax.backends import Backend
-from kvjax.caches.paged import NULL_PAGE, physical_pages
+from kvjax.caches.paged import NULL_PAGE, PagedLayout, physical_pages
 from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
 from kvjax.step_batch import StepBatch
 
@@ -34,7 +34,7 @@ __all__ = ["KIVIPagedKVCache"]
 
 
 @struct.dataclass
-class KIVIPagedKVCache:
+class KIVIPagedKVCache(PagedLayout):
   # Per-page arrays (kvjax/caches/paged.py copy_cache_pages); the residual belongs to a slot.
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
   PAGE_AXIS = 2
@@ -58,14 +58,6 @@ class KIVIPagedKVCache:
                v_scales=jnp.ones(pages[:4], jnp.float32),
                k_residual=jnp.zeros(residual, residual_dtype),
                v_residual=jnp.zeros(residual, residual_dtype))
-
-  @property
-  def page_size(self) -> int:
-    return self.k_pages.shape[3]
-
-  @property
-  def num_pages(self) -> int:
-    return self.k_pages.shape[2]
 
   def write(self, layer: int, k: jax.Array, v: jax.Array, batch: StepBatch):
     """Append k, v [B, T, K, H]; quantize every page this step completes.

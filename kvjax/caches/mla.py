@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.backends import Backend
-from kvjax.caches.paged import token_slots
+from kvjax.caches.paged import PagedLayout, token_slots
 from kvjax.config import ModelConfig
 from kvjax.step_batch import StepBatch
 
@@ -24,7 +24,7 @@ __all__ = ["MLAPagedCache"]
 
 
 @struct.dataclass
-class MLAPagedCache:
+class MLAPagedCache(PagedLayout):
   PAGE_ARRAYS = ("pages",)  # see kvjax/caches/paged.py copy_cache_pages
   PAGE_AXIS = 1
   pages: jax.Array  # [L, P, Z, R + Hr]
@@ -37,14 +37,6 @@ class MLAPagedCache:
     layers = cfg.cache_layers(with_mtp)
     return cls(pages=jnp.zeros((layers, num_pages, page_size, width), dtype),
                value_dim=cfg.kv_lora_rank)
-
-  @property
-  def page_size(self) -> int:
-    return self.pages.shape[2]
-
-  @property
-  def num_pages(self) -> int:
-    return self.pages.shape[1]
 
   def write(self, layer: int, entry: jax.Array, batch: StepBatch) -> "MLAPagedCache":
     """Scatter entry [B, T, R + Hr] to its pages; padding columns go to the null page."""

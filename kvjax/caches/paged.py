@@ -24,7 +24,8 @@ from kvjax.pages import NULL_PAGE
 from kvjax.quant.symmetric import quantize
 from kvjax.step_batch import StepBatch
 
-__all__ = ["PagedKVCache", "NULL_PAGE", "physical_pages", "token_slots", "copy_cache_pages"]
+__all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_slots",
+           "copy_cache_pages"]
 
 
 def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
@@ -39,8 +40,24 @@ def token_slots(batch: StepBatch, page_size: int) -> tuple[jax.Array, jax.Array]
   return jnp.where(batch.valid, pages, NULL_PAGE), batch.positions % page_size
 
 
+class PagedLayout:
+  """What every paged cache shares: its per-page arrays `PAGE_ARRAYS`, the first of
+  which holds pages along `PAGE_AXIS` with the page's tokens on the next axis."""
+
+  PAGE_ARRAYS: tuple = ()
+  PAGE_AXIS: int = 0
+
+  @property
+  def num_pages(self) -> int:
+    return getattr(self, self.PAGE_ARRAYS[0]).shape[self.PAGE_AXIS]
+
+  @property
+  def page_size(self) -> int:
+    return getattr(self, self.PAGE_ARRAYS[0]).shape[self.PAGE_AXIS + 1]
+
+
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
   PAGE_AXIS = 2
   k_pages: jax.Array  # [L, K, P, Z, H]
@@ -56,14 +73,6 @@ class PagedKVCache:
     scales = lambda: jnp.ones(shape[:-1], jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
     return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
                k_scales=scales(), v_scales=scales())  # distinct buffers: both are donated
-
-  @property
-  def page_size(self) -> int:
-    return self.k_pages.shape[3]
-
-  @property
-  def num_pages(self) -> int:
-    return self.k_pages.shape[2]
 
   def write(self, layer: int, k: jax.Array, v: jax.Array, batch: StepBatch) -> "PagedKVCache":
     """Scatter k, v [B, T, K, H] to their pages; padding columns go to the null page."""

@@ -122,7 +122,7 @@ def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
 def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
                 interleaved_rope: bool) -> MLAParams:
   """HF MLA tensors -> MLAParams; interleaved rope columns become evens-then-odds
-  (kvjax/attention/mla.py explains why that equals HF's interleaved rope)."""
+  (kvjax/model.py mla_attention explains why that equals HF's interleaved rope)."""
   d, n, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
   hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
   rope_perm = np.concatenate([np.arange(0, hr, 2), np.arange(1, hr, 2)])
