@@ -161,7 +161,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
   defaults = EngineConfig()
   for name, (kind, choices, text) in _FLAGS.items():
     flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
-    text = f"{text} (default: {default})"
+    text = f"{text} (default: %(default)s)"
     if kind is bool:
       parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                           help=text)
