@@ -9,7 +9,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
   4  model                                           the decoder (GQA and MLA blocks)
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
-     prefix_cache, batching                          request vocabulary, host packing
+     prefix_cache, batching, validation              request vocabulary and checks, packing
   7  scheduler, ledger, metrics                      host policy, accounting
   8  engine_config, engine                           the serving engine's request API
   9  api, weights/, tokenizer, corpus, train         public surface, loading, training

@@ -20,6 +20,7 @@ from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params
 from kvjax.sampling import SamplingParams
+from kvjax.validation import sampling_options
 
 __all__ = ["Model", "load_checkpoint", "forward", "generate", "resolve_dtype", "DTYPES"]
 
@@ -125,8 +126,14 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     **engine_options)
     return engine.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed)
+  seeds = [seed] * len(prompts) if not isinstance(seed, Sequence) else list(seed)
+  if len(seeds) != len(prompts):
+    raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+  for s in seeds:  # the Engine's checks: types, ranges, finite values
+    sampling_options(model.config.vocab_size, temperature=temperature, top_k=top_k,
+                     top_p=top_p, seed=s)
   sampling = SamplingParams.make(len(prompts), temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seeds=seed)
+                                 top_p=top_p, seeds=seeds)
   return generation.generate_static(model.params, model.config, prompts, max_new_tokens,
                                     sampling, cache=cache, page_size=page_size,
                                     backend=backend, dtype=model.dtype, kv_dtype=kv_dtype)

@@ -37,9 +37,10 @@ from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
-from kvjax.requests import RequestOutput, SamplingOptions, SchedulerOutput
+from kvjax.requests import RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.serve_steps import EngineState, copy_pages, serve_burst, serve_step
+from kvjax.validation import check_int, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
@@ -117,19 +118,15 @@ class Engine:
     if bad.size:
       raise ValueError(f"request {request_id!r}: token id {int(bad[0])} outside [0, "
                        f"vocab_size={vocab})")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-      raise ValueError(f"request {request_id!r}: max_new_tokens must be a positive int, "
-                       f"got {max_new_tokens!r}")
-    if temperature < 0 or (top_k is not None and top_k < 0) or (
-        top_p is not None and not 0 < top_p <= 1):
-      raise ValueError(f"request {request_id!r}: need temperature >= 0, top_k >= 0, "
-                       f"0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
-    stops = () if stop is None else (stop,) if isinstance(stop, (int, np.integer)) else stop
-    sampling = SamplingOptions(float(temperature), int(top_k or 0),
-                               1.0 if top_p is None else float(top_p),
-                               0 if seed is None else int(seed))
-    self.scheduler.add_request(request_id, ids.tolist(), int(max_new_tokens),
-                               stop_token_ids=[int(s) for s in stops],
+    try:
+      max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+      sampling = sampling_options(vocab, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=seed)
+      stops = stop_ids(stop, vocab)
+    except ValueError as error:
+      raise ValueError(f"request {request_id!r}: {error}") from None
+    self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
+                               stop_token_ids=list(stops),
                                cache_salt=cache_salt, sampling=sampling)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), time.perf_counter())
     return request_id

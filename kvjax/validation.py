@@ -1,0 +1,59 @@
+"""One validation of a request's sampling parameters, shared by kvjax.generate and
+Engine.add_request: exact types (a bool is not an int, an integral float is not an
+int), ranges that fit the device dtypes, finite floats.  Every error is a ValueError
+naming the field and the value, raised before anything touches the scheduler."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+from kvjax.requests import SamplingOptions
+
+__all__ = ["check_int", "sampling_options", "stop_ids", "SEED_RANGE"]
+
+SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
+
+
+def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+  """value as an int in [low, high) (high None: no bound); ValueError naming `name`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+  if value < low or (high is not None and value >= high):
+    if high is None:
+      kind = "a positive int" if low == 1 else f"an int >= {low}"
+      raise ValueError(f"{name} must be {kind}, got {value!r}")
+    raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+  return int(value)
+
+
+def _check_real(name: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value!r}")
+  return float(value)
+
+
+def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None,
+                     seed=None) -> SamplingOptions:
+  """Validated SamplingOptions (top_k None/0: off; top_p None: 1; seed None: 0)."""
+  temperature = _check_real("temperature", temperature)
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+  top_k = 0 if top_k is None else check_int("top_k", top_k, 0, vocab_size + 1)
+  top_p = 1.0 if top_p is None else _check_real("top_p", top_p)
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+  seed = 0 if seed is None else check_int("seed", seed, *SEED_RANGE)
+  return SamplingOptions(temperature, top_k, top_p, seed)
+
+
+def stop_ids(stop: Union[None, int, Sequence[int]], vocab_size: int) -> tuple:
+  """stop: None, one id or a list of ids, each in [0, vocab_size) -> tuple of ints."""
+  if stop is None:
+    return ()
+  if isinstance(stop, (str, bytes)) or not isinstance(stop, (numbers.Integral, Sequence)):
+    raise ValueError(f"stop must be a token id or a list of token ids, got {stop!r}")
+  ids = (stop,) if isinstance(stop, numbers.Integral) else tuple(stop)
+  return tuple(check_int("stop", s, 0, vocab_size) for s in ids)
