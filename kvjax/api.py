@@ -20,7 +20,7 @@ from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params
 from kvjax.sampling import SamplingParams
-from kvjax.validation import sampling_options
+from kvjax.validation import per_prompt_seeds, sampling_options
 
 __all__ = ["Model", "load_checkpoint", "forward", "generate", "resolve_dtype", "DTYPES"]
 
@@ -126,9 +126,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     **engine_options)
     return engine.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed)
-  seeds = [seed] * len(prompts) if not isinstance(seed, Sequence) else list(seed)
-  if len(seeds) != len(prompts):
-    raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+  seeds = per_prompt_seeds(seed, len(prompts))
   for s in seeds:  # the Engine's checks: types, ranges, finite values
     sampling_options(model.config.vocab_size, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=s)

@@ -40,7 +40,7 @@ from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.requests import RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.serve_steps import EngineState, copy_pages, serve_burst, serve_step
-from kvjax.validation import check_int, sampling_options, stop_ids
+from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
@@ -260,9 +260,7 @@ class Engine:
     nothing.  `seed` is one int or one per prompt.
     """
     prompts = validate_prompts(self.model_config, prompts, max_new_tokens)
-    seeds = [seed] * len(prompts) if isinstance(seed, (int, np.integer)) else list(seed)
-    if len(seeds) != len(prompts):
-      raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    seeds = per_prompt_seeds(seed, len(prompts))
     usable = self.scheduler.allocator.num_usable
     for i, prompt in enumerate(prompts):
       total = len(prompt) + max_new_tokens

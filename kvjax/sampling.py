@@ -25,16 +25,10 @@ class SamplingParams:
 
   @classmethod
   def make(cls, batch: int, temperature=0.0, top_k=None, top_p=None, seeds=0):
-    """Broadcast scalars or per-row sequences to [batch] arrays, validating values."""
+    """Broadcast scalars or per-row sequences to [batch] arrays (values already checked
+    by kvjax/validation.py: this builds device arrays, it does not validate)."""
     def per_row(value, dtype):
       return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
-    if jnp.any(jnp.asarray(temperature) < 0):
-      raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and jnp.any(jnp.asarray(top_k) < 0):
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
-    if top_p is not None and (jnp.any(jnp.asarray(top_p) <= 0) or
-                              jnp.any(jnp.asarray(top_p) > 1)):
-      raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     return cls(temperature=per_row(temperature, jnp.float32),
                top_k=per_row(0 if top_k is None else top_k, jnp.int32),
                top_p=per_row(1.0 if top_p is None else top_p, jnp.float32),

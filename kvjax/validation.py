@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from kvjax.requests import SamplingOptions
 
-__all__ = ["check_int", "sampling_options", "stop_ids", "SEED_RANGE"]
+__all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEED_RANGE"]
 
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
 
@@ -57,3 +57,11 @@ def stop_ids(stop: Union[None, int, Sequence[int]], vocab_size: int) -> tuple:
     raise ValueError(f"stop must be a token id or a list of token ids, got {stop!r}")
   ids = (stop,) if isinstance(stop, numbers.Integral) else tuple(stop)
   return tuple(check_int("stop", s, 0, vocab_size) for s in ids)
+
+
+def per_prompt_seeds(seed: Union[int, Sequence[int]], num_prompts: int) -> list:
+  """One seed for every prompt, or one per prompt -> a list of num_prompts seeds."""
+  seeds = [seed] * num_prompts if isinstance(seed, numbers.Integral) else list(seed)
+  if len(seeds) != num_prompts:
+    raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
+  return seeds
