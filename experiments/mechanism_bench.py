@@ -277,8 +277,7 @@ def _step_loop(model, prompt, new_tokens: int, page_size: int):
   start = time.perf_counter()
   for _ in range(new_tokens - 1):
     # The host owns the length; the row's token stays on the device.
-    batch = make_step_batch(np.zeros((1, 1)), [length], [1], tables).replace(
-        tokens=token[:, None])
+    batch = make_step_batch(token[:, None], [length], [1], tables)
     cache, logits, _ = steps.prefill(model.params, cache, batch, config=model.config)
     length += 1
     token = sample(logits, greedy, jnp.asarray([length]), use_filter=False)

@@ -43,9 +43,7 @@ def _paged_rows(config, kv_dtype, inputs, page_size):
   cache = create_paged_cache(config, None if kv_dtype == "fp32" else kv_dtype, rows,
                              1 + rows * pages, page_size, jnp.float32)
   tables = 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
-  batch = make_step_batch(np.zeros((rows, length)), np.zeros(rows), np.full(rows, length),
-                          tables)
-  return cache, batch.replace(tokens=inputs)
+  return cache, make_step_batch(inputs, np.zeros(rows), np.full(rows, length), tables)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kv_dtype", "page_size"))

@@ -172,8 +172,7 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
     first = sample(logits, sampling, jnp.asarray(lens), use_filter=use_filter)
     first.block_until_ready()
     ttft = time.perf_counter() - start
-    batch = make_step_batch(np.zeros((rows, 1)), lens * live, live, tables, slot_ids,
-                            sampling).replace(tokens=first[:, None])
+    batch = make_step_batch(first[:, None], lens * live, live, tables, slot_ids, sampling)
     kv, rest = _decode_loop(params, kv, batch, jnp.int32(max_new_tokens - 1),
                             jnp.int32(eos_id), config=cfg, backend=backend,
                             max_steps=step_bucket, use_filter=use_filter)

@@ -27,7 +27,7 @@ from kvjax.model import lm_logits
 from kvjax.params import Params
 from kvjax.sampling import sample
 from kvjax.step_batch import StepBatch
-from kvjax.steps import cache_attend, model_step
+from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
 
 __all__ = ["EngineState", "serve_step", "serve_burst", "copy_pages"]
@@ -80,8 +80,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     at_last = jnp.arange(t)[None, :] == last[:, None]
     next_tokens = jnp.where(at_last, following[:, None], shifted)  # [B, T]
     cache, drafts, probs = spec.mtp_draft(params, config, cache, batch, hidden, next_tokens,
-                                          last, cache_attend(config, batch, backend),
-                                          num_draft)
+                                          last, backend, num_draft)
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids].set(probs))

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import greedy_verify
 from kvjax.backends import Backend
 from kvjax.config import ModelConfig
-from kvjax.model import Attend, decoder, lm_logits, mtp_block
+from kvjax.model import decoder, lm_logits, mtp_block
 from kvjax.params import Params
 from kvjax.sampling import SamplingParams, filtered_logits
 from kvjax.step_batch import StepBatch
@@ -157,7 +157,7 @@ def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
 
 
 def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidden: jax.Array,
-              next_tokens: jax.Array, last: jax.Array, attend: Attend, num_draft: int):
+              next_tokens: jax.Array, last: jax.Array, backend, num_draft: int):
   """Run the MTP chain over the step's rows and draft from each row's last accepted column.
 
   batch: the step's StepBatch (the trunk's, unchanged); hidden [B, T, D]: trunk
@@ -166,6 +166,7 @@ def mtp_draft(params: Params, config: ModelConfig, cache, batch: StepBatch, hidd
   K/V at every real column -> (cache, drafts [B, J] int32, draft_probs [B, J, V] f32).
   """
   t = next_tokens.shape[1]
+  attend = cache_attend(config, batch, backend)  # the MTP layers read the trunk's batch
   at_last = jnp.arange(t)[None, :] == last[:, None]  # [B, T]
   last_position = jnp.take_along_axis(batch.positions, last[:, None], axis=1)[:, 0]
   drafts, probs = [], []

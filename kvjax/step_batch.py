@@ -74,11 +74,13 @@ def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=N
                     next_tokens=None) -> StepBatch:
   """Host arrays of padded rows -> StepBatch (positions, kv_lens, cu_q_lens derived once).
 
-  tokens [B, T], starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
+  tokens [B, T] (host or device), starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
   default to 0..B-1, sampling to greedy, num_draft to 0 and next_tokens to -1
   (every row samples).
   """
-  tokens = np.asarray(tokens, np.int32)
+  # Ids already on the device (a sampled token) stay there: no host round trip.
+  tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(
+      tokens, np.int32)
   b, t = tokens.shape
   starts = np.asarray(starts, np.int32)
   zeros = np.zeros(b, np.int32)
