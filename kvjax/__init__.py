@@ -12,8 +12,11 @@ Layers (imports only go down; tests/test_layering.py checks it):
      prefix_cache, batching, validation              request vocabulary and checks, packing
   7  scheduler, ledger, metrics                      host policy, accounting
   8  engine_config, engine                           the serving engine's request API
-  9  api, weights/, tokenizer, corpus, train         public surface, loading, training
-  10 cli, cli_bench, cli_memory, __main__            command lines
+  9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
+     chat_template, corpus, train                   training
+  10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
+  11 cli, cli_bench, cli_memory, cli_serve,          command lines
+     cli_diagnose, __main__
 Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint
