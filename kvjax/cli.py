@@ -13,6 +13,7 @@ import time
 from typing import Optional, Sequence
 
 from kvjax import cli_bench, cli_memory
+from kvjax import cli_diagnose
 
 __all__ = ["main"]
 
@@ -97,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   _add_generate(subparsers)
   cli_memory.add_parser(subparsers)
   cli_bench.add_parser(subparsers)
+  cli_diagnose.add_parser(subparsers)
   args = parser.parse_args(argv)
   try:
     return args.func(args)
