@@ -220,13 +220,15 @@ def signals_from_bench(bench: Mapping, max_num_seqs: Optional[float] = None) -> 
   """Signals of a kvjax.bench_client result: exact client-side lengths and latencies.
 
   The server-side numbers (KV utilization, running, queue) come from the
-  /metrics scrapes the client stored, when it could take them.
+  /metrics scrapes the client stored, when it could take them: full texts at
+  the window's ends, gauge dicts ({"t": seconds, name: value}) in between.
   """
   done = [r for r in bench["requests"] if r["success"]]
   prompts = [r["prompt_tokens"] for r in done]
   server = bench.get("server_metrics")
   if server:
-    samples = [parse_metrics(text) for text in server["samples"]]
+    samples = [Snapshot({}, {k: v for k, v in sample.items() if k != "t"}, {})
+               for sample in server["samples"]]
     signals = signals_from_window(parse_metrics(server["first"]), parse_metrics(server["last"]),
                                   samples, max_num_seqs)
   else:

@@ -173,7 +173,8 @@ def test_bench_json_exact_numbers_and_cli(tmp_path, capsys):
                        + [{"success": False, "prompt_tokens": 5, "ttft_s": None,
                            "tpot_s": None}],
            "server_metrics": {"first": first, "last": server.text(),
-                              "samples": [server.text()]}}
+                              "samples": [{"t": 0.5, **diagnose.parse_metrics(
+                                  server.text()).gauges}]}}
   signals = diagnose.signals_from_bench(bench)
   # numpy's default (linear) percentile of 100..2000 step 100: rank 0.95 * 19 = 18.05.
   assert signals.input_tokens_p95 == pytest.approx(1900 + 0.05 * 100)

@@ -1,0 +1,86 @@
+"""The HTTP bench client (kvjax/bench_client.py): arrivals, goodput, and agreement with the server.
+
+Arrival gaps are checked against the gamma law (mean 1/rate, CV 1/sqrt(shape))
+with few-sigma bounds and scipy's KS test; the end-to-end test runs the real
+server on 127.0.0.1 (ephemeral port) and checks the client's counts against
+/metrics exactly (and against the requests' own max_tokens, EOS off) and its
+mean TTFT / E2E against the server's histograms.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from kvjax import bench_client
+
+N_GAPS = 20_000
+
+
+@pytest.mark.parametrize("rate, burstiness", [(4.0, 1.0), (10.0, 0.25), (2.0, 4.0)])
+def test_arrival_gaps_follow_gamma(rate, burstiness):
+  gaps = bench_client.arrival_gaps(N_GAPS, rate, burstiness, np.random.default_rng(1))
+  shape, scale = burstiness, 1.0 / (rate * burstiness)
+  mean, var = shape * scale, shape * scale**2
+  # Standard errors of the sample mean and sample variance of a gamma(k, theta):
+  # var(mean) = k theta^2 / N; var(s^2) ~ (mu4 - sigma^4) / N with mu4 = 3k(k + 2) theta^4.
+  assert abs(gaps.mean() - 1.0 / rate) < 5 * math.sqrt(var / N_GAPS)
+  se_var = scale**2 * math.sqrt((2 * shape**2 + 6 * shape) / N_GAPS)
+  assert abs(gaps.var() - var) < 5 * se_var
+  cv = gaps.std() / gaps.mean()
+  assert abs(cv - 1 / math.sqrt(burstiness)) < 0.1 / math.sqrt(burstiness)
+  assert stats.kstest(gaps, stats.gamma(a=shape, scale=scale).cdf).pvalue > 1e-4
+
+
+def test_poisson_counts_per_window():
+  # burstiness 1 is a Poisson process: arrivals per unit window ~ Poisson(rate).
+  rate = 6.0
+  times = np.cumsum(bench_client.arrival_gaps(N_GAPS, rate, 1.0, np.random.default_rng(2)))
+  counts = np.bincount(times[times < math.floor(times[-1])].astype(int))
+  assert abs(counts.mean() - rate) < 5 * math.sqrt(rate / len(counts))
+  assert abs(counts.var() / counts.mean() - 1.0) < 0.15  # Poisson: dispersion 1
+
+
+def test_infinite_rate_sends_everything_at_once():
+  assert not bench_client.arrival_gaps(7, math.inf, 3.0).any()
+
+
+@pytest.mark.parametrize("rate, burstiness, match", [(0.0, 1.0, "request_rate.*0.0"),
+                                                     (-2.0, 1.0, "request_rate.*-2.0"),
+                                                     (1.0, 0.0, "burstiness.*0.0"),
+                                                     (1.0, math.inf, "burstiness.*inf")])
+def test_arrival_gaps_reject_bad_values(rate, burstiness, match):
+  with pytest.raises(ValueError, match=match):
+    bench_client.arrival_gaps(3, rate, burstiness)
+
+
+def test_parse_goodput():
+  assert bench_client.parse_goodput(["ttft:200", "tpot:20", "e2el:1500"]) == {
+      "ttft": 0.2, "tpot": 0.02, "e2el": 1.5}
+  for bad, match in (("ttft", "KEY:MS"), ("itl:5", "itl:5"), ("ttft:abc", "'abc'"),
+                     ("tpot:-1", "> 0")):
+    with pytest.raises(ValueError, match=match):
+      bench_client.parse_goodput([bad])
+
+
+def _record(ttft, tpot, e2e, output_tokens=4, prompt_tokens=10, success=True):
+  return bench_client.RequestRecord(0, 0, 0.0, prompt_tokens, success=success,
+                                    output_tokens=output_tokens, ttft_s=ttft, tpot_s=tpot,
+                                    e2e_s=e2e, itls_s=[tpot] * (output_tokens - 1))
+
+
+def test_summarize_counts_and_goodput_by_hand():
+  records = [_record(0.1, 0.01, 0.13), _record(0.3, 0.01, 0.33),  # TTFT misses 0.2
+             _record(0.1, 0.05, 0.25), _record(0.15, 0.02, 0.21),  # TPOT misses 0.03
+             _record(None, None, None, 0, success=False)]
+  summary = bench_client.summarize(records, 2.0, {"ttft": 0.2, "tpot": 0.03})
+  assert summary["completed"] == 4 and summary["failed"] == 1
+  assert summary["goodput"] == pytest.approx(2 / 2.0)
+  assert summary["request_throughput"] == pytest.approx(4 / 2.0)
+  assert summary["output_throughput"] == pytest.approx(16 / 2.0)
+  assert summary["total_token_throughput"] == pytest.approx(56 / 2.0)
+  assert summary["ttft"]["mean"] == pytest.approx((0.1 + 0.3 + 0.1 + 0.15) / 4)
+  assert summary["e2el"]["median"] == pytest.approx((0.21 + 0.25) / 2)
+  assert bench_client.summarize(records, 2.0, {})["goodput"] is None
