@@ -47,31 +47,45 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
-                    seed: int = 0) -> Model:
+                    seed: int = 0, check_finite: bool = True,
+                    available_bytes: Optional[int] = None) -> Model:
   """Load the built-in default model (no argument), a preset (random init from
-  `seed`), an HF checkpoint directory or a kvjax-native checkpoint directory."""
+  `seed`), an HF checkpoint directory or a kvjax-native checkpoint directory.
+
+  Before allocating, the config's weights at `dtype` plus a minimal KV cache
+  must fit the device's free memory (`available_bytes` overrides the measured
+  figure; kvjax/weights/load_checks.py).  `check_finite` then refuses weights
+  with a NaN or inf, naming the first such tensor.
+  """
+  from kvjax.weights import hf, load_checks
+  from kvjax.weights.checkpoint import DEFAULT_MODEL_DIR, read_config, restore
+
   dtype = resolve_dtype(dtype)
   if path_or_preset in PRESETS:
     cfg = get_preset(path_or_preset)
-    return Model(cfg, init_params(cfg, jax.random.PRNGKey(seed), dtype), dtype)
-  from kvjax.weights import hf
-
+    load_checks.check_fits(cfg, dtype, available_bytes)
+    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
+    if check_finite:
+      load_checks.check_finite_tree(params, f"preset {path_or_preset}")
+    return Model(cfg, params, dtype)
   if path_or_preset is None:
-    from kvjax.weights.checkpoint import DEFAULT_MODEL_DIR
     path_or_preset = DEFAULT_MODEL_DIR
     if not os.path.isdir(path_or_preset):
       raise FileNotFoundError(
           f"the built-in default model is missing at {path_or_preset}; train it with "
           "experiments/train.py or pass a preset name such as 'tiny'")
-  if os.path.isdir(path_or_preset):
-    if hf.is_hf_checkpoint(path_or_preset):
-      cfg, params = hf.load_hf(path_or_preset, dtype)
-    else:
-      from kvjax.weights.checkpoint import restore
-      cfg, params = restore(path_or_preset, dtype)
-    return Model(cfg, params, dtype)
-  raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
-                   "checkpoint directory")
+  if not os.path.isdir(path_or_preset):
+    raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
+                     "checkpoint directory")
+  if hf.is_hf_checkpoint(path_or_preset):
+    load_checks.check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes)
+    cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite)
+  else:
+    load_checks.check_fits(read_config(path_or_preset), dtype, available_bytes)
+    cfg, params = restore(path_or_preset, dtype)
+    if check_finite:
+      load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
+  return Model(cfg, params, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

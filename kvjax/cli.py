@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from typing import Optional, Sequence
@@ -18,6 +19,17 @@ from kvjax import cli_diagnose
 __all__ = ["main"]
 
 
+def _prompt_ids(text: str) -> list[int]:
+  """'1,2,3' -> [1, 2, 3]: every comma-separated field one non-negative integer."""
+  fields = text.split(",")
+  for i, field in enumerate(fields):
+    if not re.fullmatch(r"\s*[0-9]+\s*", field):
+      raise argparse.ArgumentTypeError(
+          f"{text!r}: field {i + 1} ({field!r}) is not a token id (a non-negative integer); "
+          "write comma-separated ids, e.g. --prompt-ids 1,2,3")
+  return [int(field) for field in fields]
+
+
 def _add_generate(subparsers) -> None:
   p = subparsers.add_parser("generate", help="generate a continuation of one prompt")
   p.add_argument("--checkpoint", default=None,
@@ -25,7 +37,8 @@ def _add_generate(subparsers) -> None:
                       "(default: the built-in byte-level code model)")
   source = p.add_mutually_exclusive_group()
   source.add_argument("--prompt", default=None, help="prompt text (byte-level models)")
-  source.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
+  source.add_argument("--prompt-ids", type=_prompt_ids, default=None,
+                      help="comma-separated token ids, e.g. 1,2,3")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-k", type=int, default=None)
@@ -53,10 +66,12 @@ def _run_generate(args: argparse.Namespace) -> int:
   tokenizer = ByteTokenizer()
   byte_level = model.config.vocab_size == tokenizer.vocab_size
   if args.prompt_ids is not None:
-    try:
-      prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    except ValueError:
-      raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+    prompt = args.prompt_ids
+    outside = [t for t in prompt if t >= model.config.vocab_size]
+    if outside:
+      raise ValueError(f"--prompt-ids: token id {outside[0]} is outside the vocabulary of "
+                       f"{model.config.name} (vocab_size {model.config.vocab_size}: ids 0 to "
+                       f"{model.config.vocab_size - 1})")
   else:
     text = "def fibonacci(n):" if args.prompt is None else args.prompt
     prompt = tokenizer.encode(text)

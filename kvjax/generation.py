@@ -51,6 +51,11 @@ def validate_prompts(cfg: ModelConfig, prompts, max_new_tokens) -> list[list[int
     raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
   if len(prompts) == 0:
     raise ValueError("prompts is empty: give at least one prompt")
+  if all(isinstance(t, (int, np.integer)) for t in prompts):  # one prompt, not a batch
+    shown = [int(t) for t in prompts[:8]]
+    raise ValueError(f"prompts must be a list of prompts (lists of token ids), got a flat list "
+                     f"of {len(prompts)} ints {shown}{' ...' if len(prompts) > 8 else ''}; "
+                     "for one prompt write [ids]")
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
   normalized = []

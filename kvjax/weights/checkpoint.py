@@ -24,8 +24,9 @@ import orbax.checkpoint as ocp
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import Params, init_params
 
-__all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "restore",
-           "read_metadata", "train_state_manager", "save_train_state", "restore_train_state"]
+__all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "read_config",
+           "restore", "read_metadata", "train_state_manager", "save_train_state",
+           "restore_train_state"]
 
 # The built-in byte-level code model shipped with the package (see its MODEL_CARD.md).
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -76,14 +77,19 @@ def read_metadata(path: str) -> dict:
     return json.load(f)
 
 
+def read_config(path: str) -> ModelConfig:
+  """The ModelConfig of the kvjax checkpoint at `path`, reading no tensor."""
+  config_path = os.path.join(os.path.abspath(path), "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{os.path.abspath(path)} is not a kvjax checkpoint: no config.json")
+  with open(config_path) as f:
+    return config_from_dict(json.load(f))
+
+
 def restore(path: str = DEFAULT_MODEL_DIR, dtype=None) -> tuple[ModelConfig, Params]:
   """-> (config, params); params cast to `dtype` (default: as stored)."""
   path = os.path.abspath(path)
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{path} is not a kvjax checkpoint: no config.json")
-  with open(config_path) as f:
-    cfg = config_from_dict(json.load(f))
+  cfg = read_config(path)
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(os.path.join(path, "params"))
     stored_dtype = jax.tree_util.tree_leaves(stored.item_metadata.tree)[0].dtype

@@ -17,8 +17,10 @@ import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
+from kvjax.weights.load_checks import nonfinite_count, raise_first_nonfinite
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "config_from_hf", "load_hf"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "read_hf_config", "config_from_hf",
+           "load_hf"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3")
@@ -31,6 +33,13 @@ def is_hf_checkpoint(path: str) -> bool:
     return False
   with open(config) as f:
     return "model_type" in json.load(f)
+
+
+def read_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
+  """-> (config.json as a dict, its ModelConfig), reading no tensor."""
+  with open(os.path.join(path, "config.json")) as f:
+    hf_config = json.load(f)
+  return hf_config, config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -174,18 +183,26 @@ def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
   return read
 
 
-def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
-  with open(os.path.join(path, "config.json")) as f:
-    hf_config = json.load(f)
-  cfg = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
+def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True
+            ) -> tuple[ModelConfig, Params]:
+  """-> (config, params at `dtype`); `check_finite` raises naming the first HF
+  tensor with a NaN or inf (counted on device as each tensor loads)."""
+  hf_config, cfg = read_hf_config(path)
   # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
   interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
       hf_config.get("rope_interleave", True))
   read = _tensor_reader(path)
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
+  names, nonfinite, sizes = [], [], []  # per tensor, in load order
+
   def get(name):
-    return jnp.asarray(read(name), dtype)
+    tensor = jnp.asarray(read(name), dtype)
+    if check_finite:
+      names.append(name)
+      nonfinite.append(nonfinite_count(tensor))
+      sizes.append(tensor.size)
+    return tensor
 
   def proj(name, heads):  # torch [heads*H, D] -> [D, heads, H]
     return get(name).T.reshape(d, heads, h)
@@ -215,4 +232,6 @@ def load_hf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
       embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
       final_norm=get("model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
+  if check_finite:
+    raise_first_nonfinite(names, nonfinite, sizes, f"HF checkpoint {path}")
   return cfg, params
