@@ -1,4 +1,4 @@
-"""`python -m kvjax bench`: serving workloads through the Engine (claims C8, C14, C15, C18).
+"""`python -m kvjax bench`: serving workloads through the Engine or a server (C8, C14, C15, C18).
 
 Workloads (every request arrives at once; a chat's next turn arrives when its
 previous turn finishes):
@@ -13,12 +13,20 @@ Prompt ids are slices of the held-out stdlib code for byte-level models (the
 default model) and random ids otherwise.  A warm-up pass of the same workload
 on a throwaway engine compiles every shape first, so timings exclude compiles.
 Writes results/bench_<workload>.json and .png and prints a table.
+
+With --url the same workloads go over HTTP to a running server
+(kvjax/bench_client.py: --request-rate Poisson arrivals, --burstiness gamma,
+--max-concurrency, --goodput ttft:MS tpot:MS e2el:MS), timed by the client;
+--checkpoint then only names the tokenizer (vocabulary, answers back to ids
+for multi-turn chats).  Writes results/bench_http_<workload>.json (read by
+`python -m kvjax diagnose --bench-json`) and .png.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Sequence
@@ -158,7 +166,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--workload", default="random", choices=WORKLOADS)
   p.add_argument("--checkpoint", default=None,
                  help="preset, HF or kvjax checkpoint dir (default: the built-in model)")
-  p.add_argument("--num-requests", type=int, default=16, help="requests (chats) to serve")
+  p.add_argument("--num-requests", "--num-prompts", type=int, default=16,
+                 help="requests (chats) to serve")
   p.add_argument("--input-len", type=int, default=128, help="prompt (user message) ids")
   p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
   p.add_argument("--system-len", type=int, default=256, help="shared system prompt ids")
@@ -172,6 +181,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-warmup", action="store_true", help="time compiles too")
   p.add_argument("--out-dir", default="results")
+  http = p.add_argument_group("HTTP mode (bench a running server)")
+  http.add_argument("--url", default=None, help="server URL (root or its /v1 base)")
+  http.add_argument("--request-rate", type=float, default=math.inf,
+                    help="sessions per second (inf: all at once)")
+  http.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the arrival gaps (1: Poisson)")
+  http.add_argument("--max-concurrency", type=int, default=None,
+                    help="requests in flight at most (default: unlimited)")
+  http.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                    help="targets a good request meets: ttft:MS tpot:MS e2el:MS")
+  http.add_argument("--model", default=None, help="served model name (default: the first one "
+                                                   "GET /v1/models lists)")
+  http.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
   p.set_defaults(func=run)
   return p
 
@@ -228,6 +250,29 @@ def _engine(model, args: argparse.Namespace, max_model_len: int):
       args, max_model_len=args.max_model_len or max_model_len))
 
 
+def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) -> int:
+  from kvjax import bench_client
+
+  goodput = bench_client.parse_goodput(args.goodput)
+  result = bench_client.run_benchmark(
+      args.url, sessions, request_rate=args.request_rate, burstiness=args.burstiness,
+      max_concurrency=args.max_concurrency, goodput=goodput, encode=tokenizer.encode,
+      model=args.model, temperature=args.temperature, seed=args.seed,
+      timeout_s=args.request_timeout)
+  title = (f"{args.workload} over HTTP: {args.num_requests} x {args.input_len} -> "
+           f"{args.output_len}, rate {args.request_rate}, burstiness {args.burstiness}, "
+           f"max concurrency {args.max_concurrency}")
+  print(title)
+  print(bench_client.format_table(result["summary"]))
+  os.makedirs(args.out_dir, exist_ok=True)
+  stem = os.path.join(args.out_dir, f"bench_http_{args.workload}")
+  with open(stem + ".json", "w") as f:
+    json.dump({"args": vars(args) | {"func": None}, **result}, f, indent=1)
+  bench_client.plot(result, stem + ".png", title)
+  print(f"wrote {stem}.json and {stem}.png")
+  return 0
+
+
 def run(args: argparse.Namespace) -> int:
   import kvjax
 
@@ -237,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
                            output_len=args.output_len, system_len=args.system_len,
                            num_turns=args.num_turns, range_ratio=args.range_ratio,
                            seed=args.seed)
+  if args.url is not None:
+    return _run_http(args, sessions, model.tokenizer)
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings
