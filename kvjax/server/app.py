@@ -1,0 +1,148 @@
+"""The HTTP routes of `kvjax serve` (FastAPI): OpenAI completions and chat, models,
+health and Prometheus metrics.
+
+A generation handler parses and checks its body (kvjax/server/protocol.py),
+submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
+events on an asyncio queue that the engine thread fills through
+`call_soon_threadsafe`.  A stream whose client goes away, and a handler that
+fails, cancel their submission, which aborts the requests and frees their pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvjax.server.engine_loop import EngineLoop, Failed, Submission
+from kvjax.server.prom import ServerMetrics
+from kvjax.server.protocol import (Limits, OpenAIError, parse_chat, parse_completion,
+                                   parse_json)
+from kvjax.server.responses import Responses, sse
+
+__all__ = ["ServerState", "create_app"]
+
+
+@dataclasses.dataclass
+class ServerState:
+  """What the routes share: the engine thread, the request limits, the metrics."""
+
+  loop: EngineLoop
+  limits: Limits
+  tokenizer: Any  # None: token ids only
+  metrics: ServerMetrics
+  created: int  # the served model's "created" timestamp
+  ready: bool = False  # set once the server listens
+
+
+def create_app(state: ServerState) -> FastAPI:
+  app = FastAPI(title="kvjax", docs_url=None, redoc_url=None, openapi_url=None)
+
+  @app.exception_handler(OpenAIError)
+  async def openai_error(_: Request, error: OpenAIError):
+    return JSONResponse(error.body(), status_code=error.status)
+
+  @app.get("/health")
+  async def health():
+    return Response(status_code=200 if state.ready and state.loop.alive else 503)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{
+        "id": state.limits.model_name, "object": "model", "created": state.created,
+        "owned_by": "kvjax", "max_model_len": state.limits.max_model_len}]}
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(state.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    return await _generate(state, request, parse_completion)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    return await _generate(state, request, parse_chat)
+
+  return app
+
+
+async def _generate(state: ServerState, http_request: Request, parse):
+  request = parse(parse_json(await http_request.body()), state.limits, state.tokenizer)
+  events: asyncio.Queue = asyncio.Queue()
+  loop = asyncio.get_running_loop()
+
+  def deliver(event) -> None:  # called by the engine thread
+    try:
+      loop.call_soon_threadsafe(events.put_nowait, event)
+    except RuntimeError:  # the event loop has closed: the server stopped, nobody listens
+      pass
+
+  submission = Submission(request, deliver)
+  if not state.loop.submit(submission):
+    raise OpenAIError(f"the server is at capacity ({state.loop.max_waiting} requests "
+                      "waiting); retry later", status=503, kind="server_overloaded",
+                      code="queue_full")
+  try:
+    first = await events.get()
+  except BaseException:
+    state.loop.cancel(submission)
+    raise
+  if isinstance(first, Failed):
+    raise first.error
+  responses = Responses(request, state.limits.model_name, state.tokenizer is None)
+  if request.stream:
+    return StreamingResponse(_stream(state.loop, submission, events, responses),
+                             media_type="text/event-stream")
+  return await _collect(state.loop, submission, events, responses)
+
+
+async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,
+                   responses: Responses):
+  """Await every choice's end -> the whole response."""
+  k = submission.request.num_choices
+  texts, ids, reasons, counts = [""] * k, [[] for _ in range(k)], [None] * k, [0] * k
+  done = 0
+  try:
+    while done < k:
+      event = await events.get()
+      if isinstance(event, Failed):
+        raise event.error
+      texts[event.index] += event.text
+      ids[event.index] += event.token_ids
+      counts[event.index] = event.num_tokens
+      if event.finish_reason is not None:
+        reasons[event.index] = event.finish_reason
+        done += 1
+  finally:
+    if done < k:
+      engine_loop.cancel(submission)
+  return responses.response(texts, ids, reasons, counts)
+
+
+async def _stream(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,
+                  responses: Responses):
+  """SSE chunks as the choices' text arrives, then usage (if asked) and [DONE]."""
+  request = submission.request
+  counts, done = [0] * request.num_choices, 0
+  try:
+    if request.chat:
+      for index in range(request.num_choices):
+        yield sse(responses.role_chunk(index))
+    while done < request.num_choices:
+      event = await events.get()
+      if isinstance(event, Failed):
+        yield sse(event.error.body())
+        return
+      counts[event.index] = event.num_tokens
+      done += event.finish_reason is not None
+      yield sse(responses.chunk(event.index, event.text, event.token_ids, event.finish_reason))
+    if request.include_usage:
+      yield sse(responses.usage_chunk(counts))
+    yield sse("[DONE]")
+  finally:  # also when the client disconnects: the stream is cancelled mid-await
+    if done < request.num_choices:
+      engine_loop.cancel(submission)

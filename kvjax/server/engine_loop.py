@@ -1,0 +1,255 @@
+"""The one thread that owns the Engine: admits submitted requests, steps, hands out text.
+
+HTTP handlers never touch the Engine.  They `submit` a GenerationRequest with
+a thread-safe `deliver` callback and receive, in order:
+  Accepted            every choice is queued in the engine, or
+  Failed(error)       nothing is (or no more is) coming: a bad request the Engine refused
+                      (400), an engine failure or a shutdown;
+  Delta(...)          one choice's new text; its last carries the finish reason.
+`cancel(submission)` (a client that went away) aborts its unfinished choices,
+which frees their pages.  Detokenization and stop strings run here
+(kvjax/server/text.py), so a stop string aborts its request in the engine
+before the next step.
+
+Admission is bounded: requests submitted but not yet running (queued for this
+thread plus the scheduler's waiting queue) stay <= max_waiting, and `submit`
+returns False at once when the bound is reached, so a full server answers 503
+instead of queueing without end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+from kvjax.requests import RequestStatus
+from kvjax.server.prom import ServerMetrics
+from kvjax.server.protocol import GenerationRequest, OpenAIError, engine_error_param
+from kvjax.server.text import TextStream
+
+__all__ = ["EngineLoop", "Submission", "Accepted", "Failed", "Delta"]
+
+_IDLE_WAIT_S = 0.05  # how long the idle loop sleeps on its inbox before refreshing gauges
+
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  error: OpenAIError
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  index: int  # choice index: prompt * n + j
+  text: str
+  token_ids: list  # the new completion ids this text came from
+  num_tokens: int  # completion tokens of the choice so far
+  finish_reason: Optional[str]  # None until the choice's last delta
+
+
+class Submission:
+  """One HTTP request's choices; `deliver` must be safe to call from any thread."""
+
+  def __init__(self, request: GenerationRequest, deliver: Callable[[object], None]):
+    self.request = request
+    self.deliver = deliver
+    self.request_ids: list[str] = []  # the Engine's ids, set by the engine thread
+
+
+@dataclasses.dataclass(eq=False)
+class _Choice:
+  submission: Submission
+  index: int
+  text: TextStream
+  arrival_s: float
+  queue_s: Optional[float] = None  # arrival to first scheduled
+  started: bool = False  # its prompt tokens are counted
+  ended_by: Optional[str] = None  # "stop" (a stop string) or "abort" (cancel): aborted here
+
+
+class EngineLoop:
+  """Runs `engine` in a daemon thread between `start()` and `stop()`."""
+
+  def __init__(self, engine, tokenizer, metrics: ServerMetrics, max_waiting: int):
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self.metrics = metrics
+    self.max_waiting = max_waiting
+    self.error: Optional[BaseException] = None  # what stopped the loop, if it failed
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._lock = threading.Lock()  # guards the admission counts
+    self._queued = 0  # choices submitted, not yet added to the engine
+    self._engine_waiting = 0  # the scheduler's waiting queue after the last step
+    self._choices: dict[str, _Choice] = {}  # by engine request id
+    self._unscheduled: set[str] = set()
+    self._stopping = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="kvjax-engine-loop", daemon=True)
+    eos = engine.model_config.eos_token_id
+    self._eos_ids = set(getattr(tokenizer, "eos_ids", ())) | ({eos} if eos is not None else set())
+
+  # -- any thread ---------------------------------------------------------------
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self, timeout_s: float = 30.0) -> None:
+    """Stop stepping; unfinished requests get Failed (503)."""
+    self._stopping.set()
+    self._inbox.put(None)
+    self._thread.join(timeout_s)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and not self._stopping.is_set()
+
+  def submit(self, submission: Submission) -> bool:
+    """Queue a submission -> False (nothing queued) when the waiting bound is reached."""
+    with self._lock:
+      if not self.alive or self._queued + self._engine_waiting >= self.max_waiting:
+        return False
+      self._queued += submission.request.num_choices
+    self._inbox.put(("submit", submission))
+    return True
+
+  def cancel(self, submission: Submission) -> None:
+    """Abort a submission's unfinished choices (its client is gone)."""
+    self._inbox.put(("cancel", submission))
+
+  # -- the engine thread ----------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      while not self._stopping.is_set():
+        self._drain(block=not self.engine.has_unfinished)
+        if self.engine.has_unfinished:
+          start = time.perf_counter()
+          outputs = self.engine.step()
+          self._note_scheduled(start)
+          self._dispatch(outputs)
+        self._publish()
+      reason = OpenAIError("the server is shutting down", status=503, kind="server_error")
+    except Exception as error:  # a bug: fail every request instead of hanging them
+      self.error = error
+      reason = OpenAIError(f"the engine failed: {error!r}", status=500, kind="server_error")
+    self._stopping.set()
+    self._fail_all(reason)
+
+  def _drain(self, block: bool) -> None:
+    try:
+      command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+      while True:
+        if command is not None:
+          kind, submission = command
+          (self._admit if kind == "submit" else self._cancel)(submission)
+        command = self._inbox.get_nowait()
+    except queue.Empty:
+      pass
+
+  def _admit(self, submission: Submission) -> None:
+    request = submission.request
+    with self._lock:
+      self._queued -= request.num_choices
+    ids = []
+    try:
+      for i in range(request.num_choices):
+        prompt = i // request.n
+        ids.append(self.engine.add_request(
+            request.prompts[prompt], request.max_tokens[prompt],
+            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None))
+    except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
+      for request_id in ids:
+        self.engine.abort(request_id)
+      submission.deliver(Failed(OpenAIError(str(error), engine_error_param(str(error)))))
+      return
+    submission.request_ids = ids
+    stop_ids = self._eos_ids | set(request.stop_ids)
+    for i, request_id in enumerate(ids):
+      detokenizer = self.tokenizer.detokenizer() if self.tokenizer else _NoText()
+      self._choices[request_id] = _Choice(
+          submission, i, TextStream(detokenizer, request.stop_strings, stop_ids),
+          self.engine.metrics[request_id].arrival_s)
+    self._unscheduled.update(ids)
+    submission.deliver(Accepted())
+
+  def _cancel(self, submission: Submission) -> None:
+    for request_id in submission.request_ids:
+      choice = self._choices.get(request_id)
+      if choice and choice.ended_by is None and choice.text.finish_reason is None:
+        choice.ended_by = "abort"
+        self.engine.abort(request_id)
+
+  def _note_scheduled(self, step_start: float) -> None:
+    """Queue time of the requests this step scheduled for the first time."""
+    requests = self.engine.scheduler.requests
+    for request_id in list(self._unscheduled):
+      req = requests.get(request_id)
+      if req is None or req.status is not RequestStatus.WAITING:
+        self._unscheduled.discard(request_id)
+        choice = self._choices.get(request_id)
+        if choice is not None and (req is not None or choice.ended_by is None):
+          choice.queue_s = step_start - choice.arrival_s
+
+  def _dispatch(self, outputs) -> None:
+    for out in outputs:
+      choice = self._choices.get(out.request_id)
+      if choice is None:
+        continue  # aborted by a rejected submission
+      if choice.ended_by is None and choice.text.finish_reason is None:
+        if not choice.started and out.new_token_ids:
+          choice.started = True
+          self.metrics.prompt_tokens.inc(len(choice.submission.request.prompts[
+              choice.index // choice.submission.request.n]))
+        before = choice.text.num_tokens
+        text, reason = choice.text.push(out.new_token_ids,
+                                        out.finish_reason if out.finished else None)
+        kept = out.new_token_ids[:choice.text.num_tokens - before]
+        self.metrics.generation_tokens.inc(len(kept))
+        if reason == "stop" and not out.finished:  # a stop string: no need to go on
+          choice.ended_by = "stop"
+          self.engine.abort(out.request_id)
+        if text or kept or reason:
+          choice.submission.deliver(Delta(choice.index, text, kept, choice.text.num_tokens,
+                                          reason))
+      if out.finished:
+        del self._choices[out.request_id]
+        self._unscheduled.discard(out.request_id)
+        self.metrics.record_finished(out.metrics, choice.ended_by or out.finish_reason,
+                                     choice.text.num_tokens, choice.queue_s)
+
+  def _publish(self) -> None:
+    scheduler = self.engine.scheduler
+    with self._lock:
+      self._engine_waiting = len(scheduler.waiting)
+      waiting = self._queued + self._engine_waiting
+    self.metrics.observe_engine(scheduler, waiting=waiting)
+
+  def _fail_all(self, error: OpenAIError) -> None:
+    """Failed to every submission still owed an answer, queued ones included."""
+    owed = {id(c.submission): c.submission for c in self._choices.values()
+            if c.ended_by is None and c.text.finish_reason is None}
+    try:
+      while True:
+        command = self._inbox.get_nowait()
+        if command is not None and command[0] == "submit":
+          owed[id(command[1])] = command[1]
+    except queue.Empty:
+      pass
+    for submission in owed.values():
+      submission.deliver(Failed(error))
+
+
+class _NoText:
+  """The detokenizer of a model without a tokenizer: ids only, no text."""
+
+  def push(self, ids) -> str:
+    return ""
+
+  def flush(self) -> str:
+    return ""

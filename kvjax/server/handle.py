@@ -1,0 +1,100 @@
+"""`serve_in_thread`: a live server (engine thread + uvicorn thread) and its handle.
+
+Builds the Engine, warms it up (one short request compiles the step programs,
+so the first client does not pay XLA compilation), starts the engine thread
+and uvicorn, and returns once the socket listens.  Port 0 picks a free port;
+`handle.port` is the real one.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+import uvicorn
+
+from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
+from kvjax.server.app import ServerState, create_app
+from kvjax.server.engine_loop import EngineLoop
+from kvjax.server.prom import ServerMetrics
+from kvjax.server.protocol import Limits
+from kvjax.server.text import tokenizer_of
+from kvjax.validation import check_int
+
+__all__ = ["ServerHandle", "serve_in_thread"]
+
+_START_TIMEOUT_S = 60.0
+_WARMUP_PROMPT_LEN = 3  # shorter than a page: the warm-up leaves no prefix-cache block
+
+
+class ServerHandle:
+  """A running server: `.url` (the OpenAI base URL, ending in /v1), `.root` (where
+  /health and /metrics live), `.port`, `.engine` (to inspect, not to drive), `.stop()`.
+  Also a context manager that stops the server on exit."""
+
+  def __init__(self, server: uvicorn.Server, thread: threading.Thread, loop: EngineLoop,
+               state: ServerState, host: str, port: int):
+    self._server, self._thread, self._loop, self.state = server, thread, loop, state
+    self.port = port
+    self.root = f"http://{host}:{port}"
+    self.url = self.root + "/v1"
+    self.engine = loop.engine
+    self.model_name = state.limits.model_name
+
+  def stop(self) -> None:
+    """Fail what is still running (503), then close the socket; idempotent."""
+    self.state.ready = False
+    self._loop.stop()
+    self._server.should_exit = True
+    self._thread.join(_START_TIMEOUT_S)
+
+  def __enter__(self) -> "ServerHandle":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
+                    host: str = "127.0.0.1", port: int = 0,
+                    served_model_name: Optional[str] = None,
+                    max_waiting: int = 256) -> ServerHandle:
+  """Serve `model` over HTTP from background threads -> a ServerHandle.
+
+  max_waiting: requests admitted but not yet running at most; beyond it the
+  server answers 503 at once.  served_model_name: the `model` field clients
+  send (default: the model config's name).
+  """
+  check_int("max_waiting", max_waiting, 1)
+  check_int("port", port, 0, 65536)
+  engine = Engine(model, engine_config)
+  _warm_up(engine)
+  name = served_model_name or model.config.name
+  metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
+                          max_num_seqs=engine.config.max_num_seqs)
+  tokenizer = tokenizer_of(model)
+  loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
+  state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len),
+                      tokenizer, metrics, created=int(time.time()))
+  server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port,
+                                         log_level="warning", access_log=False,
+                                         lifespan="off", timeout_graceful_shutdown=5))
+  thread = threading.Thread(target=server.run, name="kvjax-http", daemon=True)
+  loop.start()
+  thread.start()
+  deadline = time.monotonic() + _START_TIMEOUT_S
+  while not server.started:
+    if not thread.is_alive() or time.monotonic() > deadline:
+      loop.stop()
+      server.should_exit = True
+      raise OSError(f"the server could not listen on {host}:{port}")
+    time.sleep(0.01)
+  bound = server.servers[0].sockets[0].getsockname()[1]
+  state.ready = True
+  return ServerHandle(server, thread, loop, state, host, bound)
+
+
+def _warm_up(engine: Engine) -> None:
+  """Compile the prefill, decode and multi-step programs with one short request."""
+  engine.generate([[0] * _WARMUP_PROMPT_LEN], 4)

@@ -1,0 +1,127 @@
+"""The server's Prometheus metrics: vLLM's names under `kvjax:`, one registry per server.
+
+Gauges follow the scheduler after every engine step; counters of cumulative
+scheduler totals (prefix cache, preemptions) advance by their deltas; token
+counters advance as tokens reach clients (a stop string's completion ends at
+the token that completed it); request histograms and request_success come
+from kvjax/metrics.py's RequestMetrics of each finished request.  Every
+series carries a model_name label, as vLLM's do.  `kvjax:max_num_seqs` is the
+configured concurrency (what C18's diagnosis compares running requests with).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import prometheus_client as prom
+
+from kvjax.metrics import RequestMetrics
+
+__all__ = ["ServerMetrics"]
+
+# Buckets as vLLM's (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _one_two_five(maximum: int) -> list[int]:
+  """1, 2, 5, 10, 20, 50, ... up to maximum (vLLM's token-count buckets)."""
+  out, scale = [], 1
+  while True:
+    for step in (1, 2, 5):
+      if step * scale > maximum:
+        return out
+      out.append(step * scale)
+    scale *= 10
+
+
+class ServerMetrics:
+  """Every metric of one server, in its own registry (`exposition()` renders it)."""
+
+  def __init__(self, model_name: str, *, max_model_len: int, max_num_seqs: int):
+    self.registry = prom.CollectorRegistry(auto_describe=True)
+    labels = {"model_name": model_name}
+
+    def make(kind, name, text, extra=(), **options):
+      metric = kind("kvjax:" + name, text, ["model_name", *extra], registry=self.registry,
+                    **options)
+      return metric if extra else metric.labels(**labels)
+
+    self._labels = labels
+    self.running = make(prom.Gauge, "num_requests_running", "Requests holding a slot.")
+    self.waiting = make(prom.Gauge, "num_requests_waiting", "Requests admitted, not running.")
+    self.kv_usage = make(prom.Gauge, "kv_cache_usage_perc",
+                         "Fraction of KV pages held by requests (1 = full).")
+    make(prom.Gauge, "max_num_seqs", "Configured concurrency (running requests at most)."
+         ).set(max_num_seqs)
+    self.prefix_queries = make(prom.Counter, "prefix_cache_queries",
+                               "Prompt tokens looked up in the prefix cache.")
+    self.prefix_hits = make(prom.Counter, "prefix_cache_hits",
+                            "Prompt tokens found in the prefix cache.")
+    self.preemptions = make(prom.Counter, "num_preemptions", "Requests preempted.")
+    self.prompt_tokens = make(prom.Counter, "prompt_tokens", "Prefilled prompt tokens.")
+    self.generation_tokens = make(prom.Counter, "generation_tokens", "Generated tokens.")
+    self.success = make(prom.Counter, "request_success", "Finished requests.",
+                        ["finished_reason"])
+    self.draft_tokens = make(prom.Counter, "spec_decode_num_draft_tokens", "Draft tokens.")
+    self.accepted_tokens = make(prom.Counter, "spec_decode_num_accepted_tokens",
+                                "Accepted draft tokens.")
+    self.accepted_per_pos = make(prom.Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted draft tokens per draft position.", ["position"])
+    self.ttft = make(prom.Histogram, "time_to_first_token_seconds", "Time to first token.",
+                     buckets=_TTFT_BUCKETS)
+    self.itl = make(prom.Histogram, "inter_token_latency_seconds", "Inter-token latency.",
+                    buckets=_TOKEN_GAP_BUCKETS)
+    self.tpot = make(prom.Histogram, "time_per_output_token_seconds",
+                     "Mean time per output token after the first.", buckets=_TOKEN_GAP_BUCKETS)
+    self.e2e = make(prom.Histogram, "e2e_request_latency_seconds", "End-to-end latency.",
+                    buckets=_REQUEST_BUCKETS)
+    self.queue_time = make(prom.Histogram, "request_queue_time_seconds",
+                           "Arrival to first scheduled.", buckets=_REQUEST_BUCKETS)
+    token_buckets = _one_two_five(max_model_len)
+    self.request_prompt = make(prom.Histogram, "request_prompt_tokens",
+                               "Prompt tokens per request.", buckets=token_buckets)
+    self.request_generation = make(prom.Histogram, "request_generation_tokens",
+                                   "Generated tokens per request.", buckets=token_buckets)
+    self._totals = None  # the scheduler's cumulative (queried, hit, preempted) last seen
+
+  def observe_engine(self, scheduler, *, waiting: int) -> None:
+    """Gauges from the scheduler now; counters by its totals' growth since last time."""
+    self.running.set(len(scheduler.running))
+    self.waiting.set(waiting)
+    self.kv_usage.set(scheduler.allocator.utilization)
+    cache = scheduler.prefix_cache
+    totals = ((cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)) + (
+        scheduler.num_preemptions,)
+    if self._totals is not None:  # the first look (after warm-up) is the baseline
+      for counter, now, before in zip((self.prefix_queries, self.prefix_hits,
+                                       self.preemptions), totals, self._totals):
+        counter.inc(now - before)
+    self._totals = totals
+
+  def record_finished(self, metrics: RequestMetrics, finish_reason: str,
+                      num_generated: int, queue_s: Optional[float]) -> None:
+    """A finished request: its outcome and its RequestMetrics' latencies."""
+    self.success.labels(**self._labels, finished_reason=finish_reason).inc()
+    self.request_prompt.observe(metrics.prompt_len)
+    self.request_generation.observe(num_generated)
+    if queue_s is not None:
+      self.queue_time.observe(queue_s)
+    if metrics.ttft_s is not None:
+      self.ttft.observe(metrics.ttft_s)
+      self.e2e.observe(metrics.e2e_s)
+    if metrics.tpot_s is not None:
+      self.tpot.observe(metrics.tpot_s)
+    for gap in metrics.itls_s:
+      self.itl.observe(gap)
+    for position, accepted in enumerate(metrics.accepted):
+      self.accepted_per_pos.labels(**self._labels, position=str(position)).inc(accepted)
+    self.draft_tokens.inc(sum(metrics.proposed))
+    self.accepted_tokens.inc(sum(metrics.accepted))
+
+  def exposition(self) -> bytes:
+    """The Prometheus text format of every metric."""
+    return prom.generate_latest(self.registry)

@@ -1,0 +1,255 @@
+"""OpenAI request bodies -> validated `GenerationRequest`s; bad input -> `OpenAIError`.
+
+Every check runs before anything reaches the engine, and every error names
+the request field (`param`) it is about, as OpenAI's error JSON does:
+  {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+Sampling fields go through kvjax/validation.py, the Engine's own checks.
+Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and "up to
+max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
+random seed when none is given), so n > 1 choices differ and a seeded request
+is reproducible offline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import secrets
+from typing import Optional
+
+from kvjax.server.text import prompt_ids
+from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
+
+__all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
+           "parse_chat", "engine_error_param"]
+
+MAX_N = 128
+# Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
+_UNSUPPORTED = ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
+                "top_logprobs", "tools")
+
+
+class OpenAIError(Exception):
+  """An error answer: HTTP status and OpenAI's error object."""
+
+  def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
+               kind: str = "invalid_request_error", code: Optional[str] = None):
+    super().__init__(message)
+    self.message, self.param, self.status, self.kind, self.code = (message, param, status,
+                                                                  kind, code)
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What a request is checked against: the served name and the engine's bounds."""
+
+  model_name: str
+  vocab_size: int
+  max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+  """One validated completions or chat request: n choices per prompt.
+
+  Choice index i is prompt i // n, sampled with seeds[i % n].
+  """
+
+  chat: bool
+  prompts: tuple  # of tuples of token ids
+  max_tokens: tuple  # per prompt
+  temperature: float
+  top_k: Optional[int]
+  top_p: Optional[float]
+  seeds: tuple  # per choice of a prompt, len n
+  stop_strings: tuple
+  stop_ids: tuple
+  n: int
+  stream: bool
+  include_usage: bool
+
+  @property
+  def num_choices(self) -> int:
+    return len(self.prompts) * self.n
+
+
+def parse_json(raw: bytes) -> dict:
+  """The request body as a JSON object."""
+  try:
+    body = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as error:
+    raise OpenAIError(f"the request body is not valid JSON: {error}", code="invalid_json")
+  if not isinstance(body, dict):
+    raise OpenAIError(f"the request body must be a JSON object, got {type(body).__name__}",
+                      code="invalid_json")
+  return body
+
+
+def parse_completion(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
+  """A /v1/completions body (prompt: text, ids, or a list of either)."""
+  if "prompt" not in body:
+    raise OpenAIError("prompt is required", "prompt")
+  prompts = [_prompt_item(p, limits, tokenizer) for p in _prompt_items(body["prompt"])]
+  return _request(body, limits, prompts, chat=False, param="prompt")
+
+
+def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
+  """A /v1/chat/completions body: messages rendered by the tokenizer's chat template."""
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise OpenAIError(f"messages must be a non-empty list of messages, got {messages!r}",
+                      "messages")
+  if tokenizer is None:
+    raise OpenAIError("this model has no tokenizer, so no chat template: use "
+                      "/v1/completions with token ids", "messages")
+  rendered = [_message(i, m) for i, m in enumerate(messages)]
+  try:
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+  except Exception as error:  # the template is the checkpoint's data: its refusal is a 400
+    raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
+  ids = prompt_ids(tokenizer, text)
+  return _request(body, limits, [ids], chat=True, param="messages")
+
+
+def engine_error_param(message: str) -> Optional[str]:
+  """The request field an Engine.add_request ValueError is about."""
+  for words, param in (("KV pages", "max_tokens"), ("spans", "max_tokens"),
+                       ("max_new_tokens", "max_tokens"), ("token id", "prompt"),
+                       ("prompt", "prompt"), ("stop", "stop")):
+    if words in message:
+      return param
+  return None
+
+
+def _checked(param: str, check, *args, **kwargs):
+  """check(*args, **kwargs), its ValueError as an OpenAIError naming `param`."""
+  try:
+    return check(*args, **kwargs)
+  except ValueError as error:
+    raise OpenAIError(str(error), param) from None
+
+
+def _is_token_id(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_items(prompt) -> list:
+  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                 and all(map(_is_token_id, prompt))):
+    return [prompt]
+  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    return prompt
+  raise OpenAIError("prompt must be a string, a list of token ids, or a non-empty list of "
+                    f"strings or token id lists, got {prompt!r:.200}", "prompt")
+
+
+def _prompt_item(item, limits: Limits, tokenizer) -> list[int]:
+  if isinstance(item, str):
+    if tokenizer is None:
+      raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
+    ids = prompt_ids(tokenizer, item)
+  else:
+    ids = [_checked("prompt", check_int, "prompt token id", t, 0, limits.vocab_size)
+           for t in item]
+  if not ids:
+    raise OpenAIError("prompt must not be empty", "prompt")
+  return ids
+
+
+def _message(index: int, message) -> dict:
+  """{'role', 'content'} of one chat message; list content keeps its text parts."""
+  where = f"messages[{index}]"
+  if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+    raise OpenAIError(f"{where} must be an object with a string role, got {message!r:.200}",
+                      "messages")
+  content = message.get("content")
+  if isinstance(content, list):
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+      raise OpenAIError(f"{where}.content parts must be {{'type': 'text', 'text': str}}",
+                        "messages")
+    content = "".join(p["text"] for p in content)
+  if not isinstance(content, str):
+    raise OpenAIError(f"{where}.content must be a string or a list of text parts, got "
+                      f"{content!r:.200}", "messages")
+  return {"role": message["role"], "content": content}
+
+
+def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
+             param: str) -> GenerationRequest:
+  """The fields shared by both endpoints, checked; `param` names the prompt field."""
+  model = body.get("model")
+  if model != limits.model_name:
+    raise OpenAIError(f"model {model!r} does not exist; this server serves "
+                      f"{limits.model_name!r}", "model", code="model_not_found")
+  logprobs = body.get("logprobs")
+  if logprobs is not None and logprobs is not False:
+    raise OpenAIError("logprobs are not supported yet", "logprobs")
+  for name in _UNSUPPORTED:
+    if body.get(name) not in (None, False, 0, "", [], {}):
+      raise OpenAIError(f"{name} is not supported", name)
+  length_param = "max_tokens"
+  if chat and body.get("max_completion_tokens") is not None:
+    length_param = "max_completion_tokens"
+  max_tokens = body.get(length_param)
+  lengths = []
+  for ids in prompts:
+    if len(ids) >= limits.max_model_len:
+      raise OpenAIError(f"the prompt is {len(ids)} tokens but max_model_len is "
+                        f"{limits.max_model_len}", param)
+    if max_tokens is None:
+      lengths.append(limits.max_model_len - len(ids) if chat else 16)
+      continue
+    lengths.append(_checked(length_param, check_int, length_param, max_tokens, 1))
+    if len(ids) + lengths[-1] > limits.max_model_len:
+      raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
+                        f"max_model_len {limits.max_model_len}", length_param)
+  n = 1 if body.get("n") is None else _checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
+  seed = body.get("seed")
+  if seed is None:
+    seeds = [secrets.randbelow(SEED_RANGE[1]) for _ in range(n)]
+  else:
+    seed = _checked("seed", check_int, "seed", seed, *SEED_RANGE)
+    seeds = [(seed + j) % SEED_RANGE[1] for j in range(n)]
+  temperature = body.get("temperature", 1.0)
+  temperature = 1.0 if temperature is None else temperature
+  top_k = body.get("top_k")
+  top_k = None if top_k == -1 else top_k  # vLLM's "off"
+  try:
+    sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
+                     top_p=body.get("top_p"), seed=seeds[0])
+  except ValueError as error:  # its messages start with the field's name
+    raise OpenAIError(str(error), str(error).split()[0]) from None
+  strings, ids = _stops(body.get("stop"), limits)
+  ids += _checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
+  stream = body.get("stream", False)
+  if not isinstance(stream, bool) and stream is not None:
+    raise OpenAIError(f"stream must be a boolean, got {stream!r}", "stream")
+  options = body.get("stream_options")
+  if options is not None and (not stream or not isinstance(options, dict)
+                              or not isinstance(options.get("include_usage", False), bool)):
+    raise OpenAIError("stream_options must be an object {include_usage: bool} and needs "
+                      f"stream: true, got {options!r}", "stream_options")
+  return GenerationRequest(
+      chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
+      temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
+      seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
+      include_usage=bool(options and options.get("include_usage")))
+
+
+def _stops(stop, limits: Limits) -> tuple[tuple, tuple]:
+  """stop: a string, or a list of strings and token ids -> (strings, ids)."""
+  items = [] if stop is None else [stop] if isinstance(stop, str) else stop
+  if not isinstance(items, list):
+    raise OpenAIError(f"stop must be a string or a list of strings and token ids, got "
+                      f"{stop!r:.200}", "stop")
+  strings = tuple(s for s in items if isinstance(s, str))
+  if "" in strings:
+    raise OpenAIError("stop strings must not be empty", "stop")
+  ids = _checked("stop", stop_ids, [s for s in items if not isinstance(s, str)],
+                 limits.vocab_size)
+  return strings, ids
