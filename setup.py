@@ -20,11 +20,17 @@ setup(
         "ml_collections",
         "tqdm",
         "safetensors",
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+        "jinja2",
+        "tokenizers",
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
-        "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
+                 "openai", "httpx"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from kvjax import cli_bench, cli_memory
 from kvjax import cli_diagnose
+from kvjax import cli_serve
 
 __all__ = ["main"]
 
@@ -114,6 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   cli_memory.add_parser(subparsers)
   cli_bench.add_parser(subparsers)
   cli_diagnose.add_parser(subparsers)
+  cli_serve.add_parser(subparsers)
   args = parser.parse_args(argv)
   try:
     return args.func(args)

@@ -1,0 +1,56 @@
+"""`python -m kvjax serve`: the OpenAI-compatible HTTP server (kvjax/server/).
+
+  python -m kvjax serve --checkpoint ./hf_llama --port 8000 --served-model-name llama \
+      --max-waiting 64 --max-num-seqs 16
+
+Loads the model, compiles the step programs with one short request, then
+prints one line, `kvjax serving <name> at http://<host>:<port>/v1` (the real
+port when --port is 0), and serves until SIGINT or SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from kvjax.engine_config import add_engine_flags, engine_config_from_flags
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+  """Registers the `serve` sub-command on an argparse `subparsers` object."""
+  p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                            description=__doc__.splitlines()[0])
+  p.add_argument("--checkpoint", default=None,
+                 help="preset name, HF checkpoint dir or kvjax checkpoint dir "
+                      "(default: the built-in byte-level code model)")
+  p.add_argument("--dtype", default="float32",
+                 help="weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+  p.add_argument("--served-model-name", default=None,
+                 help="the `model` clients send (default: the model config's name)")
+  p.add_argument("--max-waiting", type=int, default=256,
+                 help="requests admitted but not running at most; more get 503 "
+                      "(default: %(default)s)")
+  add_engine_flags(p)
+  p.set_defaults(func=run)
+  return p
+
+
+def run(args: argparse.Namespace) -> int:
+  import kvjax
+  from kvjax.server import serve_in_thread
+
+  model = kvjax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+  handle = serve_in_thread(model, engine_config_from_flags(args), host=args.host,
+                           port=args.port, served_model_name=args.served_model_name,
+                           max_waiting=args.max_waiting)
+  stopped = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: stopped.set())
+  print(f"kvjax serving {handle.model_name} at {handle.url}", flush=True)
+  with handle:
+    stopped.wait()
+  return 0
