@@ -14,15 +14,17 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
+from kvjax.api import _forward
 from kvjax.cli import main
-from kvjax.weights import checkpoint
+from kvjax.weights import checkpoint, load_checks
 from tests import hf_models
 
-GIB = 1 << 30
+GIB, MIB = 1 << 30, 1 << 20
 LLAMA3_8B_PARAMS = 8_030_261_248  # the published count of Meta-Llama-3-8B
 # One 2048-token request of llama3-8b: K and V x 8 kv heads x 128 x 32 layers.
 LLAMA3_8B_KV_VALUES = 2 * 8 * 128 * 32 * 2048
@@ -108,20 +110,42 @@ def test_too_big_preset_is_refused_before_allocating():
     kvjax.load_checkpoint("llama3-8b", available_bytes=GIB)
   assert time.perf_counter() - start < 1.0
   assert len(jax.live_arrays()) == live_before  # nothing was allocated
-  message = str(refused.value)
-  fp32_weights, fp32_kv = LLAMA3_8B_PARAMS * 4 / GIB, LLAMA3_8B_KV_VALUES * 4 / GIB
+  fp32_weights, fp32_kv = LLAMA3_8B_PARAMS * 4 / GIB, LLAMA3_8B_KV_VALUES * 4 / MIB
+  assert (f"llama3-8b needs {fp32_weights:.1f} GiB of fp32 weights + {fp32_kv:.1f} MiB of KV "
+          f"cache (one 2048-token request) = {fp32_weights + fp32_kv / 1024:.1f} GiB, but "
+          f"available_bytes={GIB} gives 1.0 GiB available") in str(refused.value)
+
+
+def test_refusal_names_what_would_fit():
+  llama = kvjax.get_preset("llama3-8b")
   bf16_total = (LLAMA3_8B_PARAMS + LLAMA3_8B_KV_VALUES) * 2 / GIB
-  assert f"{fp32_weights:.1f} GiB of weights + {fp32_kv:.1f} GiB of KV cache" in message
-  assert f"= {fp32_weights + fp32_kv:.1f} GiB" in message and "1.0 GiB available" in message
-  assert f"use one with at least {bf16_total:.1f} GiB free" in message
+  with pytest.raises(ValueError) as refused:
+    load_checks.check_fits(llama, jnp.float32, available_bytes=GIB, platform="gpu")
+  message = str(refused.value)
+  assert f"no dtype kvjax loads fits; kvjax places the whole model on one device, so use one " \
+      f"with at least {bf16_total:.1f} GiB free" in message
   assert f"int8 {LLAMA3_8B_PARAMS / GIB:.1f} GiB, int4 {LLAMA3_8B_PARAMS / 2 / GIB:.1f}" \
       in message
-  # 20 GiB holds bfloat16 (and float16) weights: the message says so.
   with pytest.raises(ValueError) as refused:
-    kvjax.load_checkpoint("llama3-8b", available_bytes=20 * GIB)
-  assert f"would fit: dtype='bfloat16' (--dtype bfloat16) needs {bf16_total:.1f} GiB" \
-      in str(refused.value)
-  assert "float16" in str(refused.value)
+    load_checks.check_fits(llama, jnp.float32, available_bytes=20 * GIB, platform="gpu")
+  assert f"would fit: dtype='bfloat16' (--dtype bfloat16) needs {bf16_total:.1f} GiB; " \
+      f"dtype='float16' (--dtype float16) needs {bf16_total:.1f} GiB" in str(refused.value)
+
+
+def test_cpu_counts_the_float32_copy_xla_multiplies_16_bit_weights_with(default_model):
+  """XLA's own buffer assignment is the oracle: a bfloat16 forward on CPU needs a
+  temp buffer larger than the bfloat16 weights, and the estimate covers it."""
+  cpu = jax.devices("cpu")[0]
+  params = jax.device_put(jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16),
+                                                 default_model.params), cpu)
+  tokens = jax.device_put(jnp.zeros((1, 8), jnp.int32), cpu)
+  compiled = _forward.lower(params, tokens, config=default_model.config).compile()
+  xla_temp = compiled.memory_analysis().temp_size_in_bytes
+  bf16_weights = 2 * sum(x.size for x in jax.tree_util.tree_leaves(params))
+  assert xla_temp > bf16_weights
+  on_cpu, on_gpu = (sum(load_checks.needed_bytes(default_model.config, "bf16", p).values())
+                    for p in ("cpu", "gpu"))
+  assert on_cpu - on_gpu >= xla_temp
 
 
 def test_small_models_load_on_a_small_device():
@@ -149,17 +173,23 @@ def _mem_available_bytes() -> int:
   return int(line.split()[1]) * 1024
 
 
-def test_cli_refuses_llama3_8b_in_seconds():
-  # The repro needs a machine whose free memory cannot hold float32 llama3-8b.
-  assert _mem_available_bytes() < LLAMA3_8B_PARAMS * 4, "this machine could load it"
+@pytest.mark.parametrize("dtype,needed", [
+    ("float32", LLAMA3_8B_PARAMS * 4),
+    # bf16 weights + XLA CPU's float32 copy of all but the embedding table.
+    ("bfloat16", LLAMA3_8B_PARAMS * 2 + (LLAMA3_8B_PARAMS - 128256 * 4096) * 4)])
+def test_cli_refuses_llama3_8b_in_seconds(dtype, needed):
+  # The repro needs a machine whose free memory cannot hold llama3-8b at `dtype`.
+  assert _mem_available_bytes() < needed, "this machine could load it"
   start = time.perf_counter()
   done = subprocess.run(
       [sys.executable, "-m", "kvjax", "generate", "--checkpoint", "llama3-8b",
-       "--prompt-ids", "1,2,3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+       "--prompt-ids", "1,2,3", "--dtype", dtype], cwd=REPO_ROOT, capture_output=True,
+      text=True, timeout=120)
   elapsed = time.perf_counter() - start
   assert done.returncode == 2, done.stderr
-  assert elapsed < 30, elapsed  # the OOM killer took 102 s
-  assert f"{LLAMA3_8B_PARAMS * 4 / GIB:.1f} GiB of weights" in done.stderr
+  assert elapsed < 30, elapsed  # the OOM killer took 102 s (float32), 138 s (bfloat16)
+  weights = LLAMA3_8B_PARAMS * (4 if dtype == "float32" else 2) / GIB
+  assert f"kvjax generate: error: llama3-8b needs {weights:.1f} GiB" in done.stderr
   assert "GiB available" in done.stderr
 
 

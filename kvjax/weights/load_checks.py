@@ -1,9 +1,10 @@
 """Checks that refuse a bad load early: a model too big for the device, non-finite weights.
 
 Fit.  `check_fits` runs on the config alone, before anything is allocated: the
-ledger's weight bytes at the requested dtype plus a minimal KV cache (one
-request of `MIN_KV_TOKENS`, at the weights' dtype as the caches default to)
-against what the device has free (an accelerator's `bytes_limit - bytes_in_use`;
+ledger's weight bytes at the requested dtype (plus, on CPU, the float32 copy XLA
+multiplies 16-bit weights with) and a minimal KV cache (one request of
+`MIN_KV_TOKENS`, at the weights' dtype as the caches default to) against what
+the device has free (an accelerator's `bytes_limit - bytes_in_use`;
 on CPU, /proc/meminfo's MemAvailable).  The error names both sides and what
 would fit instead, so an 8B model on a small machine fails in a second rather
 than after minutes in the OOM killer.
@@ -24,11 +25,12 @@ import numpy as np
 from kvjax import ledger
 from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig
 
-__all__ = ["MIN_KV_TOKENS", "available_device_bytes", "check_fits", "nonfinite_count",
-           "raise_first_nonfinite", "check_finite_tree"]
+__all__ = ["MIN_KV_TOKENS", "available_device_bytes", "needed_bytes", "check_fits",
+           "nonfinite_count", "raise_first_nonfinite", "check_finite_tree"]
 
 # The smallest useful cache: one request this long (or the whole context if shorter).
 MIN_KV_TOKENS = 2048
+_MIB = 1 << 20
 
 
 def _meminfo_available_bytes() -> Optional[int]:
@@ -53,56 +55,66 @@ def available_device_bytes(device: Optional[jax.Device] = None) -> Optional[int]
   return None
 
 
-def _gib(num_bytes: int) -> str:
-  return f"{num_bytes / ledger.GIB:.1f} GiB"
+def _size(num_bytes: int) -> str:
+  if num_bytes >= ledger.GIB:
+    return f"{num_bytes / ledger.GIB:.1f} GiB"
+  return f"{num_bytes / _MIB:.1f} MiB"
 
 
-def _needed_bytes(cfg: ModelConfig, dtype: str) -> tuple[int, int]:
-  """(weight bytes, minimal KV bytes) of `cfg` held at `dtype` (a short name)."""
+def needed_bytes(cfg: ModelConfig, dtype: str, platform: str) -> dict[str, int]:
+  """What holds memory once `cfg` is loaded at `dtype` (a short name) -> its bytes."""
+  needs = {f"{dtype} weights": ledger.weight_bytes(cfg, dtype)}
+  if platform == "cpu" and dtype != "fp32":
+    # XLA's CPU backend has no 16-bit matmul: it converts every multiplied weight to
+    # float32 and keeps the copies live through the program (the issue's 30,027,059,332-byte
+    # bf16 allocation is llama3-8b's weights but the gathered embedding, times 4 B).
+    gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    needs["the float32 copy XLA's CPU backend multiplies with"] = 4 * (
+        ledger.param_count(cfg) - gathered)
   context = min(cfg.max_position_embeddings, MIN_KV_TOKENS)
-  return (ledger.weight_bytes(cfg, dtype),
-          ledger.kv_bytes_per_request(cfg, context, kv_dtype=dtype))
+  needs[f"KV cache (one {context}-token request)"] = ledger.kv_bytes_per_request(
+      cfg, context, kv_dtype=dtype)
+  return needs
 
 
-def check_fits(cfg: ModelConfig, dtype, available_bytes: Optional[int] = None) -> None:
-  """Raise ValueError unless `cfg`'s weights at `dtype` plus a minimal KV cache fit.
+def check_fits(cfg: ModelConfig, dtype, available_bytes: Optional[int] = None,
+               platform: Optional[str] = None) -> None:
+  """Raise ValueError unless `cfg` at `dtype` (needed_bytes) fits the default device.
 
   `available_bytes` overrides the measured free memory (None: measure; a device
-  that reports nothing skips the check).
+  that reports nothing skips the check), `platform` the device's ("cpu", "gpu").
   """
+  device = jax.devices()[0]
+  platform = device.platform if platform is None else platform
   if available_bytes is None:
-    available_bytes = available_device_bytes()
+    available_bytes = available_device_bytes(device)
     if available_bytes is None:
       return
-    source = f"{jax.devices()[0]} has"
+    source = f"{device} has"
   else:
     if isinstance(available_bytes, bool) or not isinstance(available_bytes, (int, np.integer)) \
         or available_bytes < 0:
       raise ValueError(f"available_bytes must be an int >= 0, got {available_bytes!r}")
     source = f"available_bytes={available_bytes} gives"
   short = DTYPE_SHORT_NAMES[np.dtype(dtype).name]
-  weights, kv = _needed_bytes(cfg, short)
-  if weights + kv <= available_bytes:
+  needs = needed_bytes(cfg, short, platform)
+  total = sum(needs.values())
+  if total <= available_bytes:
     return
-  context = min(cfg.max_position_embeddings, MIN_KV_TOKENS)
-  smaller = []
-  for name, other in DTYPE_SHORT_NAMES.items():
-    w, k = _needed_bytes(cfg, other)
-    if w + k < weights + kv:
-      smaller.append((w + k, name, other))
-  fitting = [f"dtype={name!r} (--dtype {name}) needs {_gib(total)}"
-             for total, name, _ in sorted(smaller) if total <= available_bytes]
-  least = min([total for total, _, _ in smaller] + [weights + kv])
-  quantized = ", ".join(f"{q} {_gib(ledger.weight_bytes(cfg, q))}" for q in ("int8", "int4"))
+  totals = {name: sum(needed_bytes(cfg, other, platform).values())
+            for name, other in DTYPE_SHORT_NAMES.items()}
+  fitting = [f"dtype={name!r} (--dtype {name}) needs {_size(need)}"
+             for name, need in sorted(totals.items(), key=lambda kv: kv[1])
+             if need <= available_bytes]
   advice = ("would fit: " + "; ".join(fitting)) if fitting else (
-      f"no dtype kvjax loads fits; kvjax places the whole model on one device, so use one "
-      f"with at least {_gib(least)} free")
+      "no dtype kvjax loads fits; kvjax places the whole model on one device, so use one "
+      f"with at least {_size(min(totals.values()))} free")
+  quantized = ", ".join(f"{q} {_size(ledger.weight_bytes(cfg, q))}" for q in ("int8", "int4"))
   raise ValueError(
-      f"{cfg.name} at {short} needs {_gib(weights)} of weights + {_gib(kv)} of KV cache (one "
-      f"{context}-token request) = {_gib(weights + kv)}, but {source} {_gib(available_bytes)} "
-      f"available; {advice} (int8/int4 weights, {quantized}, come from "
-      "kvjax.weights.quantize.quantize_params after a float load, so the float load must "
-      "fit first)")
+      f"{cfg.name} needs " + " + ".join(f"{_size(n)} of {what}" for what, n in needs.items())
+      + f" = {_size(total)}, but {source} {_size(available_bytes)} available; {advice} "
+      f"(int8/int4 weights, {quantized}, come from kvjax.weights.quantize.quantize_params "
+      "after a float load, so the float load must fit first)")
 
 
 @jax.jit
