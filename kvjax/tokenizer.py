@@ -28,7 +28,7 @@ and the special ids follow the 256 byte ids. Its specials have no text form in `
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template
 
@@ -38,6 +38,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "ByteTokenizer", "check_ids"]
 _REPLACEMENT = "\ufffd"
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
   """What kvjax needs of a tokenizer (see the module docstring)."""
 
