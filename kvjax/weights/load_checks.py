@@ -66,8 +66,8 @@ def needed_bytes(cfg: ModelConfig, dtype: str, platform: str) -> dict[str, int]:
   needs = {f"{dtype} weights": ledger.weight_bytes(cfg, dtype)}
   if platform == "cpu" and dtype != "fp32":
     # XLA's CPU backend has no 16-bit matmul: it converts every multiplied weight to
-    # float32 and keeps the copies live through the program (the issue's 30,027,059,332-byte
-    # bf16 allocation is llama3-8b's weights but the gathered embedding, times 4 B).
+    # float32 and keeps the copies live through the program (issue 12's bfloat16 llama3-8b
+    # run died allocating 30,027,059,332 bytes: its 7.5G non-embedding weights x 4 B).
     gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     needs["the float32 copy XLA's CPU backend multiplies with"] = 4 * (
         ledger.param_count(cfg) - gathered)
@@ -126,7 +126,7 @@ def nonfinite_count(x: jax.Array) -> jax.Array:
 @jax.jit
 def _nonfinite_counts(leaves: list) -> jax.Array:
   """[L] int32: nonfinite_count of every leaf, one program for the whole tree."""
-  return jnp.stack([jnp.count_nonzero(~jnp.isfinite(x)) for x in leaves])
+  return jnp.stack([nonfinite_count(x) for x in leaves])
 
 
 def raise_first_nonfinite(names: Sequence[str], counts, sizes: Sequence[int],
