@@ -15,7 +15,8 @@ import hypothesis
 import jinja2
 import pytest
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                        trainers)
 
 from kvjax.hf_tokenizer import HFTokenizer, load_tokenizer
 from kvjax.tokenizer import Tokenizer as TokenizerInterface
@@ -82,6 +83,26 @@ def _train_wordpiece() -> Tokenizer:
   return tok
 
 
+def _train_sentencepiece_style() -> Tokenizer:
+  """Llama-2's layout: "▁" for spaces, byte-fallback tokens <0x00>..<0xFF> for characters
+  outside the (ASCII-only) vocabulary, and a decoder that fuses and strips one space."""
+  tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  tok.train_from_iterator([CORPUS.encode("ascii", "ignore").decode()], trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+  spec = json.loads(tok.to_str())
+  vocab = spec["model"]["vocab"]
+  for byte in range(256):
+    vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+  spec["model"]["byte_fallback"] = True
+  tok = Tokenizer.from_str(json.dumps(spec))
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+      ("<s>", tok.token_to_id("<s>"))])
+  return tok
+
+
 def _edit_json(path, **changes):
   data = json.load(open(path)) if os.path.exists(path) else {}
   data.update(changes)
@@ -118,6 +139,11 @@ def dirs(tmp_path_factory):
       eos_token="[SEP]", clean_up_tokenization_spaces=True).save_pretrained(out["wordpiece"])
   # A special token only the config names: transformers adds it to the vocabulary.
   _edit_json(os.path.join(out["wordpiece"], "tokenizer_config.json"), mask_token="[MASK]")
+  # SentencePiece style (Llama-2, Mistral): byte fallback and a space-stripping decoder.
+  out["sentencepiece"] = str(tmp_path_factory.mktemp("sentencepiece"))
+  transformers.PreTrainedTokenizerFast(
+      tokenizer_object=_train_sentencepiece_style(), unk_token="<unk>", bos_token="<s>",
+      eos_token="</s>").save_pretrained(out["sentencepiece"])
   return out
 
 
@@ -128,7 +154,7 @@ def pairs(dirs):
           for name, d in dirs.items()}
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "wordpiece"])
+@pytest.mark.parametrize("name", ["chatml", "llama3", "wordpiece", "sentencepiece"])
 def test_encode_and_decode_equal_transformers(pairs, name):
   ours, hf = pairs[name]
   for label, text in TEXTS.items():
@@ -150,13 +176,16 @@ def test_configs_take_effect(pairs):
   assert llama3.bos_id not in llama3.encode("hi")  # tokenizer.json's post-processor decides
   ids = hf_wordpiece.encode("don't , ok .", add_special_tokens=False)
   assert wordpiece.decode(ids) == hf_wordpiece.decode(ids) == "don't, ok."  # cleanup applied
+  sentencepiece, hf_sentencepiece = pairs["sentencepiece"]
+  assert hf_sentencepiece.convert_ids_to_tokens(sentencepiece.encode("日", False)) == [
+      "▁", "<0xE6>", "<0x97>", "<0xA5>"]  # byte fallback
   # An encoded special-token text is its one special id, skipped in decode by default.
   im_start = hf_chatml.convert_tokens_to_ids("<|im_start|>")
   assert im_start in chatml.encode(TEXTS["special_text"])
   assert "<|im_start|>" not in chatml.decode(chatml.encode(TEXTS["special_text"]))
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "wordpiece"])
+@pytest.mark.parametrize("name", ["chatml", "llama3", "wordpiece", "sentencepiece"])
 def test_ids_and_vocab_equal_transformers(pairs, name):
   ours, hf = pairs[name]
   assert isinstance(ours, TokenizerInterface)
@@ -226,7 +255,7 @@ def _stream(tok: HFTokenizer, ids: list[int], chunks: list[int], skip=True) -> l
   return pieces + [detok.push(ids[start:]), detok.flush()]
 
 
-@pytest.mark.parametrize("name", ["chatml", "wordpiece"])
+@pytest.mark.parametrize("name", ["chatml", "wordpiece", "sentencepiece"])
 @pytest.mark.parametrize("label", ["cjk", "emoji", "accents", "cleanup_bait", "special_text"])
 def test_token_by_token_stream_equals_decode_without_replacement_chars(pairs, name, label):
   ours, hf = pairs[name]
@@ -249,7 +278,7 @@ def test_stream_holds_back_characters_split_across_tokens(pairs):
 
 @hypothesis.settings(max_examples=60, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(data=st.data(), name=st.sampled_from(["chatml", "wordpiece"]),
+@hypothesis.given(data=st.data(), name=st.sampled_from(["chatml", "wordpiece", "sentencepiece"]),
                   skip=st.booleans())
 def test_any_ids_in_any_chunks_stream_to_decode(pairs, data, name, skip):
   """Arbitrary ids (broken UTF-8 and specials included), pushed in arbitrary chunks."""
