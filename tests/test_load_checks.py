@@ -176,7 +176,8 @@ def _mem_available_bytes() -> int:
 @pytest.mark.parametrize("dtype,needed", [
     ("float32", LLAMA3_8B_PARAMS * 4),
     # bf16 weights + XLA CPU's float32 copy of all but the embedding table.
-    ("bfloat16", LLAMA3_8B_PARAMS * 2 + (LLAMA3_8B_PARAMS - 128256 * 4096) * 4)])
+    ("bfloat16", LLAMA3_8B_PARAMS * 2 + (LLAMA3_8B_PARAMS - 128256 * 4096) * 4)],
+    ids=["float32", "bfloat16"])
 def test_cli_refuses_llama3_8b_in_seconds(dtype, needed):
   # The repro needs a machine whose free memory cannot hold llama3-8b at `dtype`.
   assert _mem_available_bytes() < needed, "this machine could load it"
