@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
+from kvjax.chat_template import render_chat_template
 from kvjax.hf_tokenizer import HFTokenizer, load_tokenizer
 from kvjax.tokenizer import Tokenizer as TokenizerInterface
 
@@ -213,6 +214,31 @@ def test_chat_template_equals_transformers(pairs, name, messages, add_generation
   # The interface's chat prompt ids are transformers' tokenized chat.
   assert ours.encode(text, add_special_tokens=False) == hf.apply_chat_template(
       messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt)
+
+
+TEMPLATE_FEATURES = {
+    "generation_block": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+                        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+                        "{% endfor %}",
+    "loop_controls": "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                     "{{ m['content'] }}|{% endfor %}",
+    "tojson": "{{ messages | tojson }}\n{{ messages[-1] | tojson(indent=2, sort_keys=True) }}",
+    "namespace": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                 "{% endfor %}{{ ns.n }}",
+    "whitespace_control": "{%- for m in messages -%}\n  {{ m['role'] }}\n  {% if true %}\n"
+                          "x{% endif %}\n{%- endfor %}\n",
+    "special_tokens": "{{ bos_token }}{{ eos_token }}{{ pad_token }}{{ unk_token }}",
+    "strftime_now": "{{ strftime_now('%Y') }}",
+}
+
+
+@pytest.mark.parametrize("template", TEMPLATE_FEATURES.values(), ids=TEMPLATE_FEATURES.keys())
+def test_template_environment_equals_transformers(pairs, template):
+  ours, hf = pairs["chatml"]
+  for messages in MESSAGES.values():
+    assert render_chat_template(template, messages, True, ours.special_tokens) == (
+        hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                               add_generation_prompt=True))
 
 
 def test_chat_template_sees_bos_token_and_default_adds_generation_prompt(pairs):
