@@ -2,9 +2,9 @@
 transformers' tokenizers backend reads a directory (no transformers at run time).
 
 From tokenizer_config.json: the named special tokens (added to the tokenizer as special,
-as transformers does), `split_special_tokens`,
-`clean_up_tokenization_spaces` (applied in decode except for BPE models, as transformers
-v5 does) and `chat_template` (chat_template.jinja takes precedence). special_tokens_map.json
+as transformers does), `split_special_tokens`, `clean_up_tokenization_spaces` (applied in
+decode except for BPE models, as transformers v5 does) and `chat_template`
+(chat_template.jinja takes precedence). special_tokens_map.json
 is read only for legacy configs without `added_tokens_decoder`, as transformers does. The
 stop ids come from generation_config.json, then config.json (`eos_token_id`, an int or a
 list), then the eos token. Whether encode adds BOS/EOS is tokenizer.json's post-processor
@@ -13,6 +13,7 @@ tokenizer.json exists. transformers' model-specific tokenizer classes are not mi
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Iterable, Optional
@@ -82,7 +83,7 @@ class HFTokenizer:
 
   def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
     """Streams decode(ids, skip_special_tokens) one push at a time."""
-    decode = lambda ids: self._raw_decode(ids, skip_special_tokens)
+    decode = functools.partial(self._raw_decode, skip_special_tokens=skip_special_tokens)
     if self._clean_up:
       return IncrementalDetokenizer(decode, clean_up_tokenization, _cleanup_safe_end)
     return IncrementalDetokenizer(decode)
@@ -134,7 +135,7 @@ def _special_tokens(directory: str, config: dict) -> tuple[dict[str, str], list[
     values = merged.get(key) or []
     for value in values.values() if isinstance(values, dict) else values:
       extra.append(_token_text(value, f"{key} in {directory}"))
-  return named, extra
+  return named, [t for t in extra if t is not None]
 
 
 def _eos_ids(directory: str, tokenizer: tokenizers.Tokenizer, eos_token: Optional[str]
@@ -160,7 +161,8 @@ def _chat_template(directory: str, config: dict) -> Optional[str]:
     with open(path, encoding="utf-8") as f:
       return f.read()
   template = config.get("chat_template")
-  if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+  if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+    # named templates, [{"name": ..., "template": ...}]: the "default" one, as transformers
     template = {t.get("name"): t.get("template") for t in template}.get("default")
   if template is not None and not isinstance(template, str):
     raise ValueError(f"chat_template in {directory}/tokenizer_config.json must be a string or "
@@ -175,7 +177,10 @@ def load_tokenizer(path: str) -> Optional[HFTokenizer]:
   tokenizer_file = os.path.join(path, "tokenizer.json")
   if not os.path.isfile(tokenizer_file):
     return None
-  tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
+  try:
+    tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
+  except Exception as e:  # the Rust parser raises a bare Exception
+    raise ValueError(f"{tokenizer_file} is not a tokenizers file: {e}") from e
   tokenizer.no_truncation()  # transformers' encode neither truncates nor pads by default
   tokenizer.no_padding()
   config = _read_json(path, "tokenizer_config.json")

@@ -28,6 +28,7 @@ and the special ids follow the 256 byte ids. Its specials have no text form in `
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template
@@ -149,7 +150,8 @@ class ByteTokenizer:
 
   def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
     """Streams decode(ids, skip_special_tokens) one push at a time."""
-    return IncrementalDetokenizer(lambda ids: self.decode(ids, skip_special_tokens))
+    return IncrementalDetokenizer(
+        functools.partial(self.decode, skip_special_tokens=skip_special_tokens))
 
   def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE)."""

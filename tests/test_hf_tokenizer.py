@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -321,11 +322,13 @@ def test_load_tokenizer_without_tokenizer_json_is_none(tmp_path):
     load_tokenizer(str(tmp_path / "config.json"))
 
 
-def test_bad_eos_token_id_names_the_file(dirs, tmp_path):
-  import shutil
+def test_bad_files_are_errors_naming_them(dirs, tmp_path):
   shutil.copytree(dirs["chatml"], tmp_path / "ckpt")
   _edit_json(str(tmp_path / "ckpt" / "generation_config.json"), eos_token_id=[2, "x"])
   with pytest.raises(ValueError, match="generation_config.json"):
+    load_tokenizer(str(tmp_path / "ckpt"))
+  (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+  with pytest.raises(ValueError, match="tokenizer.json is not a tokenizers file"):
     load_tokenizer(str(tmp_path / "ckpt"))
 
 
