@@ -256,7 +256,8 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
   goodput = bench_client.parse_goodput(args.goodput)
   result = bench_client.run_benchmark(
       args.url, sessions, request_rate=args.request_rate, burstiness=args.burstiness,
-      max_concurrency=args.max_concurrency, goodput=goodput, encode=tokenizer.encode,
+      max_concurrency=args.max_concurrency, goodput=goodput,
+      encode=tokenizer.encode if tokenizer is not None else None,
       model=args.model, temperature=args.temperature, seed=args.seed,
       timeout_s=args.request_timeout)
   title = (f"{args.workload} over HTTP: {args.num_requests} x {args.input_len} -> "
@@ -283,7 +284,9 @@ def run(args: argparse.Namespace) -> int:
                            num_turns=args.num_turns, range_ratio=args.range_ratio,
                            seed=args.seed)
   if args.url is not None:
-    return _run_http(args, sessions, model.tokenizer)
+    from kvjax.server.text import tokenizer_of
+
+    return _run_http(args, sessions, tokenizer_of(model))
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings

@@ -8,13 +8,20 @@ mean TTFT / E2E against the server's histograms.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from kvjax import bench_client
+import kvjax
+from kvjax import bench_client, cli_bench, diagnose
+from kvjax.engine_config import EngineConfig
+from kvjax.server import serve_in_thread
+from kvjax.tokenizer import ByteTokenizer
+
+ENCODE = ByteTokenizer().encode
 
 N_GAPS = 20_000
 
@@ -84,3 +91,77 @@ def test_summarize_counts_and_goodput_by_hand():
   assert summary["ttft"]["mean"] == pytest.approx((0.1 + 0.3 + 0.1 + 0.15) / 4)
   assert summary["e2el"]["median"] == pytest.approx((0.21 + 0.25) / 2)
   assert bench_client.summarize(records, 2.0, {})["goodput"] is None
+
+
+# -- against the real server -----------------------------------------------------
+
+MAX_CONCURRENCY = 3
+
+
+@pytest.fixture(scope="module")
+def served():
+  """The default model (EOS off: every answer is max_tokens long) on 127.0.0.1:<ephemeral>."""
+  model = kvjax.load_checkpoint()
+  model = dataclasses.replace(model, config=model.config.replace(eos_token_id=None))
+  # One step per engine call: the engine loop admits arrivals between calls, so a
+  # 16-step burst would hold a new request up to 16 steps before the server's
+  # clocks start (the client's TTFT would then lead the server's by that much).
+  config = EngineConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=128,
+                        max_model_len=256, num_scheduler_steps=1)
+  with serve_in_thread(model, config) as server:
+    # Compile the shapes the tests use, so neither side's latencies hold compiles.
+    bench_client.run_benchmark(server.url, _random_sessions(seed=99), encode=ENCODE,
+                               max_concurrency=MAX_CONCURRENCY, metrics_interval_s=None)
+    yield server
+
+
+def _random_sessions(seed, num=8):
+  return cli_bench.make_workload("random", vocab_size=259, num_requests=num, input_len=24,
+                                 output_len=128, range_ratio=0.5, seed=seed)
+
+
+def _window(server, fn):
+  first = diagnose.parse_metrics(diagnose.scrape(server.url))
+  out = fn()
+  last = diagnose.parse_metrics(diagnose.scrape(server.url))
+  return out, first, last
+
+
+def _hist_mean(first, last, name):
+  _, _, s1, n1 = last.histograms[name]
+  _, _, s0, n0 = first.histograms[name]
+  return (s1 - s0) / (n1 - n0)
+
+
+def test_counts_and_latencies_agree_with_server_metrics(served):
+  sessions = _random_sessions(seed=1)
+  result, first, last = _window(served, lambda: bench_client.run_benchmark(
+      served.url, sessions, max_concurrency=MAX_CONCURRENCY, goodput={"e2el": 60.0},
+      metrics_interval_s=0.05))
+  summary, records = result["summary"], result["requests"]
+  delta = {k: last.counters[k] - first.counters.get(k, 0.0)
+           for k in ("request_success", "generation_tokens", "prompt_tokens")}
+  assert summary["completed"] == len(sessions) == delta["request_success"]
+  assert summary["failed"] == 0
+  assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+  expected_out = sum(s.max_new_tokens for s in sessions)  # EOS off: exactly max_tokens each
+  assert summary["total_output_tokens"] == expected_out == delta["generation_tokens"]
+  expected_in = sum(len(s.turns[0]) for s in sessions)
+  assert summary["total_input_tokens"] == expected_in == delta["prompt_tokens"]
+  # Client-side means vs the server's own histograms.  The client's clock starts
+  # before the server's (request sent < engine arrival) and stops after it (token
+  # made < chunk received), so it reads the server's time plus HTTP and the event
+  # loops (10-50 ms here: client and server share a busy 2-core CPU).  A TTFT taken
+  # from the bench start (the concurrency gate's wait), or at the last token, or an
+  # E2E from the bench start, would be off by more than twice the bound; the last
+  # two asserts check that here.
+  ttft_server = _hist_mean(first, last, "time_to_first_token_seconds")
+  e2e_server = _hist_mean(first, last, "e2e_request_latency_seconds")
+  bound = 0.1
+  assert ttft_server <= summary["ttft"]["mean"] < ttft_server + bound
+  assert e2e_server - 0.005 <= summary["e2el"]["mean"] < e2e_server + bound
+  assert e2e_server - ttft_server > 2 * bound
+  assert np.mean([r["start_s"] for r in records]) > 2 * bound
+  # Concurrency bound: the server never ran more requests than the client allowed.
+  running = [s["num_requests_running"] for s in result["server_metrics"]["samples"]]
+  assert running and max(running) <= MAX_CONCURRENCY
