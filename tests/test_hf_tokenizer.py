@@ -15,6 +15,7 @@ import sys
 import hypothesis
 import jinja2
 import pytest
+import transformers
 from hypothesis import strategies as st
 from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
@@ -23,7 +24,6 @@ from kvjax.chat_template import render_chat_template
 from kvjax.hf_tokenizer import HFTokenizer, load_tokenizer
 from kvjax.tokenizer import Tokenizer as TokenizerInterface
 
-transformers = pytest.importorskip("transformers")
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>"]
@@ -106,9 +106,12 @@ def _train_sentencepiece_style() -> Tokenizer:
 
 
 def _edit_json(path, **changes):
-  data = json.load(open(path)) if os.path.exists(path) else {}
-  data.update(changes)
-  json.dump(data, open(path, "w"))
+  data = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      data = json.load(f)
+  with open(path, "w") as f:
+    json.dump({**data, **changes}, f)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +316,23 @@ def test_any_ids_in_any_chunks_stream_to_decode(pairs, data, name, skip):
   ids = data.draw(st.lists(st.integers(0, ours.vocab_size - 1), max_size=40), label="ids")
   chunks = data.draw(st.lists(st.integers(0, 4), max_size=len(ids)), label="chunks")
   assert "".join(_stream(ours, ids, chunks, skip)) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_legacy_special_tokens_map_overrides_the_config(dirs, tmp_path):
+  """Without added_tokens_decoder in the config, special_tokens_map.json's tokens win (an
+  AddedToken dict, and a token new to the vocabulary)."""
+  shutil.copytree(dirs["chatml"], tmp_path / "ckpt")
+  _edit_json(str(tmp_path / "ckpt" / "special_tokens_map.json"), pad_token="<pad>",
+             bos_token={"content": "<|im_start|>", "lstrip": False, "normalized": False,
+                        "rstrip": False, "single_word": False})
+  ours = load_tokenizer(str(tmp_path / "ckpt"))
+  hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "ckpt"))
+  assert (ours.bos_id, ours.vocab_size) == (hf.bos_token_id, len(hf))
+  assert hf.bos_token == "<|im_start|>" and hf.pad_token == "<pad>"
+  template = TEMPLATE_FEATURES["special_tokens"]
+  assert render_chat_template(template, MESSAGES["single_user"], False, ours.special_tokens) == (
+      hf.apply_chat_template(MESSAGES["single_user"], chat_template=template, tokenize=False))
+  assert ours.encode("a<pad>b") == hf.encode("a<pad>b")
 
 
 def test_load_tokenizer_without_tokenizer_json_is_none(tmp_path):
