@@ -9,6 +9,7 @@ mean TTFT / E2E against the server's histograms.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -165,3 +166,61 @@ def test_counts_and_latencies_agree_with_server_metrics(served):
   # Concurrency bound: the server never ran more requests than the client allowed.
   running = [s["num_requests_running"] for s in result["server_metrics"]["samples"]]
   assert running and max(running) <= MAX_CONCURRENCY
+
+
+def test_multi_turn_history_and_poisson_starts(served):
+  sessions = cli_bench.make_workload("multi-turn-chat", vocab_size=259, num_requests=3,
+                                     input_len=20, output_len=10, num_turns=3, seed=3)
+  rate, seed = 8.0, 5
+  result, first, last = _window(served, lambda: bench_client.run_benchmark(
+      served.url, sessions, request_rate=rate, encode=ENCODE, seed=seed,
+      metrics_interval_s=None))
+  assert result["summary"]["completed"] == 9
+  scheduled = np.cumsum(bench_client.arrival_gaps(3, rate, 1.0, np.random.default_rng(seed)))
+  for index, session in enumerate(sessions):
+    turns = sorted((r for r in result["requests"] if r["session"] == index),
+                   key=lambda r: r["turn"])
+    # A chat starts at its arrival (no concurrency cap) ...
+    assert 0 <= turns[0]["start_s"] - scheduled[index] < 0.05
+    history = 0
+    for turn, record in enumerate(turns):
+      # ... each turn sends the history: earlier messages and answers, as the
+      # server's usage counts them, and starts after the previous turn ended.
+      history += len(session.turns[turn])
+      assert record["prompt_tokens"] == history
+      history += len(ENCODE(record["text"]))
+      if turn:
+        previous = turns[turn - 1]
+        assert record["start_s"] >= previous["start_s"] + previous["e2e_s"]
+  # Every later turn begins with its previous request (>= 30 ids: a full 16-id block).
+  assert last.counters["prefix_cache_hits"] - first.counters["prefix_cache_hits"] >= 16 * 6
+
+
+def test_cli_bench_url_then_diagnose(served, tmp_path, capsys):
+  from kvjax import cli
+
+  assert cli.main(["bench", "--url", served.url, "--workload", "random", "--num-prompts", "4",
+                   "--input-len", "16", "--output-len", "8", "--request-rate", "50",
+                   "--max-concurrency", "2", "--goodput", "ttft:5000", "tpot:1000",
+                   "--out-dir", str(tmp_path)]) == 0
+  stem = tmp_path / "bench_http_random"
+  assert (stem.with_suffix(".png")).stat().st_size > 0
+  bench = json.loads(stem.with_suffix(".json").read_text())
+  assert bench["summary"]["completed"] == 4 and bench["summary"]["goodput"] > 0
+  capsys.readouterr()
+  runs = {"healthy": ("5000", "1000"), "concurrency": ("0.001", "0.001")}
+  for kind, (ttft_ms, tpot_ms) in runs.items():
+    assert cli.main(["diagnose", "--bench-json", str(stem.with_suffix(".json")), "--ttft-ms",
+                     ttft_ms, "--tpot-ms", tpot_ms, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["diagnosis"]["kind"] == kind
+    assert out["signals"]["num_requests"] == 4
+    assert out["signals"]["max_num_seqs"] == 4  # the server's kvjax:max_num_seqs gauge
+    prompts = sorted(r["prompt_tokens"] for r in bench["requests"])
+    assert out["signals"]["input_tokens_mean"] == pytest.approx(np.mean(prompts))
+  # A live window with no traffic: nothing finished, nothing running, healthy.
+  assert cli.main(["diagnose", "--url", served.url, "--window", "0.4", "--interval", "0.2",
+                   "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["signals"]["num_requests"] == 0 and out["signals"]["running"] == 0
+  assert out["signals"]["max_num_seqs"] == 4 and out["diagnosis"]["kind"] == "healthy"
