@@ -32,8 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--served-model-name", default=None,
                  help="the `model` clients send (default: the model config's name)")
   p.add_argument("--max-waiting", type=int, default=256,
-                 help="requests admitted but not running at most; more get 503 "
-                      "(default: %(default)s)")
+                 help="requests that may wait beyond the --max-num-seqs running ones; "
+                      "more get 503 (default: %(default)s)")
   add_engine_flags(p)
   p.set_defaults(func=run)
   return p

@@ -83,8 +83,8 @@ async def _generate(state: ServerState, http_request: Request, parse):
 
   submission = Submission(request, deliver)
   if not state.loop.submit(submission):
-    raise OpenAIError(f"the server is at capacity ({state.loop.max_waiting} requests "
-                      "waiting); retry later", status=503, kind="server_overloaded",
+    raise OpenAIError(f"the server is at capacity (max_waiting={state.loop.max_waiting} "
+                      "requests waiting); retry later", status=503, kind="server_overloaded",
                       code="queue_full")
   try:
     first = await events.get()

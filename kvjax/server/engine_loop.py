@@ -11,10 +11,11 @@ which frees their pages.  Detokenization and stop strings run here
 (kvjax/server/text.py), so a stop string aborts its request in the engine
 before the next step.
 
-Admission is bounded: requests submitted but not yet running (queued for this
-thread plus the scheduler's waiting queue) stay <= max_waiting, and `submit`
-returns False at once when the bound is reached, so a full server answers 503
-instead of queueing without end.
+Admission is bounded: unfinished requests stay within max_num_seqs (what can
+run) + max_waiting (what may wait), and `submit` returns False at once when
+the bound is reached, so a full server answers 503 instead of queueing
+without end.  (A submission of n choices is admitted whole while the count is
+below the bound.)
 """
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ class EngineLoop:
     self.error: Optional[BaseException] = None  # what stopped the loop, if it failed
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()  # guards the admission counts
+    self._capacity = engine.config.max_num_seqs + max_waiting
+    self._unfinished = 0  # choices submitted and not finished (queued here included)
     self._queued = 0  # choices submitted, not yet added to the engine
-    self._engine_waiting = 0  # the scheduler's waiting queue after the last step
     self._choices: dict[str, _Choice] = {}  # by engine request id
     self._unscheduled: set[str] = set()
     self._stopping = threading.Event()
@@ -111,9 +113,10 @@ class EngineLoop:
   def submit(self, submission: Submission) -> bool:
     """Queue a submission -> False (nothing queued) when the waiting bound is reached."""
     with self._lock:
-      if not self.alive or self._queued + self._engine_waiting >= self.max_waiting:
+      if not self.alive or self._unfinished >= self._capacity:
         return False
       self._queued += submission.request.num_choices
+      self._unfinished += submission.request.num_choices
     self._inbox.put(("submit", submission))
     return True
 
@@ -166,6 +169,8 @@ class EngineLoop:
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)
+      with self._lock:
+        self._unfinished -= request.num_choices
       submission.deliver(Failed(OpenAIError(str(error), engine_error_param(str(error)))))
       return
     submission.request_ids = ids
@@ -218,6 +223,8 @@ class EngineLoop:
           choice.submission.deliver(Delta(choice.index, text, kept, choice.text.num_tokens,
                                           reason))
       if out.finished:
+        with self._lock:
+          self._unfinished -= 1
         del self._choices[out.request_id]
         self._unscheduled.discard(out.request_id)
         self.metrics.record_finished(out.metrics, choice.ended_by or out.finish_reason,
@@ -226,8 +233,7 @@ class EngineLoop:
   def _publish(self) -> None:
     scheduler = self.engine.scheduler
     with self._lock:
-      self._engine_waiting = len(scheduler.waiting)
-      waiting = self._queued + self._engine_waiting
+      waiting = self._queued + len(scheduler.waiting)
     self.metrics.observe_engine(scheduler, waiting=waiting)
 
   def _fail_all(self, error: OpenAIError) -> None:

@@ -62,11 +62,11 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
                     max_waiting: int = 256) -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
-  max_waiting: requests admitted but not yet running at most; beyond it the
-  server answers 503 at once.  served_model_name: the `model` field clients
+  max_waiting: requests that may wait beyond the max_num_seqs running ones;
+  beyond that the server answers 503 at once.  served_model_name: the `model` field clients
   send (default: the model config's name).
   """
-  check_int("max_waiting", max_waiting, 1)
+  check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
   engine = Engine(model, engine_config)
   _warm_up(engine)

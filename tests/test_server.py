@@ -1,0 +1,360 @@
+"""The OpenAI-compatible server end to end, over real sockets on 127.0.0.1.
+
+Oracles: offline kvjax.generate (static batch) or a separate offline Engine of
+the same ids, decoded with the model's tokenizer; the official `openai`
+client; prometheus_client's own text parser; exact counts of what the tests
+sent.  One server per module (same engine shapes as the offline Engine, so the
+step programs compile once).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import kvjax
+from kvjax.server import serve_in_thread
+from kvjax.server.text import TextStream
+from tests.server_helpers import (CONFIG, NAME, PROMPTS, chat_ids, expected, ids_of, scrape,
+                                  sse_events, tokenizer, value)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return kvjax.load_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+  return tokenizer(model)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+  with serve_in_thread(model, CONFIG, served_model_name=NAME, max_waiting=64) as handle:
+    yield handle
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+  """An offline Engine of the server's shapes: prompts -> output ids."""
+  engine = kvjax.Engine(model, CONFIG)
+  return lambda prompts, max_new, **sampling: engine.generate(prompts, max_new,
+                                                              **sampling).tokens
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def assert_idle_and_pages_free(server, timeout_s: float = 30.0) -> None:
+  """/metrics reaches 0 running and 0 waiting; every page is back in the pool (the
+  prefix cache's evictable pages count as free) and the scheduler is consistent."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    samples = scrape(server.root)
+    idle = (value(samples, "kvjax:num_requests_running") == 0
+            and value(samples, "kvjax:num_requests_waiting") == 0)
+    if idle or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  assert idle, samples
+  assert value(samples, "kvjax:kv_cache_usage_perc") == 0
+  scheduler = server.engine.scheduler
+  scheduler.check_invariants()
+  assert scheduler.allocator.num_used == 0 and not scheduler.requests
+
+
+def test_text_stream_cuts_before_stop_and_never_splits_a_character(tok):
+  text = "x€ab!"  # € is three bytes: three tokens
+  stream = TextStream(tok.detokenizer(), stop_strings=["ab"])
+  deltas = [stream.push([t]) for t in tok.encode(text)]
+  assert "".join(d for d, _ in deltas) == "x€"
+  assert all("\ufffd" not in d for d, _ in deltas)
+  assert [r for _, r in deltas if r] == ["stop"]
+  assert stream.num_tokens == len("x€ab".encode())  # up to the token completing "ab"
+
+
+def test_health_and_models(server):
+  assert httpx.get(server.root + "/health").status_code == 200
+  models = openai.OpenAI(base_url=server.url, api_key="unused").models.list()
+  assert [m.id for m in models.data] == [NAME]
+
+
+def test_completions_match_offline_generate(model, tok, client):
+  prompts = [ids_of(tok, p) for p in PROMPTS[:3]]
+  max_tokens = 20
+  reference = kvjax.generate(model, prompts, max_tokens).tokens
+  for text, ids, tokens in zip(PROMPTS, prompts, reference):
+    want = expected(tok, tokens, max_tokens)
+    got = client.completions.create(model=NAME, prompt=text, max_tokens=max_tokens,
+                                    temperature=0)
+    assert got.id.startswith("cmpl-")
+    assert [(c.text, c.finish_reason) for c in got.choices] == [(want["text"],
+                                                                  want["finish_reason"])]
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens,
+            got.usage.total_tokens) == (len(ids), want["tokens"], len(ids) + want["tokens"])
+    chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=max_tokens,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want["finish_reason"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == got.usage
+  # A list of prompts (text and ids) with n = 2: choice i is prompt i // 2.
+  batch = client.completions.create(model=NAME, prompt=[PROMPTS[0], prompts[1]],
+                                    max_tokens=max_tokens, temperature=0, n=2)
+  assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+  assert [c.text for c in batch.choices] == [expected(tok, reference[i // 2],
+                                                      max_tokens)["text"] for i in range(4)]
+  assert batch.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+  assert batch.usage.completion_tokens == 2 * sum(
+      expected(tok, reference[i], max_tokens)["tokens"] for i in range(2))
+
+
+def test_chat_matches_offline_generate(model, tok, client):
+  messages = [{"role": "system", "content": "You write Python."},
+              {"role": "user", "content": "def add(a, b):"}]
+  ids = chat_ids(tok, messages)
+  max_tokens = 24
+  want = expected(tok, kvjax.generate(model, [ids], max_tokens).tokens[0], max_tokens)
+  got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens,
+                                       temperature=0)
+  assert got.id.startswith("chatcmpl-")
+  assert got.choices[0].message.role == "assistant"
+  assert (got.choices[0].message.content, got.choices[0].finish_reason) == (
+      want["text"], want["finish_reason"])
+  assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), want["tokens"])
+  chunks = list(client.chat.completions.create(model=NAME, messages=messages,
+                                               max_tokens=max_tokens, temperature=0,
+                                               stream=True,
+                                               stream_options={"include_usage": True}))
+  deltas = [c.choices[0].delta for c in chunks if c.choices]
+  assert deltas[0].role == "assistant"
+  assert "".join(d.content or "" for d in deltas) == got.choices[0].message.content
+  assert chunks[-1].usage == got.usage
+
+
+async def _stream_one(http: httpx.AsyncClient, url: str, body: dict, disconnect_after=None):
+  """POST a streaming request -> (text, finish reason, usage); or None once it hangs up
+  after `disconnect_after` chunks."""
+  text, reason, usage, chunks = "", None, None, 0
+  async with http.stream("POST", url + "/completions", json=body) as response:
+    assert response.status_code == 200, await response.aread()
+    async for line in response.aiter_lines():
+      for event in sse_events([line]):
+        if event == "[DONE]":
+          return text, reason, usage
+        chunks += 1
+        if disconnect_after is not None and chunks >= disconnect_after:
+          return None  # leaving the block closes the connection mid-stream
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+          text += choice["text"]
+          reason = choice["finish_reason"] or reason
+  raise AssertionError("the stream ended without [DONE]")
+
+
+def test_32_streaming_clients_a_quarter_disconnecting(tok, server, offline):
+  before = scrape(server.root)
+  prompts = [ids_of(tok, PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)))
+             for i in range(32)]
+  kinds = ["greedy", "sampled", "stop", "disconnect"] * 8
+  seeds = {i: 1000 + i for i in range(32) if kinds[i] == "sampled"}
+  stops = [" of", "first", "stack", "\n   "]  # several are hit, after 0 to 9 characters
+  max_tokens, long_tokens = 24, 96
+  bodies = []
+  for i, kind in enumerate(kinds):
+    body = {"model": NAME, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if kind == "sampled":
+      body.update(temperature=0.8, seed=seeds[i])
+    elif kind == "stop":
+      body["stop"] = stops
+    elif kind == "disconnect":
+      body["max_tokens"] = long_tokens
+    bodies.append(body)
+
+  async def run_all():
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+      return await asyncio.wait_for(asyncio.gather(*[
+          _stream_one(http, server.url, body, 3 if kind == "disconnect" else None)
+          for body, kind in zip(bodies, kinds)]), timeout=240)
+
+  start = time.monotonic()
+  results = asyncio.run(run_all())
+  wall = time.monotonic() - start
+  greedy_ids = [i for i, k in enumerate(kinds) if k in ("greedy", "stop")]
+  sampled_ids = sorted(seeds)
+  reference = dict(zip(greedy_ids, offline([prompts[i] for i in greedy_ids], max_tokens)))
+  reference.update(zip(sampled_ids, offline([prompts[i] for i in sampled_ids], max_tokens,
+                                            temperature=0.8,
+                                            seed=[seeds[i] for i in sampled_ids])))
+  completion_tokens = 0
+  for i, kind in enumerate(kinds):
+    if kind == "disconnect":
+      assert results[i] is None
+      continue
+    want = expected(tok, reference[i], max_tokens, stops if kind == "stop" else ())
+    text, reason, usage = results[i]
+    assert (text, reason) == (want["text"], want["finish_reason"]), (i, kind)
+    assert usage["completion_tokens"] == want["tokens"]
+    completion_tokens += want["tokens"]
+  assert sum(kinds[i] == "stop" and results[i][1] == "stop" for i in range(32)) >= 4
+  assert_idle_and_pages_free(server)
+  after = scrape(server.root)
+  delta = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)
+  assert delta("kvjax:request_success_total", finished_reason="abort") == 8
+  assert delta("kvjax:request_success_total", finished_reason="stop") + delta(
+      "kvjax:request_success_total", finished_reason="length") == 24
+  # Disconnected requests stopped early: fewer tokens than asked, counted as generated.
+  aborted_tokens = delta("kvjax:generation_tokens_total") - completion_tokens
+  assert 8 * 3 <= aborted_tokens < 8 * long_tokens
+  print(f"32 streaming clients: {wall:.1f} s")
+
+
+def test_bad_requests_get_400_naming_the_field(tok, server, offline):
+  good = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0,
+          "stream": True}
+  long_prompt = list(range(1, 60))
+  bad = [  # (raw body or dict, endpoint, param)
+      (b"{not json", "completions", None),
+      ({"model": "gpt-4", "prompt": "x"}, "completions", "model"),
+      ({"model": NAME, "prompt": "x", "max_tokens": -1}, "completions", "max_tokens"),
+      ({"model": NAME, "prompt": "x", "max_tokens": 0}, "completions", "max_tokens"),
+      ({"model": NAME, "prompt": long_prompt, "max_tokens": 100}, "completions", "max_tokens"),
+      ({"model": NAME, "prompt": list(range(200, 300))}, "completions", "prompt"),
+      ({"model": NAME, "prompt": [1, 2, 259]}, "completions", "prompt"),
+      ({"model": NAME, "prompt": "x", "temperature": -0.5}, "completions", "temperature"),
+      (b'{"model": "%s", "prompt": "x", "temperature": NaN}' % NAME.encode(), "completions",
+       "temperature"),
+      (b'{"model": "%s", "prompt": "x", "top_p": Infinity}' % NAME.encode(), "completions",
+       "top_p"),
+      ({"model": NAME, "prompt": "x", "max_tokens": "8"}, "completions", "max_tokens"),
+      ({"model": NAME, "prompt": "x", "top_k": 1.5}, "completions", "top_k"),
+      ({"model": NAME, "prompt": 5}, "completions", "prompt"),
+      ({"model": NAME, "prompt": "x", "n": 0}, "completions", "n"),
+      ({"model": NAME, "prompt": "x", "seed": -1}, "completions", "seed"),
+      ({"model": NAME, "prompt": "x", "stop": [""]}, "completions", "stop"),
+      ({"model": NAME, "prompt": "x", "stop": [300]}, "completions", "stop"),
+      ({"model": NAME, "prompt": "x", "stream": "yes"}, "completions", "stream"),
+      ({"model": NAME, "prompt": "x", "logprobs": 1}, "completions", "logprobs"),
+      ({"model": NAME, "messages": "hi"}, "chat/completions", "messages"),
+      ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, "chat/completions",
+       "messages"),
+      ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+       "chat/completions", "logprobs"),
+  ]
+  reference = offline([ids_of(tok, PROMPTS[0])], 32)[0]
+  want = expected(tok, reference, 32)
+
+  async def run():
+    async with httpx.AsyncClient(timeout=60) as http:
+      around = [asyncio.create_task(_stream_one(http, server.url, good))]
+      answers = []
+      for body, endpoint, param in bad:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        answers.append(await http.post(f"{server.url}/{endpoint}", **kwargs))
+      around.append(asyncio.create_task(_stream_one(http, server.url, good)))
+      return answers, await asyncio.gather(*around)
+
+  answers, around = asyncio.run(run())
+  for (body, endpoint, param), answer in zip(bad, answers):
+    assert answer.status_code == 400, (body, answer.text)
+    error = answer.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), (body, error)
+    assert param is None or param in error["message"], error
+  for text, reason, _ in around:
+    assert (text, reason) == (want["text"], want["finish_reason"])
+  assert_idle_and_pages_free(server)
+
+
+def test_metrics_counters_equal_what_was_sent(tok, server, client):
+  before = scrape(server.root)
+  answers = [client.completions.create(model=NAME, prompt=p, max_tokens=m, **extra)
+             for p, m, extra in [(PROMPTS[0], 8, {"temperature": 0}),
+                                 (PROMPTS[1], 12, {"temperature": 0, "n": 2}),
+                                 (PROMPTS[2], 16, {"temperature": 0, "stop": ["\n"]}),
+                                 (PROMPTS[3], 5, {"temperature": 0.7, "seed": 3})]]
+  after = scrape(server.root)
+  delta = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)
+  choices = [c for a in answers for c in a.choices]
+  prompt_tokens = sum(len(ids_of(tok, p)) for p in PROMPTS[:4]) + len(ids_of(tok, PROMPTS[1]))
+  assert delta("kvjax:prompt_tokens_total") == prompt_tokens
+  assert delta("kvjax:generation_tokens_total") == sum(a.usage.completion_tokens
+                                                       for a in answers)
+  for reason in ("stop", "length"):
+    assert delta("kvjax:request_success_total", finished_reason=reason) == sum(
+        c.finish_reason == reason for c in choices)
+  for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+               "request_queue_time_seconds", "request_prompt_tokens",
+               "request_generation_tokens"):
+    assert delta(f"kvjax:{name}_count") == len(choices), name
+  assert delta("kvjax:request_generation_tokens_sum") == delta("kvjax:generation_tokens_total")
+  assert delta("kvjax:prefix_cache_queries_total") >= prompt_tokens - len(choices)
+  assert value(after, "kvjax:max_num_seqs") == CONFIG.max_num_seqs
+
+
+def test_full_queue_answers_503_at_once(model, tok):
+  body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0,
+          "stream": True}
+  with serve_in_thread(model, CONFIG, served_model_name=NAME, max_waiting=1) as server:
+
+    async def run():
+      async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as http:
+        # 8 running + 1 waiting: the engine is full and so is the queue.
+        fillers = [asyncio.create_task(_stream_one(http, server.url, body))
+                   for _ in range(CONFIG.max_num_seqs + 1)]
+        deadline = time.monotonic() + 60
+        while value(scrape(server.root), "kvjax:num_requests_waiting") < 1:
+          assert time.monotonic() < deadline, "the queue never filled"
+          await asyncio.sleep(0.02)
+        times, answers = [], []
+        for _ in range(5):
+          start = time.perf_counter()
+          answers.append(await http.post(server.url + "/completions", json=body))
+          times.append(time.perf_counter() - start)
+        for task in fillers:
+          task.cancel()
+        await asyncio.gather(*fillers, return_exceptions=True)
+        return times, answers
+
+    times, answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [503] * 5
+    assert answers[0].json()["error"]["code"] == "queue_full"
+    assert statistics.median(times) < 0.1, times
+    assert_idle_and_pages_free(server)
+    print(f"503 answered in {statistics.median(times) * 1e3:.1f} ms (median of 5)")
+
+
+def test_cli_serve_prints_one_url_line_and_serves_port_0():
+  command = [sys.executable, "-m", "kvjax", "serve", "--port", "0", "--served-model-name", "m",
+             "--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "16",
+             "--num-scheduler-steps", "1"]
+  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+  try:
+    line = process.stdout.readline()
+    assert line.startswith("kvjax serving m at http://127.0.0.1:"), line
+    url = line.split()[-1]
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    assert port != 0 and url.endswith("/v1")
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    answer = httpx.post(url + "/completions", timeout=60,
+                        json={"model": "m", "prompt": [256, 100], "max_tokens": 2})
+    assert answer.json()["usage"]["completion_tokens"] == 2
+  finally:
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+  assert process.stdout.read() == ""
