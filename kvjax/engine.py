@@ -19,13 +19,24 @@ is drawn with fold_in(PRNGKey(seed), p), so greedy and sampled outputs do not
 depend on batching, chunking or preemption (with speculation, greedy only;
 see kvjax/speculative.py).
 
-Threading: an Engine is not thread-safe; one thread (a server's engine loop)
-owns it.
+A request for which the model gives non-finite logits (NaN or inf weights or
+activations) at any position it feeds, its drafts included, finishes with
+finish_reason "error" after the tokens it emitted before; the pages only it
+held are cleared and leave the prefix cache, so the other requests, now and
+later, are unaffected.
+
+Threading: an Engine is safe to share between threads.  One re-entrant lock
+covers `add_request`, `abort`, `step` and `generate` (which holds it for its
+whole run, so concurrent `generate` calls run one after another); a step's
+outputs go to whichever thread called `step`, and `generate` hands other
+callers' outputs on to the next `step`.  A server still gives the engine loop
+one thread of its own (kvjax/server/).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Iterator, Optional, Sequence, Union
 
@@ -39,7 +50,7 @@ from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.requests import RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
-from kvjax.serve_steps import EngineState, copy_pages, serve_burst, serve_step
+from kvjax.serve_steps import EngineState, clear_pages, copy_pages, serve_burst, serve_step
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -94,6 +105,7 @@ class Engine:
     self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
     self._pending: list[RequestOutput] = []  # returned by the next step()
     self.steps = StepLog()
+    self._lock = threading.RLock()
 
   # -- requests ---------------------------------------------------------------
 
@@ -108,6 +120,12 @@ class Engine:
     addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
     blocks from everyone else's.
     """
+    with self._lock:
+      return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt)
+
+  def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
+                   cache_salt) -> str:
     request_id = str(next(self._ids))
     vocab = self.model_config.vocab_size
     ids = np.asarray(prompt)
@@ -135,6 +153,10 @@ class Engine:
 
     Its final RequestOutput (finish_reason "abort") comes with the next step().
     """
+    with self._lock:
+      return self._abort(request_id)
+
+  def _abort(self, request_id: str) -> bool:
     req = self.scheduler.requests.get(request_id)
     if req is None or not self.scheduler.abort(request_id):
       return False
@@ -157,6 +179,10 @@ class Engine:
     Also returns outputs held back since the last step (aborts, and other
     requests' outputs produced while `generate` ran).
     """
+    with self._lock:
+      return self._step()
+
+  def _step(self) -> list[RequestOutput]:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
     plan = self.scheduler.schedule()
@@ -174,27 +200,38 @@ class Engine:
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
     launched = [(group, self._launch(plan, group)) for group in groups if group]
-    new_ids, verified = {}, []
+    new_ids, verified, broken = {}, [], []
     steps_run = 1
-    for group, (_, emitted, counts, drafted, steps) in launched:
-      # emitted [U, B, J+1], counts and drafted [U, B]: U = 1 but for a burst (which is
-      # the plan's only group).  np.asarray is the step's host sync.
-      emitted, counts, drafted = np.asarray(emitted), np.asarray(counts), np.asarray(drafted)
+    for group, (_, emitted, counts, drafted, failed, steps) in launched:
+      # emitted [U, B, J+1], counts and drafted [U, B], failed [B]: U = 1 but for a burst
+      # (which is the plan's only group).  np.asarray is the step's host sync.
+      emitted, counts, drafted, failed = map(np.asarray, (emitted, counts, drafted, failed))
       steps_run = int(steps)
       for j, i in enumerate(group):
         row = plan.rows[i]
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
-        if row.sample:
+        if failed[j]:  # what it emitted before its logits broke is still good
+          broken.append((row.request, [t for s in range(steps_run)
+                                       for t in emitted[s, j, :counts[s, j]].tolist()]))
+        elif row.sample:
           new_ids[row.request_id] = [t for s in range(steps_run)
                                      for t in emitted[s, j, :counts[s, j]].tolist()]
           verified += [(row.request_id, int(drafted[s, j]), int(counts[s, j]) - 1)
                        for s in range(steps_run) if drafted[s, j]]
     before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in new_ids}
     sampled = {rid: self.scheduler.requests[rid] for rid in new_ids}
+    for req, good in broken:
+      self._clear(*self.scheduler.fail(req.request_id, good))
     self.scheduler.update_from_output(plan, new_ids)
     now = time.perf_counter()
+    for req, good in broken:
+      metrics = self.metrics.pop(req.request_id)
+      metrics.record_tokens(len(good), now)
+      metrics.finish_s = now
+      outputs.append(RequestOutput(req.request_id, good, list(req.output_ids), True,
+                                   req.status.value, metrics))
     for rid, num_draft, num_accepted in verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
     for rid, req in sampled.items():
@@ -225,11 +262,18 @@ class Engine:
 
   __iter__ = stream
 
+  def _clear(self, pages: list[int], slot: int) -> None:
+    """Zero a failed request's own pages, the null page and its slot on the device."""
+    # One shape for every failure: the widest block table plus the null page.
+    padded = np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32)
+    padded[:len(pages)] = pages
+    self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
+
   def _launch(self, plan: SchedulerOutput, group: list[int]):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
-    -> ((B, T), emitted [U, B, J+1], counts [U, B], drafted [U, B], steps run), U = 1
-    unless the plan is a burst.
+    -> ((B, T), emitted [U, B, J+1], counts [U, B], drafted [U, B], failed [B], steps
+    run), U = 1 unless the plan is a burst.
     """
     batch = self.packing.pack(plan, group)
     shape = batch.tokens.shape
@@ -238,14 +282,14 @@ class Engine:
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=self.num_draft, use_filter=use_filter)
     if plan.num_steps == 1:
-      self.state, emitted, counts = serve_step(
+      self.state, emitted, counts, failed = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
-      return shape, emitted[None], counts[None], batch.num_draft[None], 1
+      return shape, emitted[None], counts[None], batch.num_draft[None], failed, 1
     left, stop_ids = burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0])
-    self.state, emitted, counts, drafted, steps = serve_burst(
+    self.state, emitted, counts, drafted, failed, steps = serve_burst(
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
         np.int32(plan.num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
-    return shape, emitted, counts, drafted, steps
+    return shape, emitted, counts, drafted, failed, steps
 
   # -- one-shot ---------------------------------------------------------------
 
@@ -257,8 +301,15 @@ class Engine:
     """Run `prompts` to completion -> GenerateResult(tokens per prompt, stats).
 
     Every prompt is validated before any is queued, so bad input changes
-    nothing.  `seed` is one int or one per prompt.
+    nothing.  `seed` is one int or one per prompt.  stats["finish_reasons"]
+    says how each request ended ("stop", "length", or "error": see the module doc).
     """
+    with self._lock:
+      return self._generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt)
+
+  def _generate(self, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
+                cache_salt) -> GenerateResult:
     prompts = validate_prompts(self.model_config, prompts, max_new_tokens)
     seeds = per_prompt_seeds(seed, len(prompts))
     usable = self.scheduler.allocator.num_usable
@@ -276,12 +327,12 @@ class Engine:
     preemptions_before = self.scheduler.num_preemptions
     mark = self.steps.num_recorded
     start = time.perf_counter()
-    ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
+    ids = [self._add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
            for p, s in zip(prompts, seeds)]
     done, others, mine = {}, [], set(ids)
     while len(done) < len(ids):
-      for out in self.step():
+      for out in self._step():
         if out.request_id not in mine:
           others.append(out)  # another caller's: handed out by the next step()
         elif out.finished:
@@ -294,6 +345,7 @@ class Engine:
                       prefix_hit_tokens=hits[0] - hits_before[0],
                       prefix_queried_tokens=hits[1] - hits_before[1],
                       num_preemptions=self.scheduler.num_preemptions - preemptions_before)
+    stats["finish_reasons"] = [done[rid].finish_reason for rid in ids]
     stats["cache"] = "paged"
     stats["speculative"] = (None if not self.num_draft else "mtp" if self.draft_model is None
                             else self.draft_model.config.name)

@@ -185,6 +185,13 @@ class PrefixCache:
     self._children.setdefault(parent, {})[page] = None
     return True
 
+  def discard(self, pages: Sequence[int]) -> None:
+    """Forgets the cached blocks held in `pages` (their content is not to be reused)."""
+    for page in pages:
+      if page in self._entry:
+        self._forget(page)
+        self.allocator.uncache(page)
+
   def reset(self) -> None:
     """Forgets every cached block; evictable pages become plain free."""
     for page in list(self._entry):

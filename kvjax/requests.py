@@ -35,6 +35,7 @@ class RequestStatus(enum.Enum):
   FINISHED_STOPPED = "stop"  # eos or a stop token
   FINISHED_LENGTH = "length"  # max_new_tokens reached
   FINISHED_ABORTED = "abort"
+  FINISHED_ERROR = "error"  # the model's logits for this request went non-finite
 
   @property
   def is_finished(self) -> bool:

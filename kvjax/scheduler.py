@@ -183,6 +183,23 @@ class Scheduler:
     self._remove(req)
     return True
 
+  def fail(self, request_id: str, good_ids: Sequence[int] = ()) -> tuple[list[int], int]:
+    """Finishes a request whose step went non-finite -> (pages, slot) to clear.
+
+    `good_ids` (emitted before, e.g. by a burst's earlier steps) are appended
+    first.  The pages only it holds (what it wrote, maybe NaN) leave the prefix
+    cache; pages shared with others were written by someone else and stay.
+    """
+    req = self.requests[request_id]
+    pages = [p for p in req.pages if p != NULL_PAGE and self.allocator.refcount(p) == 1]
+    if self.prefix_cache:
+      self.prefix_cache.discard(pages)
+    slot = req.slot
+    req.token_ids.extend(int(t) for t in good_ids)
+    req.status = RequestStatus.FINISHED_ERROR
+    self._remove(req)
+    return pages, slot
+
   @property
   def has_unfinished(self) -> bool:
     return bool(self.requests)

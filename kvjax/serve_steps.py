@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import speculative as spec
-from kvjax.caches import PagedKVCache, copy_cache_pages
+from kvjax.caches import PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.config import ModelConfig
 from kvjax.model import lm_logits
 from kvjax.params import Params
@@ -30,7 +30,7 @@ from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
 
-__all__ = ["EngineState", "serve_step", "serve_burst", "copy_pages"]
+__all__ = ["EngineState", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
 
 
 @struct.dataclass
@@ -44,11 +44,16 @@ class EngineState:
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, *, config: ModelConfig, draft_config: Optional[ModelConfig],
                 backend, num_draft: int, use_filter: bool):
-  """Run one row group -> (state, emitted [B, J+1] int32 padded -1, num_emitted [B]).
+  """Run one row group -> (state, emitted [B, J+1] int32 padded -1, num_emitted [B],
+  failed [B] bool; a failed row emits nothing).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
   num_draft = J: rows verify their drafts (C9-C10) and every row drafts anew, with
   the MTP modules (draft_config None) or the draft model.
+  failed[b]: row b's target logits (the ones it samples from, or would sample
+  from at the end of its chunk) hold a NaN or inf: the model broke on this
+  request, whose tokens are then meaningless; the engine finishes it with an
+  error and the other rows are unaffected.
   """
   if num_draft:
     batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, state.drafts[batch.slot_ids],
@@ -60,9 +65,12 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   if not num_draft:
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
     new = sample(logits, batch.sampling, first, use_filter=use_filter)  # [B]
-    return state.replace(cache=cache), new[:, None], jnp.ones_like(new)
+    failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    return state.replace(cache=cache), new[:, None], jnp.where(failed, 0, 1), failed
 
   logits = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
+  verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
+  failed = jnp.any(verified & ~jnp.all(jnp.isfinite(logits), axis=-1), axis=1)
   logits = spec.target_logits_for_accept(logits, batch.sampling, use_filter)  # [B, J+1, V]
   emitted, accepted = spec.accept(logits, state.drafts[batch.slot_ids],
                                   state.draft_probs[batch.slot_ids], batch.num_draft,
@@ -84,7 +92,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids].set(probs))
-  return state, emitted, accepted + 1
+  return state, emitted, jnp.where(failed, 0, accepted + 1), failed
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter")
@@ -103,8 +111,9 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   emitted left[b] tokens or one of stop_ids[b] ([B, E], -1 padded), then
   becomes a padding row; the loop ends early once no row runs.  Drafts per
   step are min(J, tokens still allowed - 1), as the scheduler plans a single
-  step.  -> (state, emitted [U, B, J+1] (-1 padded), counts [U, B] (0 once a
-  row stopped), drafted [U, B], steps run), U = max_steps.
+  step.  A row whose logits go non-finite stops there (counts 0 from that
+  step).  -> (state, emitted [U, B, J+1] (-1 padded), counts [U, B] (0 once a
+  row stopped), drafted [U, B], failed [B], steps run), U = max_steps.
   """
   b, t = batch.tokens.shape
   scratch = state.drafts.shape[0] - 1  # the padding rows' slot
@@ -115,15 +124,17 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
     return (step < num_steps) & jnp.any(active)
 
   def body(carry):
-    step, state, last, starts, active, left, emitted_all, counts_all, drafted_all = carry
+    step, state, last, starts, active, left, failed_any, emitted_all, counts_all, drafted_all = (
+        carry)
     drafted = jnp.where(active, jnp.maximum(jnp.minimum(num_draft, left - 1), 0), 0)
     step_batch = batch.at_starts(starts, jnp.where(active, 1 + drafted, 0)).replace(
         tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
         slot_ids=jnp.where(active, batch.slot_ids, scratch),
         block_tables=jnp.where(active[:, None], batch.block_tables, 0))
-    state, emitted, counts = _serve_rows(
+    state, emitted, counts, failed = _serve_rows(
         params, draft_params, state, step_batch, config=config, draft_config=draft_config,
         backend=backend, num_draft=num_draft, use_filter=use_filter)
+    failed = active & failed
     counts = jnp.where(active, counts, 0)
     emitted = jnp.where(col < counts[:, None], emitted, -1)
     stopped = jnp.any((emitted[:, :, None] == stop_ids[:, None, :]) & (emitted >= 0)[..., None],
@@ -131,14 +142,16 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
     left = left - counts
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     return (step + 1, state, jnp.where(active, last, batch.tokens[:, 0]), starts + counts,
-            active & ~stopped & (left > 0), left, emitted_all.at[step].set(emitted),
+            active & ~stopped & ~failed & (left > 0), left, failed_any | failed,
+            emitted_all.at[step].set(emitted),
             counts_all.at[step].set(counts), drafted_all.at[step].set(drafted))
 
   carry = (jnp.int32(0), state, batch.tokens[:, 0], batch.starts,
-           (batch.q_lens > 0) & (left > 0), left, jnp.full((max_steps, b, t), -1, jnp.int32),
+           (batch.q_lens > 0) & (left > 0), left, jnp.zeros(b, bool),
+           jnp.full((max_steps, b, t), -1, jnp.int32),
            jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.int32))
-  steps_run, state, *_, emitted, counts, drafted = jax.lax.while_loop(cond, body, carry)
-  return state, emitted, counts, drafted, steps_run
+  steps_run, state, *_, failed, emitted, counts, drafted = jax.lax.while_loop(cond, body, carry)
+  return state, emitted, counts, drafted, failed, steps_run
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -150,4 +163,16 @@ def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineStat
   state = state.replace(cache=copy_cache_pages(state.cache, src, dst))
   if state.draft_cache is not None:
     state = state.replace(draft_cache=copy_cache_pages(state.draft_cache, src, dst))
+  return state
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def clear_pages(state: EngineState, pages: jax.Array, slots: jax.Array) -> EngineState:
+  """Zero pages [C] and slots [C'] in every cache (a failed request's; see
+  kvjax/caches/paged.py clear_cache_pages) and the slots' pending drafts."""
+  state = state.replace(cache=clear_cache_pages(state.cache, pages, slots),
+                        drafts=state.drafts.at[slots].set(0),
+                        draft_probs=state.draft_probs.at[slots].set(0))
+  if state.draft_cache is not None:
+    state = state.replace(draft_cache=clear_cache_pages(state.draft_cache, pages, slots))
   return state

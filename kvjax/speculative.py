@@ -143,13 +143,20 @@ def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
   logits [B, J+1, V] (target at the fed token and each draft), drafts [B, J],
   draft_probs [B, J, V], num_draft [B], positions [B] = sequence index of the
   first token emitted -> (tokens [B, J+1] padded with -1, num_accepted [B]).
+  A draft whose distribution holds a NaN or inf (broken MTP or draft weights) is
+  rejected: the row verifies only the drafts before it, and its token there is
+  drawn from the target, so the output keeps the target distribution.
   """
   def greedy_only():
     return greedy_verify(drafts, logits, num_draft)
 
   def mixed():
     keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
-    return backend.verify(drafts, draft_probs, logits, num_draft, keys,
+    usable = jnp.all(jnp.isfinite(draft_probs), axis=-1)  # [B, J]
+    first_bad = jnp.argmin(jnp.concatenate(
+        [usable, jnp.zeros_like(usable[:, :1])], axis=1), axis=1)  # [B]: J if all usable
+    probs = jnp.where(usable[..., None], draft_probs, 0.0)
+    return backend.verify(drafts, probs, logits, jnp.minimum(num_draft, first_bad), keys,
                           temperature=sampling.temperature)
 
   # An all-greedy batch needs no noise (per-row threefry draws are many small ops on CPU).

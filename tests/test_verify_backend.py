@@ -59,7 +59,7 @@ def test_the_verify_step_stays_on_the_device():
   before = serve_steps.serve_step._cache_size()
   with jax.transfer_guard("disallow"):  # an implicit host<->device copy raises
     for _ in range(2):
-      state, emitted, counts = serve_steps.serve_step(params, None, state, batch, **static)
+      state, emitted, counts, _ = serve_steps.serve_step(params, None, state, batch, **static)
   assert serve_steps.serve_step._cache_size() - before <= 1  # one trace for both calls
   assert_no_host_callback(serve_steps.serve_step.lower(params, None, state, batch, **static))
   counts = np.asarray(counts)

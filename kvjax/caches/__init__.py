@@ -5,7 +5,8 @@ Every cache is a frozen pytree with
 which writes the step's new k, v [B, T, K, H] for `batch` (a StepBatch,
 kvjax/step_batch.py) and attends q [B, T, N, H] over everything the rows can
 see; the cache goes in and comes out, nothing is mutated.  Paged caches also
-list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) for page copies.
+list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
+(`SLOT_ARRAYS`) for page copies and for clearing a failed request's pages.
 
   paged.py       PagedKVCache: float or int8 pages (claims C6, C7); the shared
                  page lookup (`physical_pages`, `token_slots`) and page copies
@@ -28,11 +29,11 @@ from kvjax.backends import Backend
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.kivi import KIVIPagedKVCache
 from kvjax.caches.mla import MLAPagedCache
-from kvjax.caches.paged import NULL_PAGE, PagedKVCache, copy_cache_pages
+from kvjax.caches.paged import NULL_PAGE, PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.config import ModelConfig, short_dtype_name
 
 __all__ = ["KV_DTYPES", "CACHE_KINDS", "PagedKVCache", "KIVIPagedKVCache", "MLAPagedCache",
-           "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "check_cache_support",
+           "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "clear_cache_pages", "check_cache_support",
            "create_paged_cache", "create_contiguous_cache"]
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")

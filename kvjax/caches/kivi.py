@@ -38,6 +38,7 @@ class KIVIPagedKVCache(PagedLayout):
   # Per-page arrays (kvjax/caches/paged.py copy_cache_pages); the residual belongs to a slot.
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
   PAGE_AXIS = 2
+  SLOT_ARRAYS = ("k_residual", "v_residual")
 
   k_pages: jax.Array  # [L, K, P, Z, H/2] int8, two int4 codes per byte
   v_pages: jax.Array  # [L, K, P, Z, H/2]

@@ -25,7 +25,7 @@ from kvjax.quant.symmetric import quantize
 from kvjax.step_batch import StepBatch
 
 __all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_slots",
-           "copy_cache_pages"]
+           "copy_cache_pages", "clear_cache_pages"]
 
 
 def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
@@ -42,10 +42,12 @@ def token_slots(batch: StepBatch, page_size: int) -> tuple[jax.Array, jax.Array]
 
 class PagedLayout:
   """What every paged cache shares: its per-page arrays `PAGE_ARRAYS`, the first of
-  which holds pages along `PAGE_AXIS` with the page's tokens on the next axis."""
+  which holds pages along `PAGE_AXIS` with the page's tokens on the next axis, and
+  its per-slot arrays `SLOT_ARRAYS` (slots along axis 1, after the layer axis)."""
 
   PAGE_ARRAYS: tuple = ()
   PAGE_AXIS: int = 0
+  SLOT_ARRAYS: tuple = ()
 
   @property
   def num_pages(self) -> int:
@@ -112,3 +114,23 @@ def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
     return None if x is None else x.at[lead + (dst,)].set(x[lead + (src,)])
 
   return cache.replace(**{name: copy(getattr(cache, name)) for name in cache.PAGE_ARRAYS})
+
+
+def clear_cache_pages(cache, pages: jax.Array, slots: jax.Array):
+  """Zero pages [C] in every array of `cache.PAGE_ARRAYS` and slots [C'] in `SLOT_ARRAYS`.
+
+  A request whose logits went non-finite has written NaN or inf K/V; attention
+  weighs a masked position by exactly 0, but 0 * NaN is NaN, so a stale
+  non-finite value in a reused page (or slot residual) would poison whoever
+  reads that page next.  Clearing what only the failed request held keeps the
+  pool clean (kvjax/engine.py).
+  """
+  page_lead = (slice(None),) * cache.PAGE_AXIS
+
+  def clear(x, lead, index):
+    return None if x is None else x.at[lead + (index,)].set(0)
+
+  cleared = {name: clear(getattr(cache, name), page_lead, pages) for name in cache.PAGE_ARRAYS}
+  cleared.update({name: clear(getattr(cache, name), (slice(None),), slots)
+                  for name in cache.SLOT_ARRAYS})
+  return cache.replace(**cleared)
