@@ -24,13 +24,14 @@ def tokenizer(model):
 
 
 def ids_of(tok, text: str) -> list[int]:
-  """The prompt ids a text prompt must become: BOS (if any) then the encoded text."""
-  ids = list(tok.encode(text))
-  return ids if tok.bos_id is None or ids[:1] == [tok.bos_id] else [tok.bos_id] + ids
+  """A completions text prompt's ids: encoded with the tokenizer's special tokens (BOS)."""
+  return tok.encode(text, add_special_tokens=True)
 
 
 def chat_ids(tok, messages) -> list[int]:
-  return ids_of(tok, tok.apply_chat_template(messages, add_generation_prompt=True))
+  """A chat prompt's ids: the rendered template, no special tokens added (it writes its own)."""
+  return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                    add_special_tokens=False)
 
 
 def expected(tok, tokens: list[int], max_tokens: int, stops=()) -> dict:

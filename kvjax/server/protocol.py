@@ -17,7 +17,6 @@ import numbers
 import secrets
 from typing import Optional
 
-from kvjax.server.text import prompt_ids
 from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
@@ -111,7 +110,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
   except Exception as error:  # the template is the checkpoint's data: its refusal is a 400
     raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
-  ids = prompt_ids(tokenizer, text)
+  # Templates write their own BOS text (kvjax/tokenizer.py): no special tokens added.
+  ids = _token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
   return _request(body, limits, [ids], chat=True, param="messages")
 
 
@@ -151,13 +151,16 @@ def _prompt_item(item, limits: Limits, tokenizer) -> list[int]:
   if isinstance(item, str):
     if tokenizer is None:
       raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
-    ids = prompt_ids(tokenizer, item)
-  else:
-    ids = [_checked("prompt", check_int, "prompt token id", t, 0, limits.vocab_size)
-           for t in item]
+    item = tokenizer.encode(item, add_special_tokens=True)  # BOS where the tokenizer has one
+  return _token_ids(item, limits, "prompt")
+
+
+def _token_ids(ids, limits: Limits, param: str) -> list[int]:
+  """A non-empty list of ids in the model's vocabulary (a tokenizer's may be larger)."""
   if not ids:
-    raise OpenAIError("prompt must not be empty", "prompt")
-  return ids
+    raise OpenAIError(f"the {param} must not be empty", param)
+  return [_checked(param, check_int, f"{param} token id", t, 0, limits.vocab_size)
+          for t in ids]
 
 
 def _message(index: int, message) -> dict:

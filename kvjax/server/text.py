@@ -10,62 +10,23 @@ a completion token but adds no text.
 """
 from __future__ import annotations
 
-import codecs
 from typing import Optional, Sequence
 
 from kvjax.tokenizer import ByteTokenizer
 
-__all__ = ["TextStream", "tokenizer_of", "prompt_ids"]
-
-
-class _ByteChatTokenizer(ByteTokenizer):
-  """The byte model's text interface until kvjax.Model carries `.tokenizer`.
-
-  Chat template: one "<role>: <content>\\n" line per message, then "assistant: ".
-  """
-
-  eos_ids = (ByteTokenizer.eos_id,)
-
-  def detokenizer(self) -> "_Utf8Detokenizer":
-    return _Utf8Detokenizer()
-
-  def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant: " if add_generation_prompt else "")
-
-
-class _Utf8Detokenizer:
-  """Byte ids -> text, holding an incomplete multi-byte character back."""
-
-  def __init__(self):
-    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-  def push(self, ids: Sequence[int]) -> str:
-    return self._decoder.decode(bytes(i for i in ids if 0 <= i < ByteTokenizer.num_bytes))
-
-  def flush(self) -> str:
-    return self._decoder.decode(b"", final=True)
+__all__ = ["TextStream", "tokenizer_of"]
 
 
 def tokenizer_of(model):
-  """The model's tokenizer, or None (token ids only).
+  """The model's tokenizer (kvjax/tokenizer.py's interface), or None: token ids only.
 
   The one fallback: a byte-level model (vocab 259) without `.tokenizer` gets
-  the byte tokenizer; remove it once kvjax.Model always carries one.
+  the ByteTokenizer; remove it once kvjax.Model always carries its tokenizer.
   """
   tokenizer = getattr(model, "tokenizer", None)
   if tokenizer is None and model.config.vocab_size == ByteTokenizer.vocab_size:
-    tokenizer = _ByteChatTokenizer()
+    tokenizer = ByteTokenizer()
   return tokenizer
-
-
-def prompt_ids(tokenizer, text: str) -> list[int]:
-  """Text -> prompt ids, led by the tokenizer's BOS (if it has one) exactly once."""
-  ids = list(tokenizer.encode(text))
-  bos = getattr(tokenizer, "bos_id", None)
-  if bos is not None and ids[:1] != [bos]:
-    ids.insert(0, bos)
-  return ids
 
 
 class TextStream:
