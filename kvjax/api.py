@@ -17,9 +17,11 @@ import numpy as np
 
 from kvjax import generation
 from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
+from kvjax.hf_tokenizer import load_tokenizer
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params
 from kvjax.sampling import SamplingParams
+from kvjax.tokenizer import ByteTokenizer, Tokenizer
 from kvjax.validation import per_prompt_seeds, sampling_options
 
 __all__ = ["Model", "load_checkpoint", "forward", "generate", "resolve_dtype", "DTYPES"]
@@ -29,9 +31,26 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 @dataclasses.dataclass(frozen=True)
 class Model:
+  """A config, its weights and (when the checkpoint has one) its tokenizer.
+
+  `tokenizer` satisfies kvjax.tokenizer.Tokenizer: the built-in ByteTokenizer for
+  byte-vocabulary models (the default model, the tiny-code preset), the
+  checkpoint's own for HF directories with a tokenizer.json, else None (text in
+  or out is then an error, never a silent byte encoding).
+  """
+
   config: ModelConfig
   params: Params
   dtype: jnp.dtype = jnp.float32
+  tokenizer: Optional[Tokenizer] = dataclasses.field(default=None, compare=False)
+
+
+def _byte_tokenizer(cfg: ModelConfig) -> Optional[ByteTokenizer]:
+  """The byte tokenizer if cfg's vocabulary is the byte one (same size, BOS and EOS)."""
+  byte = ByteTokenizer()
+  same = (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) == (
+      byte.vocab_size, byte.bos_id, byte.eos_id)
+  return byte if same else None
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -67,7 +86,7 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
     params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
     if check_finite:
       load_checks.check_finite_tree(params, f"preset {path_or_preset}")
-    return Model(cfg, params, dtype)
+    return Model(cfg, params, dtype, _byte_tokenizer(cfg))
   if path_or_preset is None:
     path_or_preset = DEFAULT_MODEL_DIR
     if not os.path.isdir(path_or_preset):
@@ -80,12 +99,12 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   if hf.is_hf_checkpoint(path_or_preset):
     load_checks.check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes)
     cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite)
-  else:
-    load_checks.check_fits(read_config(path_or_preset), dtype, available_bytes)
-    cfg, params = restore(path_or_preset, dtype)
-    if check_finite:
-      load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
-  return Model(cfg, params, dtype)
+    return Model(cfg, params, dtype, load_tokenizer(path_or_preset) or _byte_tokenizer(cfg))
+  load_checks.check_fits(read_config(path_or_preset), dtype, available_bytes)
+  cfg, params = restore(path_or_preset, dtype)
+  if check_finite:
+    load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
+  return Model(cfg, params, dtype, _byte_tokenizer(cfg))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -37,7 +37,9 @@ def _add_generate(subparsers) -> None:
                  help="preset name, HF checkpoint dir or kvjax checkpoint dir "
                       "(default: the built-in byte-level code model)")
   source = p.add_mutually_exclusive_group()
-  source.add_argument("--prompt", default=None, help="prompt text (byte-level models)")
+  source.add_argument("--prompt", default=None,
+                      help="prompt text, encoded by the checkpoint's tokenizer (default: "
+                           "'def fibonacci(n):' on a model with a tokenizer)")
   source.add_argument("--prompt-ids", type=_prompt_ids, default=None,
                       help="comma-separated token ids, e.g. 1,2,3")
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -61,11 +63,9 @@ def _add_generate(subparsers) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
   import kvjax
-  from kvjax.tokenizer import ByteTokenizer
 
   model = kvjax.load_checkpoint(args.checkpoint, dtype=args.dtype)
-  tokenizer = ByteTokenizer()
-  byte_level = model.config.vocab_size == tokenizer.vocab_size
+  tokenizer = model.tokenizer
   if args.prompt_ids is not None:
     prompt = args.prompt_ids
     outside = [t for t in prompt if t >= model.config.vocab_size]
@@ -73,11 +73,12 @@ def _run_generate(args: argparse.Namespace) -> int:
       raise ValueError(f"--prompt-ids: token id {outside[0]} is outside the vocabulary of "
                        f"{model.config.name} (vocab_size {model.config.vocab_size}: ids 0 to "
                        f"{model.config.vocab_size - 1})")
+  elif tokenizer is None:
+    raise ValueError(f"--prompt: {model.config.name} has no tokenizer (no tokenizer.json "
+                     "in the checkpoint directory); pass token ids with --prompt-ids 1,2,3")
   else:
     text = "def fibonacci(n):" if args.prompt is None else args.prompt
-    prompt = tokenizer.encode(text)
-    if model.config.bos_token_id is not None and byte_level:
-      prompt = [tokenizer.bos_id] + prompt
+    prompt = tokenizer.encode(text, add_special_tokens=True)  # BOS as the model was trained
   run = functools.partial(kvjax.generate, model, [prompt], args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed, cache=args.cache, page_size=args.page_size,
@@ -90,15 +91,15 @@ def _run_generate(args: argparse.Namespace) -> int:
   result = run()
   result.stats["warmup_s"] = warmup_s
   tokens = result.tokens[0]
-  text = tokenizer.decode(tokens) if byte_level else None
+  text = None if tokenizer is None else tokenizer.decode(tokens)
   if args.json:
     print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text,
                       "stats": result.stats}))
   else:
-    if byte_level:
-      print(tokenizer.decode(prompt) + text)
-    else:
+    if tokenizer is None:
       print(" ".join(map(str, tokens)))
+    else:
+      print(tokenizer.decode(prompt) + text)
     stats = result.stats
     print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
           f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "

@@ -25,3 +25,27 @@ def test_generate_bad_input_exits_2_with_the_value(capsys):
   assert "token id 999" in capsys.readouterr().err
   assert main(["generate", "--checkpoint", "nope"]) == 2
   assert "'nope'" in capsys.readouterr().err
+
+
+def test_generate_text_uses_the_checkpoints_own_tokenizer(tmp_path, capsys):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  import transformers
+
+  from tests.hf_models import save_tiny
+
+  save_tiny("llama", str(tmp_path))
+  words = ["[UNK]", "<s>", "hello", "world", "def", "f", "():"]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  oracle = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+  assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hello world def f():",
+               "--max-new-tokens", "4", "--json", "--no-warmup"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["prompt_ids"] == oracle.encode("hello world def f():") == [2, 3, 4, 5, 6]
+  assert printed["text"] == oracle.decode(printed["tokens"])
+
+
+def test_generate_text_without_a_tokenizer_is_an_error_not_bytes(capsys):
+  assert main(["generate", "--checkpoint", "tiny", "--prompt", "hello"]) == 2
+  assert "has no tokenizer" in capsys.readouterr().err
