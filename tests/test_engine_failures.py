@@ -146,3 +146,11 @@ def test_accept_treats_a_nonfinite_draft_as_the_end_of_the_drafts():
   np.testing.assert_array_equal(tokens, want_tokens)
   np.testing.assert_array_equal(accepted, want_accepted)
   assert int(accepted[0]) <= 1 and int(accepted[1]) == 0
+
+
+def test_nan_temperature_with_mtp_is_refused_not_sixteen_zeros():
+  # Issue 12's repro 3: Engine(m, speculative="mtp").generate([p], 16, temperature=nan).
+  eng = kvjax.Engine(h.mtp_model(), **h.ENGINE_DEFAULTS, speculative="mtp", num_draft=2)
+  with pytest.raises(ValueError, match="temperature must be finite"):
+    eng.generate([CLEAN[0]], 16, temperature=float("nan"))
+  assert not eng.scheduler.requests
