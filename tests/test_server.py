@@ -22,6 +22,7 @@ import pytest
 
 import kvjax
 from kvjax.server import serve_in_thread
+from kvjax.server.protocol import Limits, OpenAIError, engine_error_param, parse_completion
 from kvjax.server.text import TextStream
 from tests.server_helpers import (CONFIG, NAME, PROMPTS, chat_ids, expected, ids_of, scrape,
                                   sse_events, tokenizer, value)
@@ -84,6 +85,20 @@ def test_text_stream_cuts_before_stop_and_never_splits_a_character(tok):
   assert all("\ufffd" not in d for d, _ in deltas)
   assert [r for _, r in deltas if r] == ["stop"]
   assert stream.num_tokens == len("x€ab".encode())  # up to the token completing "ab"
+
+
+def test_engine_refusals_and_tokenizerless_text_name_the_field(model):
+  """What only the Engine can check (the pool's size) maps to the field; a text prompt
+  on a model without a tokenizer is a 400, never silent byte-encoding."""
+  small_pool = kvjax.Engine(model, CONFIG, num_pages=3)
+  with pytest.raises(ValueError) as refused:
+    small_pool.add_request([1] * 10, 100)
+  assert engine_error_param(str(refused.value)) == "max_tokens"
+  limits = Limits(NAME, model.config.vocab_size, CONFIG.max_model_len)
+  with pytest.raises(OpenAIError) as error:
+    parse_completion({"model": NAME, "prompt": "hello"}, limits, tokenizer=None)
+  assert error.value.param == "prompt" and "tokenizer" in error.value.message
+  assert parse_completion({"model": NAME, "prompt": [5, 6]}, limits, None).prompts == ((5, 6),)
 
 
 def test_health_and_models(server):
@@ -169,8 +184,10 @@ def test_32_streaming_clients_a_quarter_disconnecting(tok, server, offline):
   before = scrape(server.root)
   prompts = [ids_of(tok, PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)))
              for i in range(32)]
-  kinds = ["greedy", "sampled", "stop", "disconnect"] * 8
-  seeds = {i: 1000 + i for i in range(32) if kinds[i] == "sampled"}
+  kinds = ["greedy", "sampled", "stop", "disconnect", "greedy", "filtered", "stop",
+           "disconnect"] * 4
+  seeds = {i: 1000 + i for i in range(32) if kinds[i] in ("sampled", "filtered")}
+  filtered = dict(temperature=0.8, top_k=40, top_p=0.9)
   stops = [" of", "first", "stack", "\n   "]  # several are hit, after 0 to 9 characters
   max_tokens, long_tokens = 24, 96
   bodies = []
@@ -179,6 +196,8 @@ def test_32_streaming_clients_a_quarter_disconnecting(tok, server, offline):
             "stream": True, "stream_options": {"include_usage": True}}
     if kind == "sampled":
       body.update(temperature=0.8, seed=seeds[i])
+    elif kind == "filtered":
+      body.update(filtered, seed=seeds[i])
     elif kind == "stop":
       body["stop"] = stops
     elif kind == "disconnect":
@@ -196,11 +215,11 @@ def test_32_streaming_clients_a_quarter_disconnecting(tok, server, offline):
   results = asyncio.run(run_all())
   wall = time.monotonic() - start
   greedy_ids = [i for i, k in enumerate(kinds) if k in ("greedy", "stop")]
-  sampled_ids = sorted(seeds)
   reference = dict(zip(greedy_ids, offline([prompts[i] for i in greedy_ids], max_tokens)))
-  reference.update(zip(sampled_ids, offline([prompts[i] for i in sampled_ids], max_tokens,
-                                            temperature=0.8,
-                                            seed=[seeds[i] for i in sampled_ids])))
+  for kind, sampling in (("sampled", dict(temperature=0.8)), ("filtered", filtered)):
+    ids = [i for i in sorted(seeds) if kinds[i] == kind]
+    reference.update(zip(ids, offline([prompts[i] for i in ids], max_tokens,
+                                      seed=[seeds[i] for i in ids], **sampling)))
   completion_tokens = 0
   for i, kind in enumerate(kinds):
     if kind == "disconnect":
@@ -222,6 +241,19 @@ def test_32_streaming_clients_a_quarter_disconnecting(tok, server, offline):
   aborted_tokens = delta("kvjax:generation_tokens_total") - completion_tokens
   assert 8 * 3 <= aborted_tokens < 8 * long_tokens
   print(f"32 streaming clients: {wall:.1f} s")
+
+
+def test_non_streamed_client_hanging_up_aborts_its_choices(server):
+  before = scrape(server.root)
+  n = 2 * CONFIG.max_num_seqs  # two waves: the second is still waiting when the client goes
+  body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "n": n}
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(server.url + "/completions", json=body, timeout=0.2)
+  assert_idle_and_pages_free(server)
+  after = scrape(server.root)
+  aborted = (value(after, "kvjax:request_success_total", finished_reason="abort")
+             - value(before, "kvjax:request_success_total", finished_reason="abort"))
+  assert CONFIG.max_num_seqs <= aborted <= n
 
 
 def test_bad_requests_get_400_naming_the_field(tok, server, offline):

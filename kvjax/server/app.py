@@ -4,8 +4,10 @@ health and Prometheus metrics.
 A generation handler parses and checks its body (kvjax/server/protocol.py),
 submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
 events on an asyncio queue that the engine thread fills through
-`call_soon_threadsafe`.  A stream whose client goes away, and a handler that
-fails, cancel their submission, which aborts the requests and frees their pages.
+`call_soon_threadsafe`.  A stream whose client goes away (the stream is
+cancelled), a non-streamed request whose client goes away (polled while it
+waits) and a handler that fails cancel their submission, which aborts the
+requests and frees their pages.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from kvjax.server.protocol import (Limits, OpenAIError, parse_chat, parse_comple
 from kvjax.server.responses import Responses, sse
 
 __all__ = ["ServerState", "create_app"]
+
+_DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is there
 
 
 @dataclasses.dataclass
@@ -97,18 +101,23 @@ async def _generate(state: ServerState, http_request: Request, parse):
   if request.stream:
     return StreamingResponse(_stream(state.loop, submission, events, responses),
                              media_type="text/event-stream")
-  return await _collect(state.loop, submission, events, responses)
+  return await _collect(state.loop, submission, events, responses, http_request)
 
 
 async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,
-                   responses: Responses):
-  """Await every choice's end -> the whole response."""
+                   responses: Responses, http_request: Request):
+  """Await every choice's end -> the whole response (None if the client went away)."""
   k = submission.request.num_choices
   texts, ids, reasons, counts = [""] * k, [[] for _ in range(k)], [None] * k, [0] * k
   done = 0
   try:
     while done < k:
-      event = await events.get()
+      try:
+        event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        if await http_request.is_disconnected():
+          return None
+        continue
       if isinstance(event, Failed):
         raise event.error
       texts[event.index] += event.text

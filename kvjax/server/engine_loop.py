@@ -88,12 +88,14 @@ class EngineLoop:
     self._capacity = engine.config.max_num_seqs + max_waiting
     self._unfinished = 0  # choices submitted and not finished (queued here included)
     self._queued = 0  # choices submitted, not yet added to the engine
+    self._engine_waiting = 0  # the scheduler's waiting queue when last published
     self._choices: dict[str, _Choice] = {}  # by engine request id
     self._unscheduled: set[str] = set()
     self._stopping = threading.Event()
     self._thread = threading.Thread(target=self._run, name="kvjax-engine-loop", daemon=True)
     eos = engine.model_config.eos_token_id
     self._eos_ids = set(getattr(tokenizer, "eos_ids", ())) | ({eos} if eos is not None else set())
+    metrics.waiting.set_function(lambda: self.num_waiting)  # fresh even mid-step
 
   # -- any thread ---------------------------------------------------------------
 
@@ -109,6 +111,12 @@ class EngineLoop:
   @property
   def alive(self) -> bool:
     return self._thread.is_alive() and not self._stopping.is_set()
+
+  @property
+  def num_waiting(self) -> int:
+    """Choices admitted but not running: queued for this thread or in the scheduler's queue."""
+    with self._lock:
+      return self._queued + self._engine_waiting
 
   def submit(self, submission: Submission) -> bool:
     """Queue a submission -> False (nothing queued) when the waiting bound is reached."""
@@ -130,6 +138,7 @@ class EngineLoop:
     try:
       while not self._stopping.is_set():
         self._drain(block=not self.engine.has_unfinished)
+        self._publish()  # admitted requests show before a step that may take long
         if self.engine.has_unfinished:
           start = time.perf_counter()
           outputs = self.engine.step()
@@ -233,8 +242,8 @@ class EngineLoop:
   def _publish(self) -> None:
     scheduler = self.engine.scheduler
     with self._lock:
-      waiting = self._queued + len(scheduler.waiting)
-    self.metrics.observe_engine(scheduler, waiting=waiting)
+      self._engine_waiting = len(scheduler.waiting)
+    self.metrics.observe_engine(scheduler)
 
   def _fail_all(self, error: OpenAIError) -> None:
     """Failed to every submission still owed an answer, queued ones included."""

@@ -1,6 +1,6 @@
 """The server's Prometheus metrics: vLLM's names under `kvjax:`, one registry per server.
 
-Gauges follow the scheduler after every engine step; counters of cumulative
+Gauges follow the scheduler after every engine step and admission; counters of cumulative
 scheduler totals (prefix cache, preemptions) advance by their deltas; token
 counters advance as tokens reach clients (a stop string's completion ends at
 the token that completed it); request histograms and request_success come
@@ -88,10 +88,13 @@ class ServerMetrics:
                                    "Generated tokens per request.", buckets=token_buckets)
     self._totals = None  # the scheduler's cumulative (queried, hit, preempted) last seen
 
-  def observe_engine(self, scheduler, *, waiting: int) -> None:
-    """Gauges from the scheduler now; counters by its totals' growth since last time."""
+  def observe_engine(self, scheduler) -> None:
+    """Gauges from the scheduler now; counters by its totals' growth since last time.
+
+    (The waiting gauge is a function its owner sets: it counts requests not yet handed
+    to the scheduler too.)
+    """
     self.running.set(len(scheduler.running))
-    self.waiting.set(waiting)
     self.kv_usage.set(scheduler.allocator.utilization)
     cache = scheduler.prefix_cache
     totals = ((cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)) + (
