@@ -9,7 +9,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvjax
-from kvjax.server.text import tokenizer_of
 
 NAME = "tiny-code-test"
 # One shape set for every server of the suite: 8 rows, 64-token chunks, 8-page tables.
@@ -17,10 +16,6 @@ CONFIG = kvjax.EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model
                             page_size=16)
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):", "# sort a list\ndef sort(xs):", "x = [1, 2, 3]\n"]
-
-
-def tokenizer(model):
-  return tokenizer_of(model)
 
 
 def ids_of(tok, text: str) -> list[int]:

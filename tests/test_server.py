@@ -25,7 +25,7 @@ from kvjax.server import serve_in_thread
 from kvjax.server.protocol import Limits, OpenAIError, engine_error_param, parse_completion
 from kvjax.server.text import TextStream
 from tests.server_helpers import (CONFIG, NAME, PROMPTS, chat_ids, expected, ids_of, scrape,
-                                  sse_events, tokenizer, value)
+                                  sse_events, value)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +37,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tok(model):
-  return tokenizer(model)
+  return model.tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,8 @@ async def _generate(state: ServerState, http_request: Request, parse):
       pass
 
   submission = Submission(request, deliver)
+  if not state.loop.alive:
+    raise OpenAIError("the engine is not running", status=503, kind="server_error")
   if not state.loop.submit(submission):
     raise OpenAIError(f"the server is at capacity (max_waiting={state.loop.max_waiting} "
                       "requests waiting); retry later", status=503, kind="server_overloaded",

@@ -20,6 +20,7 @@ below the bound.)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -147,6 +148,7 @@ class EngineLoop:
         self._publish()
       reason = OpenAIError("the server is shutting down", status=503, kind="server_error")
     except Exception as error:  # a bug: fail every request instead of hanging them
+      logging.getLogger(__name__).exception("the engine loop failed")
       self.error = error
       reason = OpenAIError(f"the engine failed: {error!r}", status=500, kind="server_error")
     self._stopping.set()

@@ -19,7 +19,6 @@ from kvjax.server.app import ServerState, create_app
 from kvjax.server.engine_loop import EngineLoop
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import Limits
-from kvjax.server.text import tokenizer_of
 from kvjax.validation import check_int
 
 __all__ = ["ServerHandle", "serve_in_thread"]
@@ -73,7 +72,7 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
   name = served_model_name or model.config.name
   metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
                           max_num_seqs=engine.config.max_num_seqs)
-  tokenizer = tokenizer_of(model)
+  tokenizer = model.tokenizer
   loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
   state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len),
                       tokenizer, metrics, created=int(time.time()))

@@ -12,21 +12,14 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from kvjax.tokenizer import ByteTokenizer
-
 __all__ = ["TextStream", "tokenizer_of"]
 
 
 def tokenizer_of(model):
-  """The model's tokenizer (kvjax/tokenizer.py's interface), or None: token ids only.
-
-  The one fallback: a byte-level model (vocab 259) without `.tokenizer` gets
-  the ByteTokenizer; remove it once kvjax.Model always carries its tokenizer.
-  """
-  tokenizer = getattr(model, "tokenizer", None)
-  if tokenizer is None and model.config.vocab_size == ByteTokenizer.vocab_size:
-    tokenizer = ByteTokenizer()
-  return tokenizer
+  """model.tokenizer (None: token ids only).  Kept for the bench client and the
+  serve_diagnose experiment, which imported it while the server fell back to the
+  byte tokenizer; new code reads model.tokenizer."""
+  return model.tokenizer
 
 
 class TextStream:
