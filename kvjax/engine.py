@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,12 +49,22 @@ from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
-from kvjax.requests import RequestOutput, SchedulerOutput
+from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
 from kvjax.scheduler import Scheduler
 from kvjax.serve_steps import EngineState, clear_pages, copy_pages, serve_burst, serve_step
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
+
+
+def _logprobs(emitted, row: int, counts, num_top: Optional[int]) -> Optional[list]:
+  """One row's TokenLogprobs, in emission order, from a host copy of an Emitted [U, B, ...]."""
+  if num_top is None:
+    return None
+  return [TokenLogprob(float(emitted.logprobs[s, row, c]),
+                       tuple(zip(emitted.top_ids[s, row, c, :num_top].tolist(),
+                                 emitted.top_logprobs[s, row, c, :num_top].tolist())))
+          for s, n in enumerate(counts) for c in range(n)]
 
 
 class Engine:
@@ -113,19 +124,22 @@ class Engine:
                   temperature: float = 0.0, top_k: Optional[int] = None,
                   top_p: Optional[float] = None, seed: Optional[int] = None,
                   stop: Union[None, int, Sequence[int]] = None,
-                  cache_salt: Optional[str] = None) -> str:
+                  cache_salt: Optional[str] = None, logprobs: Optional[int] = None) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
     `stop`: token id(s) that end the request (kept as its last output id), in
     addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
-    blocks from everyone else's.
+    blocks from everyone else's.  `logprobs` n (0..20): every RequestOutput
+    carries each new id's log-probability and its n likeliest alternatives
+    (kvjax/requests.py TokenLogprob).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt)
+                               top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
+                               logprobs=logprobs)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt) -> str:
+                   cache_salt, logprobs=None) -> str:
     request_id = str(next(self._ids))
     vocab = self.model_config.vocab_size
     ids = np.asarray(prompt)
@@ -139,7 +153,7 @@ class Engine:
     try:
       max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
       sampling = sampling_options(vocab, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed)
+                                  seed=seed, logprobs=logprobs)
       stops = stop_ids(stop, vocab)
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
@@ -200,25 +214,28 @@ class Engine:
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
     launched = [(group, self._launch(plan, group)) for group in groups if group]
-    new_ids, verified, broken = {}, [], []
+    new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
-    for group, (_, emitted, counts, drafted, failed, steps) in launched:
-      # emitted [U, B, J+1], counts and drafted [U, B], failed [B]: U = 1 but for a burst
-      # (which is the plan's only group).  np.asarray is the step's host sync.
-      emitted, counts, drafted, failed = map(np.asarray, (emitted, counts, drafted, failed))
-      steps_run = int(steps)
+    for group, (_, emitted, drafted, steps) in launched:
+      # Emitted [U, B, ...], drafted [U, B]: U = 1 but for a burst (which is the plan's
+      # only group).  device_get is the step's host sync.
+      emitted, drafted, steps_run = jax.device_get((emitted, drafted, steps))
       for j, i in enumerate(group):
         row = plan.rows[i]
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
-        if failed[j]:  # what it emitted before its logits broke is still good
-          broken.append((row.request, [t for s in range(steps_run)
-                                       for t in emitted[s, j, :counts[s, j]].tolist()]))
-        elif row.sample:
-          new_ids[row.request_id] = [t for s in range(steps_run)
-                                     for t in emitted[s, j, :counts[s, j]].tolist()]
-          verified += [(row.request_id, int(drafted[s, j]), int(counts[s, j]) - 1)
+        if not (row.sample or emitted.failed[:, j].any()):
+          continue
+        counts = emitted.counts[:steps_run, j]
+        ids = [t for s, n in enumerate(counts) for t in emitted.tokens[s, j, :n].tolist()]
+        new_logprobs[row.request_id] = _logprobs(emitted, j, counts,
+                                                 row.request.sampling.logprobs)
+        if emitted.failed[:, j].any():  # what it emitted before its logits broke is good
+          broken.append((row.request, ids))
+        else:
+          new_ids[row.request_id] = ids
+          verified += [(row.request_id, int(drafted[s, j]), int(counts[s]) - 1)
                        for s in range(steps_run) if drafted[s, j]]
     before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in new_ids}
     sampled = {rid: self.scheduler.requests[rid] for rid in new_ids}
@@ -231,7 +248,8 @@ class Engine:
       metrics.record_tokens(len(good), now)
       metrics.finish_s = now
       outputs.append(RequestOutput(req.request_id, good, list(req.output_ids), True,
-                                   req.status.value, metrics))
+                                   req.status.value, metrics,
+                                   new_logprobs[req.request_id]))
     for rid, num_draft, num_accepted in verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
     for rid, req in sampled.items():
@@ -243,9 +261,11 @@ class Engine:
       if finished:
         metrics.finish_s = now
         del self.metrics[rid]
+      logprobs = new_logprobs[rid]
       outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
                                    req.status.value if finished else None,
-                                   metrics if finished else None))
+                                   metrics if finished else None,
+                                   None if logprobs is None else logprobs[:len(new)]))
     allocator = self.scheduler.allocator
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                       utilization=allocator.utilization, pages_used=allocator.num_used,
@@ -272,24 +292,26 @@ class Engine:
   def _launch(self, plan: SchedulerOutput, group: list[int]):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
-    -> ((B, T), emitted [U, B, J+1], counts [U, B], drafted [U, B], failed [B], steps
-    run), U = 1 unless the plan is a burst.
+    -> ((B, T), Emitted [U, B, ...], drafted [U, B], steps run), U = 1 unless the
+    plan is a burst.
     """
     batch = self.packing.pack(plan, group)
     shape = batch.tokens.shape
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
+    logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
     draft = self.draft_model
     static = dict(config=self.model_config, draft_config=draft and draft.config,
-                  backend=self.config.backend, num_draft=self.num_draft, use_filter=use_filter)
+                  backend=self.config.backend, num_draft=self.num_draft, use_filter=use_filter,
+                  logprobs=logprobs)
     if plan.num_steps == 1:
-      self.state, emitted, counts, failed = serve_step(
+      self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
-      return shape, emitted[None], counts[None], batch.num_draft[None], failed, 1
+      return shape, jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
     left, stop_ids = burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0])
-    self.state, emitted, counts, drafted, failed, steps = serve_burst(
+    self.state, emitted, drafted, steps = serve_burst(
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
         np.int32(plan.num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
-    return shape, emitted, counts, drafted, failed, steps
+    return shape, emitted, drafted, steps
 
   # -- one-shot ---------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 __all__ = ["RequestStatus", "Request", "ScheduledRow", "PageCopy", "SchedulerOutput",
-           "RequestOutput", "SamplingOptions"]
+           "RequestOutput", "TokenLogprob", "SamplingOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,7 @@ class SamplingOptions:
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
   seed: int = 0  # folded with each position (kvjax/sampling.py)
+  logprobs: Optional[int] = None  # report each token's log p and this many alternatives
 
 
 class RequestStatus(enum.Enum):
@@ -167,3 +168,13 @@ class RequestOutput:
   finished: bool
   finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
   metrics: Any = None  # the request's RequestMetrics (kvjax/metrics.py), once finished
+  new_logprobs: Optional[list] = None  # a TokenLogprob per new id, if the request asked
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """An emitted id's log-probability under the model's raw distribution (before
+  temperature and top-k/top-p, as vLLM reports it) and the likeliest ids there."""
+
+  logprob: float
+  top: tuple  # ((id, logprob), ...), most likely first, as many as the request asked

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-__all__ = ["SamplingParams", "sample", "filtered_logits"]
+__all__ = ["SamplingParams", "sample", "filtered_logits", "token_logprobs", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 
 
 @struct.dataclass
@@ -80,3 +82,17 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
 
   # An all-greedy batch skips the random bits and the [B, V] noise entirely.
   return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array):
+  """Log-probabilities of emitted tokens and the MAX_LOGPROBS likeliest ids.
+
+  logits [B, R, V] (the model's raw logits, before temperature and top-k/top-p,
+  as vLLM reports them), tokens [B, R] (ids; -1 padding reads id 0) ->
+  (logprobs [B, R] f32, top_ids [B, R, A] int32, top_logprobs [B, R, A] f32),
+  A = MAX_LOGPROBS, most likely first.
+  """
+  log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(log_p, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+  top_logprobs, top_ids = jax.lax.top_k(log_p, min(MAX_LOGPROBS, logits.shape[-1]))
+  return chosen, top_ids.astype(jnp.int32), top_logprobs

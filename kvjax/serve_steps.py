@@ -25,12 +25,35 @@ from kvjax.caches import PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.config import ModelConfig
 from kvjax.model import lm_logits
 from kvjax.params import Params
-from kvjax.sampling import sample
+from kvjax.sampling import sample, token_logprobs
 from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
 
-__all__ = ["EngineState", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
+__all__ = ["Emitted", "EngineState", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
+
+
+@struct.dataclass
+class Emitted:
+  """What a serve step hands back per row (a burst stacks U of them: [U, B, ...])."""
+
+  tokens: jax.Array  # [B, J+1] int32 emitted ids, -1 from `counts` on
+  counts: jax.Array  # [B] int32 ids emitted (0: none, e.g. a failed or padding row)
+  failed: jax.Array  # [B] bool: the row's logits were non-finite (see _serve_rows)
+  # With logprobs on (kvjax/sampling.py token_logprobs), A = MAX_LOGPROBS:
+  logprobs: Optional[jax.Array] = None  # [B, J+1] f32 log p of each emitted id
+  top_ids: Optional[jax.Array] = None  # [B, J+1, A] int32 the likeliest ids there
+  top_logprobs: Optional[jax.Array] = None  # [B, J+1, A] f32 their log p
+
+
+def _emitted(tokens, counts, failed, logits, logprobs: bool) -> Emitted:
+  """tokens [B, R], logits [B, R, V] -> Emitted; a failed row emits nothing."""
+  counts = jnp.where(failed, 0, counts)
+  out = Emitted(tokens=tokens, counts=counts, failed=failed)
+  if not logprobs:
+    return out
+  chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
+  return out.replace(logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 @struct.dataclass
@@ -43,9 +66,8 @@ class EngineState:
 
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, *, config: ModelConfig, draft_config: Optional[ModelConfig],
-                backend, num_draft: int, use_filter: bool):
-  """Run one row group -> (state, emitted [B, J+1] int32 padded -1, num_emitted [B],
-  failed [B] bool; a failed row emits nothing).
+                backend, num_draft: int, use_filter: bool, logprobs: bool):
+  """Run one row group -> (state, Emitted).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
   num_draft = J: rows verify their drafts (C9-C10) and every row drafts anew, with
@@ -54,6 +76,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   from at the end of its chunk) hold a NaN or inf: the model broke on this
   request, whose tokens are then meaningless; the engine finishes it with an
   error and the other rows are unaffected.
+  logprobs: also return each emitted id's log-probability and the likeliest ids.
   """
   if num_draft:
     batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, state.drafts[batch.slot_ids],
@@ -66,12 +89,13 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
     new = sample(logits, batch.sampling, first, use_filter=use_filter)  # [B]
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    return state.replace(cache=cache), new[:, None], jnp.where(failed, 0, 1), failed
+    return state.replace(cache=cache), _emitted(new[:, None], jnp.ones_like(new), failed,
+                                                logits[:, None], logprobs)
 
-  logits = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
+  raw = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
-  failed = jnp.any(verified & ~jnp.all(jnp.isfinite(logits), axis=-1), axis=1)
-  logits = spec.target_logits_for_accept(logits, batch.sampling, use_filter)  # [B, J+1, V]
+  failed = jnp.any(verified & ~jnp.all(jnp.isfinite(raw), axis=-1), axis=1)
+  logits = spec.target_logits_for_accept(raw, batch.sampling, use_filter)  # [B, J+1, V]
   emitted, accepted = spec.accept(logits, state.drafts[batch.slot_ids],
                                   state.draft_probs[batch.slot_ids], batch.num_draft,
                                   batch.sampling, first, backend)
@@ -92,10 +116,10 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids].set(probs))
-  return state, emitted, jnp.where(failed, 0, accepted + 1), failed
+  return state, _emitted(emitted, accepted + 1, failed, raw, logprobs)
 
 
-_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter")
+_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs")
 serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("state",))
 
 
@@ -103,7 +127,7 @@ serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("st
 def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, left: jax.Array, stop_ids: jax.Array, num_steps: jax.Array,
                 *, config: ModelConfig, draft_config: Optional[ModelConfig], backend,
-                num_draft: int, use_filter: bool, max_steps: int):
+                num_draft: int, use_filter: bool, logprobs: bool, max_steps: int):
   """Up to num_steps decode steps of one row group in one device loop (multi-step).
 
   batch: the first step's decode rows ([B, 1 + J]); each later step feeds a
@@ -112,8 +136,8 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   becomes a padding row; the loop ends early once no row runs.  Drafts per
   step are min(J, tokens still allowed - 1), as the scheduler plans a single
   step.  A row whose logits go non-finite stops there (counts 0 from that
-  step).  -> (state, emitted [U, B, J+1] (-1 padded), counts [U, B] (0 once a
-  row stopped), drafted [U, B], failed [B], steps run), U = max_steps.
+  step).  -> (state, Emitted stacked over steps ([U, B, ...]; counts 0 once a
+  row stopped), drafted [U, B], steps run), U = max_steps.
   """
   b, t = batch.tokens.shape
   scratch = state.drafts.shape[0] - 1  # the padding rows' slot
@@ -124,34 +148,39 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
     return (step < num_steps) & jnp.any(active)
 
   def body(carry):
-    step, state, last, starts, active, left, failed_any, emitted_all, counts_all, drafted_all = (
-        carry)
+    step, state, last, starts, active, left, history, drafted_all = carry
     drafted = jnp.where(active, jnp.maximum(jnp.minimum(num_draft, left - 1), 0), 0)
     step_batch = batch.at_starts(starts, jnp.where(active, 1 + drafted, 0)).replace(
         tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
         slot_ids=jnp.where(active, batch.slot_ids, scratch),
         block_tables=jnp.where(active[:, None], batch.block_tables, 0))
-    state, emitted, counts, failed = _serve_rows(
+    state, out = _serve_rows(
         params, draft_params, state, step_batch, config=config, draft_config=draft_config,
-        backend=backend, num_draft=num_draft, use_filter=use_filter)
-    failed = active & failed
-    counts = jnp.where(active, counts, 0)
-    emitted = jnp.where(col < counts[:, None], emitted, -1)
+        backend=backend, num_draft=num_draft, use_filter=use_filter, logprobs=logprobs)
+    failed = active & out.failed
+    counts = jnp.where(active, out.counts, 0)
+    emitted = jnp.where(col < counts[:, None], out.tokens, -1)
+    out = out.replace(tokens=emitted, counts=counts, failed=failed)
     stopped = jnp.any((emitted[:, :, None] == stop_ids[:, None, :]) & (emitted >= 0)[..., None],
                       axis=(1, 2))
     left = left - counts
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     return (step + 1, state, jnp.where(active, last, batch.tokens[:, 0]), starts + counts,
-            active & ~stopped & ~failed & (left > 0), left, failed_any | failed,
-            emitted_all.at[step].set(emitted),
-            counts_all.at[step].set(counts), drafted_all.at[step].set(drafted))
+            active & ~stopped & ~failed & (left > 0), left,
+            jax.tree.map(lambda h, x: h.at[step].set(x), history, out),
+            drafted_all.at[step].set(drafted))
 
+  # Shapes and dtypes of one step's Emitted, stacked U times (-1 tokens, zeros elsewhere).
+  one_step = jax.eval_shape(functools.partial(
+      _serve_rows, config=config, draft_config=draft_config, backend=backend,
+      num_draft=num_draft, use_filter=use_filter, logprobs=logprobs),
+      params, draft_params, state, batch)[1]
+  history = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), one_step)
+  history = history.replace(tokens=history.tokens - 1)
   carry = (jnp.int32(0), state, batch.tokens[:, 0], batch.starts,
-           (batch.q_lens > 0) & (left > 0), left, jnp.zeros(b, bool),
-           jnp.full((max_steps, b, t), -1, jnp.int32),
-           jnp.zeros((max_steps, b), jnp.int32), jnp.zeros((max_steps, b), jnp.int32))
-  steps_run, state, *_, failed, emitted, counts, drafted = jax.lax.while_loop(cond, body, carry)
-  return state, emitted, counts, drafted, failed, steps_run
+           (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
+  steps_run, state, *_, history, drafted = jax.lax.while_loop(cond, body, carry)
+  return state, history, drafted, steps_run
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

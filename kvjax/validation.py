@@ -9,6 +9,7 @@ import numbers
 from typing import Optional, Sequence, Union
 
 from kvjax.requests import SamplingOptions
+from kvjax.sampling import MAX_LOGPROBS
 
 __all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEED_RANGE"]
 
@@ -36,8 +37,9 @@ def _check_real(name: str, value) -> float:
 
 
 def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None,
-                     seed=None) -> SamplingOptions:
-  """Validated SamplingOptions (top_k None/0: off; top_p None: 1; seed None: 0)."""
+                     seed=None, logprobs=None) -> SamplingOptions:
+  """Validated SamplingOptions (top_k None/0: off; top_p None: 1; seed None: 0;
+  logprobs None: off, n: each token's log p and its n likeliest alternatives)."""
   temperature = _check_real("temperature", temperature)
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
@@ -46,7 +48,9 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
   seed = 0 if seed is None else check_int("seed", seed, *SEED_RANGE)
-  return SamplingOptions(temperature, top_k, top_p, seed)
+  if logprobs is not None:
+    logprobs = check_int("logprobs", logprobs, 0, min(MAX_LOGPROBS, vocab_size) + 1)
+  return SamplingOptions(temperature, top_k, top_p, seed, logprobs)
 
 
 def stop_ids(stop: Union[None, int, Sequence[int]], vocab_size: int) -> tuple:

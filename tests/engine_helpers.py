@@ -102,6 +102,6 @@ def decode_batch(eng, temperature):
 
 
 def step_static(eng):
-  """The static arguments of eng's serve_step (plain top-k/top-p off)."""
+  """The static arguments of eng's serve_step (top-k/top-p and logprobs off)."""
   return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
-              num_draft=eng.num_draft, use_filter=False)
+              num_draft=eng.num_draft, use_filter=False, logprobs=False)

@@ -59,8 +59,8 @@ def test_the_verify_step_stays_on_the_device():
   before = serve_steps.serve_step._cache_size()
   with jax.transfer_guard("disallow"):  # an implicit host<->device copy raises
     for _ in range(2):
-      state, emitted, counts, _ = serve_steps.serve_step(params, None, state, batch, **static)
+      state, emitted = serve_steps.serve_step(params, None, state, batch, **static)
   assert serve_steps.serve_step._cache_size() - before <= 1  # one trace for both calls
   assert_no_host_callback(serve_steps.serve_step.lower(params, None, state, batch, **static))
-  counts = np.asarray(counts)
-  assert emitted.shape == (2, 1 + eng.num_draft) and np.all((counts >= 1) & (counts <= 3))
+  counts = np.asarray(emitted.counts)
+  assert emitted.tokens.shape == (2, 1 + eng.num_draft) and np.all((counts >= 1) & (counts <= 3))
