@@ -17,6 +17,8 @@ import sys
 import time
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 
@@ -160,6 +162,43 @@ def test_chat_matches_offline_generate(model, tok, client):
   assert chunks[-1].usage == got.usage
 
 
+def test_logprobs_match_a_full_forward(model, tok, client):
+  """Each token's log p (and the top alternatives) equal log_softmax of a full causal
+  forward over prompt + output, with OpenAI's completions and chat shapes."""
+  max_tokens, k = 8, 3
+  ids = ids_of(tok, PROMPTS[0])
+  out = kvjax.generate(model, [ids], max_tokens).tokens[0]
+  logits = kvjax.forward(model, [ids + out[:-1]])[0, len(ids) - 1:]
+  log_p = np.asarray(jax.nn.log_softmax(logits, axis=-1))  # [len(out), V]
+  got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=max_tokens,
+                                  temperature=0, logprobs=k).choices[0].logprobs
+  np.testing.assert_allclose(got.token_logprobs, log_p[np.arange(len(out)), out], atol=2e-4)
+  assert got.tokens == [tok.decode([t], skip_special_tokens=False) for t in out]
+  assert got.text_offset == list(np.cumsum([0] + [len(t) for t in got.tokens[:-1]]))
+  streamed = [c.choices[0].logprobs for c in client.completions.create(
+      model=NAME, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0, logprobs=k,
+      stream=True) if c.choices and c.choices[0].logprobs]
+  assert sum((s.token_logprobs for s in streamed), []) == got.token_logprobs
+  assert sum((s.text_offset for s in streamed), []) == got.text_offset
+  messages = [{"role": "user", "content": "def f(x):"}]
+  chat_prompt = chat_ids(tok, messages)
+  out = kvjax.generate(model, [chat_prompt], max_tokens).tokens[0]
+  logits = kvjax.forward(model, [chat_prompt + out[:-1]])[0, len(chat_prompt) - 1:]
+  log_p = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  content = client.chat.completions.create(
+      model=NAME, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
+      top_logprobs=k).choices[0].logprobs.content
+  assert len(content) == len(out)
+  for position, (entry, token) in enumerate(zip(content, out)):
+    assert entry.token == tok.decode([token], skip_special_tokens=False)
+    assert abs(entry.logprob - log_p[position, token]) < 2e-4
+    want = np.argsort(-log_p[position])[:k]
+    assert [t.token for t in entry.top_logprobs] == [
+        tok.decode([int(i)], skip_special_tokens=False) for i in want]
+    np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], log_p[position, want],
+                               atol=2e-4)
+
+
 async def _stream_one(http: httpx.AsyncClient, url: str, body: dict, disconnect_after=None):
   """POST a streaming request -> (text, finish reason, usage); or None once it hangs up
   after `disconnect_after` chunks."""
@@ -281,12 +320,15 @@ def test_bad_requests_get_400_naming_the_field(tok, server, offline):
       ({"model": NAME, "prompt": "x", "stop": [""]}, "completions", "stop"),
       ({"model": NAME, "prompt": "x", "stop": [300]}, "completions", "stop"),
       ({"model": NAME, "prompt": "x", "stream": "yes"}, "completions", "stream"),
-      ({"model": NAME, "prompt": "x", "logprobs": 1}, "completions", "logprobs"),
+      ({"model": NAME, "prompt": "x", "logprobs": 21}, "completions", "logprobs"),
+      ({"model": NAME, "prompt": "x", "logprobs": True}, "completions", "logprobs"),
       ({"model": NAME, "messages": "hi"}, "chat/completions", "messages"),
       ({"model": NAME, "messages": [{"role": "user", "content": 3}]}, "chat/completions",
        "messages"),
-      ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-       "chat/completions", "logprobs"),
+      ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+       "chat/completions", "top_logprobs"),
+      ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+        "top_logprobs": 50}, "chat/completions", "top_logprobs"),
   ]
   reference = offline([ids_of(tok, PROMPTS[0])], 32)[0]
   want = expected(tok, reference, 32)

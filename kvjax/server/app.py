@@ -99,7 +99,7 @@ async def _generate(state: ServerState, http_request: Request, parse):
     raise
   if isinstance(first, Failed):
     raise first.error
-  responses = Responses(request, state.limits.model_name, state.tokenizer is None)
+  responses = Responses(request, state.limits.model_name, state.tokenizer)
   if request.stream:
     return StreamingResponse(_stream(state.loop, submission, events, responses),
                              media_type="text/event-stream")
@@ -110,7 +110,8 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
                    responses: Responses, http_request: Request):
   """Await every choice's end -> the whole response (None if the client went away)."""
   k = submission.request.num_choices
-  texts, ids, reasons, counts = [""] * k, [[] for _ in range(k)], [None] * k, [0] * k
+  texts, reasons, counts = [""] * k, [None] * k, [0] * k
+  ids, logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
   done = 0
   try:
     while done < k:
@@ -124,6 +125,7 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
         raise event.error
       texts[event.index] += event.text
       ids[event.index] += event.token_ids
+      logprobs[event.index] += event.logprobs or []
       counts[event.index] = event.num_tokens
       if event.finish_reason is not None:
         reasons[event.index] = event.finish_reason
@@ -131,7 +133,7 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
   finally:
     if done < k:
       engine_loop.cancel(submission)
-  return responses.response(texts, ids, reasons, counts)
+  return responses.response(texts, ids, reasons, counts, logprobs)
 
 
 async def _stream(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,
@@ -150,7 +152,8 @@ async def _stream(engine_loop: EngineLoop, submission: Submission, events: async
         return
       counts[event.index] = event.num_tokens
       done += event.finish_reason is not None
-      yield sse(responses.chunk(event.index, event.text, event.token_ids, event.finish_reason))
+      yield sse(responses.chunk(event.index, event.text, event.token_ids, event.finish_reason,
+                                event.logprobs))
     if request.include_usage:
       yield sse(responses.usage_chunk(counts))
     yield sse("[DONE]")

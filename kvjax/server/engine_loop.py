@@ -53,6 +53,7 @@ class Delta:
   token_ids: list  # the new completion ids this text came from
   num_tokens: int  # completion tokens of the choice so far
   finish_reason: Optional[str]  # None until the choice's last delta
+  logprobs: Optional[list] = None  # a kvjax.requests.TokenLogprob per id, if asked
 
 
 class Submission:
@@ -176,7 +177,8 @@ class EngineLoop:
         ids.append(self.engine.add_request(
             request.prompts[prompt], request.max_tokens[prompt],
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-            seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None))
+            seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
+            logprobs=request.logprobs))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)
@@ -230,9 +232,10 @@ class EngineLoop:
         if reason == "stop" and not out.finished:  # a stop string: no need to go on
           choice.ended_by = "stop"
           self.engine.abort(out.request_id)
+        logprobs = None if out.new_logprobs is None else out.new_logprobs[:len(kept)]
         if text or kept or reason:
           choice.submission.deliver(Delta(choice.index, text, kept, choice.text.num_tokens,
-                                          reason))
+                                          reason, logprobs))
       if out.finished:
         with self._lock:
           self._unfinished -= 1

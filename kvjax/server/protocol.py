@@ -25,7 +25,7 @@ __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_co
 MAX_N = 128
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-                "top_logprobs", "tools")
+                "tools")
 
 
 class OpenAIError(Exception):
@@ -70,6 +70,7 @@ class GenerationRequest:
   n: int
   stream: bool
   include_usage: bool
+  logprobs: Optional[int] = None  # alternatives per token (None: no logprobs)
 
   @property
   def num_choices(self) -> int:
@@ -189,9 +190,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
   if model != limits.model_name:
     raise OpenAIError(f"model {model!r} does not exist; this server serves "
                       f"{limits.model_name!r}", "model", code="model_not_found")
-  logprobs = body.get("logprobs")
-  if logprobs is not None and logprobs is not False:
-    raise OpenAIError("logprobs are not supported yet", "logprobs")
+  logprobs, logprobs_param = _logprobs(body, chat)
   for name in _UNSUPPORTED:
     if body.get(name) not in (None, False, 0, "", [], {}):
       raise OpenAIError(f"{name} is not supported", name)
@@ -221,12 +220,15 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
   temperature = body.get("temperature", 1.0)
   temperature = 1.0 if temperature is None else temperature
   top_k = body.get("top_k")
-  top_k = None if top_k == -1 else top_k  # vLLM's "off"
+  top_k = None if type(top_k) is int and top_k == -1 else top_k  # vLLM's "off"
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
-                     top_p=body.get("top_p"), seed=seeds[0])
+                     top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs)
   except ValueError as error:  # its messages start with the field's name
-    raise OpenAIError(str(error), str(error).split()[0]) from None
+    message, param = str(error), str(error).split()[0]
+    if param == "logprobs":  # chat's number of alternatives is top_logprobs
+      message, param = logprobs_param + message[len(param):], logprobs_param
+    raise OpenAIError(message, param) from None
   strings, ids = _stops(body.get("stop"), limits)
   ids += _checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
   stream = body.get("stream", False)
@@ -241,7 +243,26 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
       temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
       seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
-      include_usage=bool(options and options.get("include_usage")))
+      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple:
+  """-> (alternatives per token or None, the field that set them).
+
+  Completions: `logprobs` is that number.  Chat: `logprobs` is a boolean and
+  `top_logprobs` the number (0 when absent).
+  """
+  logprobs = body.get("logprobs")
+  if not chat:
+    return logprobs, "logprobs"
+  top = body.get("top_logprobs")
+  if not isinstance(logprobs, (bool, type(None))):
+    raise OpenAIError(f"logprobs must be a boolean, got {logprobs!r}", "logprobs")
+  if not logprobs:
+    if top is not None:
+      raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+    return None, "logprobs"
+  return (0 if top is None else top), "top_logprobs"
 
 
 def _stops(stop, limits: Limits) -> tuple[tuple, tuple]:

@@ -5,7 +5,10 @@ are "chat.completion" objects with `message` choices, streamed as
 "chat.completion.chunk" `delta`s whose first chunk per choice carries the
 role.  `usage` counts each prompt once and every choice's completion tokens
 (a final stop token included, as OpenAI counts it).  A model without a
-tokenizer has no text: its choices carry `token_ids` instead.
+tokenizer has no text: its choices carry `token_ids` instead.  Logprobs take
+OpenAI's two shapes: completions' parallel lists (tokens, token_logprobs,
+top_logprobs, text_offset) and chat's `content` list of {token, logprob,
+bytes, top_logprobs}; a token's text is its id decoded alone.
 """
 from __future__ import annotations
 
@@ -27,13 +30,15 @@ def sse(payload) -> str:
 class Responses:
   """Builds the JSON objects answering `request`, all with one id and timestamp."""
 
-  def __init__(self, request: GenerationRequest, model_name: str, with_token_ids: bool):
+  def __init__(self, request: GenerationRequest, model_name: str, tokenizer):
     self.request = request
     self.chat = request.chat
     self.model_name = model_name
-    self.with_token_ids = with_token_ids
+    self.tokenizer = tokenizer
+    self.with_token_ids = tokenizer is None
     self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
+    self._text_offset = [0] * request.num_choices  # completions' text_offset, per choice
 
   def usage(self, completion_tokens: Sequence[int]) -> dict:
     prompt = sum(map(len, self.request.prompts))
@@ -42,11 +47,13 @@ class Responses:
             "total_tokens": prompt + completion}
 
   def response(self, texts: Sequence[str], token_ids: Sequence[list],
-               finish_reasons: Sequence[str], completion_tokens: Sequence[int]) -> dict:
+               finish_reasons: Sequence[str], completion_tokens: Sequence[int],
+               logprobs: Sequence[list]) -> dict:
     """The whole (non-streamed) answer."""
     choices = []
     for index, (text, reason) in enumerate(zip(texts, finish_reasons)):
-      choice = {"index": index, "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "finish_reason": reason,
+                "logprobs": self.logprobs(index, token_ids[index], logprobs[index])}
       if self.chat:
         choice["message"] = {"role": "assistant", "content": text}
       else:
@@ -63,8 +70,10 @@ class Responses:
     return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}])
 
-  def chunk(self, index: int, text: str, token_ids: list, finish_reason: Optional[str]) -> dict:
-    choice = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+  def chunk(self, index: int, text: str, token_ids: list, finish_reason: Optional[str],
+            logprobs: Optional[list]) -> dict:
+    choice = {"index": index, "logprobs": self.logprobs(index, token_ids, logprobs),
+              "finish_reason": finish_reason}
     if self.chat:
       choice["delta"] = {"content": text} if text else {}
     else:
@@ -76,6 +85,31 @@ class Responses:
   def usage_chunk(self, completion_tokens: Sequence[int]) -> dict:
     """stream_options.include_usage: the last chunk, no choices."""
     return {**self._chunk([]), "usage": self.usage(completion_tokens)}
+
+  def logprobs(self, index: int, token_ids: list, logprobs: Optional[list]) -> Optional[dict]:
+    """OpenAI's logprobs object of a choice's next tokens (None if not asked)."""
+    if self.request.logprobs is None:
+      return None
+    if self.chat:
+      return {"content": [{**self._token(t, lp.logprob), "top_logprobs": [
+          self._token(i, p) for i, p in lp.top]} for t, lp in zip(token_ids, logprobs)]}
+    texts = [self._text(t) for t in token_ids]
+    offsets = []
+    for text in texts:
+      offsets.append(self._text_offset[index])
+      self._text_offset[index] += len(text)
+    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._text(i): p for i, p in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+  def _text(self, token_id: int) -> str:
+    if self.tokenizer is None:
+      return f"token_id:{token_id}"
+    return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+  def _token(self, token_id: int, logprob: float) -> dict:
+    text = self._text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
   def _chunk(self, choices: list) -> dict:
     out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
