@@ -153,11 +153,14 @@ async def _run(url: str, sessions, *, model: Optional[str], request_rate: float,
 
   limits = httpx.Limits(max_connections=max_concurrency or len(sessions) or 1,
                         max_keepalive_connections=max_concurrency or len(sessions) or 1)
-  async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
+  # /metrics gets its own connection: in the requests' pool a scrape would wait for
+  # a request to finish, and see the server only between requests.
+  async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client, \
+      httpx.AsyncClient(timeout=timeout_s, trust_env=False) as scraper:
     if model is None:
-      listed = (await client.get(url + "/v1/models")).json()["data"]
+      listed = (await scraper.get(url + "/v1/models")).json()["data"]
       model = listed[0]["id"]
-    first_metrics = await _metrics_text(client, url)
+    first_metrics = await _metrics_text(scraper, url)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
     clock0 = time.perf_counter()
@@ -186,7 +189,7 @@ async def _run(url: str, sessions, *, model: Optional[str], request_rate: float,
 
     gaps = arrival_gaps(len(sessions), request_rate, burstiness, np.random.default_rng(seed))
     done, samples = asyncio.Event(), []
-    sampler = (asyncio.create_task(_sample_gauges(client, url, metrics_interval_s, clock0,
+    sampler = (asyncio.create_task(_sample_gauges(scraper, url, metrics_interval_s, clock0,
                                                   samples, done))
                if metrics_interval_s and first_metrics is not None else None)
     await asyncio.gather(*(one(i, s, d) for i, s, d in zip(range(len(sessions)), sessions,
@@ -195,7 +198,7 @@ async def _run(url: str, sessions, *, model: Optional[str], request_rate: float,
     done.set()
     if sampler is not None:
       await sampler
-    last_metrics = await _metrics_text(client, url)
+    last_metrics = await _metrics_text(scraper, url)
   server = None
   if first_metrics is not None and last_metrics is not None:
     server = {"first": first_metrics, "last": last_metrics, "samples": samples}
