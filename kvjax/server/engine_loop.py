@@ -73,7 +73,7 @@ class _Choice:
   arrival_s: float
   queue_s: Optional[float] = None  # arrival to first scheduled
   started: bool = False  # its prompt tokens are counted
-  ended_by: Optional[str] = None  # "stop" (a stop string) or "abort" (cancel): aborted here
+  ended_by: Optional[str] = None  # why this loop aborted it: "stop" (a stop string), "abort"
 
 
 class EngineLoop:
@@ -241,7 +241,9 @@ class EngineLoop:
           self._unfinished -= 1
         del self._choices[out.request_id]
         self._unscheduled.discard(out.request_id)
-        self.metrics.record_finished(out.metrics, choice.ended_by or out.finish_reason,
+        # The client's reason: a stop string's "stop" also when the engine's last output
+        # held it; the engine's for the rest (a cancelled choice: "abort").
+        self.metrics.record_finished(out.metrics, choice.text.finish_reason or out.finish_reason,
                                      choice.text.num_tokens, choice.queue_s)
 
   def _publish(self) -> None:
