@@ -17,12 +17,13 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["RopeScaling", "ModelConfig", "PRESETS", "get_preset", "DTYPE_SHORT_NAMES",
-           "short_dtype_name"]
+           "short_dtype_name", "LAYER_TYPES"]
 
 # One dtype vocabulary for weights (`dtype`, --dtype) and KV pages (`kv_dtype`,
 # --kv-dtype): both accept either spelling; the short one is what results, the
 # ledger and error messages print.
 DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 def short_dtype_name(name):
@@ -76,7 +77,21 @@ class ModelConfig:
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
   # Hybrid models: layers with no KV cache (linear attention / state space).
+  # Ledger-only presets give just the count; runnable hybrids give `layer_types`
+  # ("full_attention" | "linear_attention" per layer) and the count follows.
   num_full_attention_layers: Optional[int] = None
+  layer_types: Optional[tuple] = None
+  # Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention; kvjax/hybrid.py).
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 4
+  linear_chunk_size: int = 64  # static chunk length of the chunked prefill
+  # Gated full attention (Qwen3.5): a sigmoid output gate per q head, rope on the
+  # first `partial_rotary_factor` of each head.
+  attn_output_gate: bool = False
+  partial_rotary_factor: float = 1.0
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
   pad_token_id: Optional[int] = None
@@ -105,6 +120,66 @@ class ModelConfig:
           f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
     if self.mtp_num_hidden_layers < 0:
       raise ValueError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
+    if self.layer_types is not None:
+      self._check_layer_types()
+
+  def _check_layer_types(self):
+    """Hybrid layout: one known type per layer, the full-attention count agrees."""
+    types = tuple(self.layer_types)
+    if len(types) != self.num_layers:
+      raise ValueError(f"layer_types has {len(types)} entries for {self.num_layers} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+      raise ValueError(f"unknown layer_types {unknown}; use {LAYER_TYPES}")
+    full = types.count("full_attention")
+    if self.num_full_attention_layers not in (None, full):
+      raise ValueError(f"num_full_attention_layers={self.num_full_attention_layers} but "
+                       f"layer_types has {full} full_attention layers")
+    object.__setattr__(self, "layer_types", types)  # hashable even when given a list
+    object.__setattr__(self, "num_full_attention_layers", full)
+    if "linear_attention" in types:
+      for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel", "linear_chunk_size"):
+        value = getattr(self, field)
+        if not isinstance(value, int) or value <= 0:
+          raise ValueError(f"ModelConfig.{field} must be a positive int for linear_attention "
+                           f"layers, got {value!r}")
+      if self.linear_num_value_heads % self.linear_num_key_heads:
+        raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a "
+                         f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+    if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must give an even "
+                       f"rotary dim in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+
+  @property
+  def is_hybrid(self) -> bool:
+    """Some layers keep a recurrent state instead of KV (runnable hybrids only)."""
+    return self.layer_types is not None and "linear_attention" in self.layer_types
+
+  def is_linear_layer(self, layer: int) -> bool:
+    """Layer `layer` (MTP blocks count from num_layers) is a Gated DeltaNet layer."""
+    return self.is_hybrid and layer < self.num_layers and \
+        self.layer_types[layer] == "linear_attention"
+
+  @property
+  def num_linear_layers(self) -> int:
+    return self.layer_types.count("linear_attention") if self.is_hybrid else 0
+
+  def state_index(self, layer: int) -> int:
+    """Index of layer `layer` among its kind's cache rows: linear layers among the
+    linear layers (recurrent state), attention layers among the KV layers (MTP
+    blocks after the trunk's)."""
+    if not self.is_hybrid:
+      return layer
+    kinds = self.layer_types[:min(layer, self.num_layers)]
+    if self.is_linear_layer(layer):
+      return kinds.count("linear_attention")
+    return kinds.count("full_attention") + max(0, layer - self.num_layers)
+
+  @property
+  def rotary_dim(self) -> int:
+    """Leading dims of each head that rope rotates (the rest pass through)."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def num_queries_per_kv(self) -> int:
@@ -116,8 +191,10 @@ class ModelConfig:
     return self.cache_layers(with_mtp=True)
 
   def cache_layers(self, with_mtp: bool) -> int:
-    """KV layers a cache allocates: MTP modules' only when they draft (claim C11's cost)."""
-    return self.num_layers + (self.mtp_num_hidden_layers if with_mtp else 0)
+    """KV layers a cache allocates: MTP modules' only when they draft (claim C11's cost);
+    a hybrid's linear layers hold none."""
+    trunk = self.num_layers - self.num_linear_layers
+    return trunk + (self.mtp_num_hidden_layers if with_mtp else 0)
 
   def window_of_layer(self, layer: int) -> Optional[int]:
     """Sliding window of cache layer `layer` (MTP blocks use the global window)."""
@@ -200,17 +277,21 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=64, num_shared_experts=2, num_experts_per_tok=6,
         moe_intermediate_size=1408, first_k_dense_layers=1),
     # Qwen3.5-9B text model: 32 layers laid out 8 x (3 Gated DeltaNet + 1 gated
-    # full attention), full attention 16 q / 4 kv heads of head_dim 256.  Only the
+    # full attention), full attention 16 q / 4 kv heads of head_dim 256 with a
+    # sigmoid output gate and rope on the first quarter of each head.  Only the
     # 8 full-attention layers cache K/V: 2 x 8 x 4 x 256 x 2 B = 32,768 B = 32 KiB
-    # per token, the formula the seed (C4) matched to its measured 32.3 KB.  The
-    # DeltaNet layers are modelled only for parameter counting (see ledger), and
-    # the output gate, partial rope and vision tower are omitted.
+    # per token, the formula the seed (C4) matched to its measured 32.3 KB; each
+    # DeltaNet layer keeps a constant per-request state instead (kvjax/hybrid.py).
+    # Runnable with random init; the vision tower is omitted.
     "qwen3.5-9b": ModelConfig(
         name="qwen3.5-9b", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
         num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256,
         max_position_embeddings=262144, rope_theta=10000000.0, rms_norm_eps=1e-6,
-        qk_norm=True, num_full_attention_layers=8, mtp_num_hidden_layers=1,
-        eos_token_id=248044),
+        qk_norm=True, mtp_num_hidden_layers=1, eos_token_id=248044,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 8,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
+        partial_rotary_factor=0.25),
     # kvjax's built-in default model (kvjax/assets/default_model, MODEL_CARD.md):
     # byte-level stdlib Python LM with 2 MTP draft modules, trained by
     # `python -m experiments.train --config=configs/tiny_code.py`.  Small enough for

@@ -1,0 +1,182 @@
+"""The gated delta rule (Gated DeltaNet linear attention): chunked prefill, one-step decode.
+
+Per value head the layer keeps a state S [Hk, Hv] instead of K/V.  Token t
+with key k_t (L2-normalized), value v_t, log decay g_t <= 0 and write
+strength beta_t in (0, 1) updates it by
+
+  S' = exp(g_t) S                       decay everything held
+  u_t = beta_t (v_t - k_t^T S')         what S' mispredicts for k_t (the delta)
+  S_t = S' + k_t u_t^T                  write the correction
+  o_t = q_t^T S_t                       read with the (scaled) query
+
+`delta_rule_step` is that recurrence for one token (decode).  `delta_rule_chunked`
+computes the same thing L tokens at a time (prefill): with G_t the cumulative
+log decay inside a chunk and S0 the state entering it, unrolling gives
+
+  u_t + sum_{i<t} beta_t exp(G_t - G_i) (k_t . k_i) u_i = beta_t (v_t - exp(G_t) k_t^T S0)
+
+a unit lower-triangular system (I + A) U = beta V - (beta exp(G) K) S0, solved
+once per chunk for both right-hand sides; then
+  o_t = exp(G_t) q_t^T S0 + sum_{i<=t} exp(G_t - G_i) (q_t . k_i) u_i
+  S_L = exp(G_L) S0 + sum_i exp(G_L - G_i) k_i u_i^T
+and only the state crosses chunks (a scan).  Columns with beta = 0 and g = 0
+leave the state untouched, which is how padding columns are made harmless.
+
+Before the rule, the layer's q, k, v channels pass a causal depthwise conv1d
+(`causal_conv`) whose rolling state is the last Kc - 1 inputs; `gated_delta_mix`
+runs conv, split, normalization and the rule from given states, so the no-cache
+forward (zero states) and the recurrent cache (kvjax/caches/recurrent.py, per-slot
+states) share one code path.  `gated_rms_norm` is the layer's output norm.
+
+Shapes: B rows, T columns, Nk / Nv key / value heads (each key head serves
+Nv / Nk consecutive value heads), Hk / Hv their head dims, X conv channels
+(2 Nk Hk + Nv Hv), Kc the conv kernel width, Lc the chunk length.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+__all__ = ["LinearInputs", "l2_normalize", "gated_rms_norm", "causal_conv", "delta_rule_step",
+           "delta_rule_chunked", "gated_delta_mix", "L2_NORM_EPS"]
+
+L2_NORM_EPS = 1e-6  # the FLA kernels' (and HF's) eps of the q/k L2 normalization
+_HIGHEST = jax.lax.Precision.HIGHEST  # the state accumulates: no reduced-precision dots
+
+
+def l2_normalize(x: jax.Array, eps: float = L2_NORM_EPS) -> jax.Array:
+  """x [..., H] float32 -> x / sqrt(sum x^2 + eps)."""
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm(x) * weight * silu(gate): x, gate [..., Hv], weight [Hv] -> [...] in x's dtype.
+
+  The norm is taken in float32 and rounded to x's dtype before the weight, as HF does.
+  """
+  x32 = x.astype(jnp.float32)
+  normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+  out = (weight * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+  return out.astype(x.dtype)
+
+
+def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, lengths: jax.Array):
+  """Depthwise causal conv1d + silu continuing from a rolling state.
+
+  x [B, T, X] (the first lengths[b] columns real), state [B, Kc - 1, X] (the
+  inputs before column 0), weight [Kc, X] (weight[Kc - 1] multiplies the
+  current input) -> (y [B, T, X], state [B, Kc - 1, X]: the last Kc - 1 real
+  inputs, so padding columns never enter it).
+  """
+  kernel = weight.shape[0]
+  history = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, Kc - 1 + T, X]
+  t = x.shape[1]
+  y = sum(history[:, j:j + t].astype(jnp.float32) * weight[j].astype(jnp.float32)
+          for j in range(kernel))
+  keep = lengths[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, Kc - 1]
+  new_state = jnp.take_along_axis(history, keep[:, :, None], axis=1)
+  return jax.nn.silu(y).astype(x.dtype), new_state.astype(state.dtype)
+
+
+def delta_rule_step(q, k, v, g, beta, state):
+  """One token: q, k [B, Nv, Hk], v [B, Nv, Hv], g, beta [B, Nv], state [B, Nv, Hk, Hv] f32
+  -> (o [B, Nv, Hv] f32, state)."""
+  state = state * jnp.exp(g)[..., None, None]
+  predicted = jnp.einsum("bnh,bnhv->bnv", k, state, precision=_HIGHEST)
+  delta = beta[..., None] * (v - predicted)
+  state = state + k[..., :, None] * delta[..., None, :]
+  return jnp.einsum("bnh,bnhv->bnv", q, state, precision=_HIGHEST), state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
+  """T tokens, `chunk` at a time: q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta
+  [B, T, Nv] (all float32), state [B, Nv, Hk, Hv] -> (o [B, T, Nv, Hv], state)."""
+  b, t, nv, hk = k.shape
+  pad = -t % chunk  # padded columns: beta = g = 0, so the state passes through
+  n = (t + pad) // chunk
+
+  def chunks(x):  # [B, T, Nv, ...] -> [C, B, Nv, Lc, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((b, n, chunk) + x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+  q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+  cum = jnp.cumsum(g, axis=-1)  # G [C, B, Nv, Lc]
+  causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+  # exp(G_t - G_i) for i <= t, exactly 0 above the diagonal (no overflow: masked before exp).
+  decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+  dot = lambda spec, a, c: jnp.einsum(spec, a, c, precision=_HIGHEST)
+  strict = jnp.where(causal & ~jnp.eye(chunk, dtype=bool),
+                     beta[..., :, None] * decay * dot("...th,...ih->...ti", k, k), 0.0)
+  system = strict + jnp.eye(chunk)  # I + A, unit lower triangular [C, B, Nv, Lc, Lc]
+  solve = lambda rhs: solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  values = solve(beta[..., None] * v)  # the state-free part of U [.., Lc, Hv]
+  keys = solve((beta * jnp.exp(cum))[..., None] * k)  # U's dependence on S0 [.., Lc, Hk]
+  scores = decay * dot("...th,...ih->...ti", q, k)  # [.., Lc, Lc], diagonal included
+  to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k  # exp(G_L - G_i) k_i
+
+  def scan_chunk(state, xs):
+    q_c, values_c, keys_c, scores_c, to_end_c, cum_c = xs
+    u = values_c - dot("...th,...hv->...tv", keys_c, state)
+    out = jnp.exp(cum_c)[..., None] * dot("...th,...hv->...tv", q_c, state) + dot(
+        "...ti,...iv->...tv", scores_c, u)
+    state = jnp.exp(cum_c[..., -1])[..., None, None] * state + dot(
+        "...ih,...iv->...hv", to_end_c, u)
+    return state, out
+
+  state, out = jax.lax.scan(scan_chunk, state, (q, values, keys, scores, to_end, cum))
+  out = jnp.moveaxis(out, 2, 3)  # [C, B, Lc, Nv, Hv]
+  out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, nv, -1)
+  return out[:, :t], state
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearInputs:
+  """What a Gated DeltaNet layer hands its state keeper (a cache, or zero states).
+
+  A hybrid cache's `attend` takes this in place of q (k and v None) and runs
+  `gated_delta_mix` on its per-slot states (kvjax/caches/recurrent.py).
+  """
+  qkv: jax.Array  # [B, T, X] conv input: q, k, v channels, in that order
+  g: jax.Array  # [B, T, Nv] f32 log decay (<= 0)
+  beta: jax.Array  # [B, T, Nv] f32 write strength
+  conv_weight: jax.Array  # [Kc, X]
+  num_key_heads: int
+  key_head_dim: int
+  num_value_heads: int
+  value_head_dim: int
+  chunk: int  # static chunk length of the chunked form
+
+
+def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: jax.Array,
+                    lengths: jax.Array):
+  """Conv, q/k normalization and the gated delta rule from given states.
+
+  conv_state [B, Kc - 1, X], delta_state [B, Nv, Hk, Hv] f32, lengths [B] real
+  columns -> (o [B, T, Nv, Hv] f32, conv_state, delta_state).  T == 1 runs the
+  one-step recurrence, longer inputs the chunked form.
+  """
+  x = inputs.qkv
+  b, t, _ = x.shape
+  nk, hk, nv, hv = (inputs.num_key_heads, inputs.key_head_dim, inputs.num_value_heads,
+                    inputs.value_head_dim)
+  mixed, conv_state = causal_conv(x, conv_state, inputs.conv_weight, lengths)
+  mixed = mixed.astype(jnp.float32)
+  q = mixed[..., :nk * hk].reshape(b, t, nk, hk)
+  k = mixed[..., nk * hk:2 * nk * hk].reshape(b, t, nk, hk)
+  v = mixed[..., 2 * nk * hk:].reshape(b, t, nv, hv)
+  # Key head j // (Nv / Nk) serves value head j.
+  q = jnp.repeat(l2_normalize(q), nv // nk, axis=2) * hk ** -0.5
+  k = jnp.repeat(l2_normalize(k), nv // nk, axis=2)
+  valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+  g = jnp.where(valid, inputs.g, 0.0)
+  beta = jnp.where(valid, inputs.beta, 0.0)
+  if t == 1:
+    out, delta_state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                       delta_state)
+    return out[:, None], conv_state, delta_state
+  out, delta_state = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk)
+  return out, conv_state, delta_state
