@@ -4,14 +4,16 @@ Layers (imports only go down; tests/test_layering.py checks it):
   0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
   1  layers, params, sampling, step_batch,           pure math, weight quantization and the
      attention/, quant/                             step metadata pytree
-  2  backends                                        capability records (+ pallas_kernels)
+  2  sharding, backends                              mesh + Megatron placement rules, capability
+                                                    records (+ pallas_kernels, shard_map)
   3  caches/                                         KV cache layouts, one attend contract
   4  model                                           the decoder (GQA and MLA blocks)
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, batching, validation              request vocabulary and checks, packing
   7  scheduler, ledger, metrics                      host policy, accounting
-  8  engine_config, engine                           the serving engine's request API
+  8  engine_config, engine, router                   the serving engine's request API, and
+                                                    data-parallel replicas behind a router
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
      chat_template, corpus, train                   training
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
@@ -25,8 +27,9 @@ from kvjax.config import PRESETS, ModelConfig, get_preset
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult
+from kvjax.sharding import make_mesh
 from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
            "generate", "GenerateResult", "ByteTokenizer", "Engine", "EngineConfig", "Backend",
-           "get_backend"]
+           "get_backend", "make_mesh"]

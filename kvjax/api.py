@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import generation
+from kvjax import generation, sharding
 from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
 from kvjax.hf_tokenizer import load_tokenizer
 from kvjax.model import forward as model_forward
@@ -44,6 +44,11 @@ class Model:
   dtype: jnp.dtype = jnp.float32
   tokenizer: Optional[Tokenizer] = dataclasses.field(default=None, compare=False)
 
+  @property
+  def mesh(self) -> Optional[jax.sharding.Mesh]:
+    """The tensor-parallel mesh the params live on (kvjax/sharding.py), None on one device."""
+    return sharding.mesh_of(self.params)
+
 
 def _byte_tokenizer(cfg: ModelConfig) -> Optional[ByteTokenizer]:
   """The byte tokenizer if cfg's vocabulary is the byte one (same size, BOS and EOS)."""
@@ -67,9 +72,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
                     seed: int = 0, check_finite: bool = True,
-                    available_bytes: Optional[int] = None) -> Model:
+                    available_bytes: Optional[int] = None,
+                    mesh: Optional[jax.sharding.Mesh] = None) -> Model:
   """Load the built-in default model (no argument), a preset (random init from
   `seed`), an HF checkpoint directory or a kvjax-native checkpoint directory.
+
+  With a `mesh` (kvjax.make_mesh(tp=...)) every tensor is placed shard by shard
+  in the Megatron layout of kvjax/sharding.py, never whole on one device; kv
+  heads that tp does not divide are replicated (model.config then counts the
+  stored heads).
 
   Before allocating, the config's weights at `dtype` plus a minimal KV cache
   must fit the device's free memory (`available_bytes` overrides the measured
@@ -83,10 +94,11 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   if path_or_preset in PRESETS:
     cfg = get_preset(path_or_preset)
     load_checks.check_fits(cfg, dtype, available_bytes)
-    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
+    init = functools.partial(init_params, cfg, jax.random.PRNGKey(seed), dtype)
+    params = init() if mesh is None else sharding.init_on_mesh(init, mesh)
     if check_finite:
       load_checks.check_finite_tree(params, f"preset {path_or_preset}")
-    return Model(cfg, params, dtype, _byte_tokenizer(cfg))
+    return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
   if path_or_preset is None:
     path_or_preset = DEFAULT_MODEL_DIR
     if not os.path.isdir(path_or_preset):
@@ -98,13 +110,22 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
                      "checkpoint directory")
   if hf.is_hf_checkpoint(path_or_preset):
     load_checks.check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes)
-    cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite)
-    return Model(cfg, params, dtype, load_tokenizer(path_or_preset) or _byte_tokenizer(cfg))
+    cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite, mesh=mesh)
+    return _model(cfg, params, dtype,
+                  load_tokenizer(path_or_preset) or _byte_tokenizer(cfg), mesh)
   load_checks.check_fits(read_config(path_or_preset), dtype, available_bytes)
-  cfg, params = restore(path_or_preset, dtype)
+  cfg, params = restore(path_or_preset, dtype, mesh=mesh)
   if check_finite:
     load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
-  return Model(cfg, params, dtype, _byte_tokenizer(cfg))
+  return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
+
+
+def _model(cfg: ModelConfig, params: Params, dtype, tokenizer, mesh) -> Model:
+  """The loaded Model; on a mesh, with kv heads replicated where tp does not divide them."""
+  if mesh is not None:
+    sharding.check_tp(cfg, mesh)
+    cfg, params = sharding.replicate_kv_heads(cfg, params, mesh)
+  return Model(cfg, params, dtype, tokenizer)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

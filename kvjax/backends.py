@@ -33,13 +33,16 @@ import functools
 import types
 from typing import Callable, Optional, Union
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
 from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import paged_attention
+from kvjax.sharding import MODEL
 
-__all__ = ["Backend", "BACKENDS", "get_backend", "backend_names"]
+__all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Backend:
   verify: Callable
   kv_dtypes: tuple = ("fp32", "bf16", "fp16", "int8")
   mla_attention: Optional[Callable] = None
+  mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
 
   def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:
     """ValueError naming the backend unless it reads pages stored as kv_dtype."""
@@ -97,6 +101,44 @@ BACKENDS = types.MappingProxyType({
         "pallas_reference", _ragged(pallas_kernels.ragged_paged_attention_reference),
         pallas_kernels.rejection_sample_reference),
 })
+
+
+@functools.lru_cache(maxsize=None)
+def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
+  """`backend` with its kernels run per device under shard_map on a tensor-parallel mesh.
+
+  Each device attends its own kv heads' pages with its query heads (the kv
+  head split of kvjax/sharding.py), or, for MLA, every head group reads the
+  replicated latent pages; verification sees whole (replicated) rows.  Cached,
+  so one mesh gives one record and a jitted step compiles once.
+  """
+  if mesh is None or backend.mesh is mesh:
+    return backend
+  if backend.mesh is not None:
+    raise ValueError(f"backend {backend.name!r} already runs on another mesh")
+  heads, pages, whole = P(None, None, MODEL, None), P(MODEL), P()
+
+  def attention(q, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, **scales):
+    def local(q, k_pages, v_pages, batch, scales):
+      return backend.attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
+                               sliding_window=sliding_window, **scales)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, pages),
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, batch, scales)
+
+  def mla_attention(q, latent_pages, batch, **kwargs):
+    local = lambda q, latent_pages, batch: backend.mla_attention(q, latent_pages, batch,
+                                                                 **kwargs)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, whole, whole), out_specs=heads,
+                         check_vma=False)(q, latent_pages, batch)
+
+  def verify(*args, **kwargs):
+    local = lambda args, kwargs: backend.verify(*args, **kwargs)
+    return jax.shard_map(local, mesh=mesh, in_specs=whole, out_specs=whole,
+                         check_vma=False)(args, kwargs)
+
+  return dataclasses.replace(
+      backend, name=f"{backend.name}@tp{mesh.shape[MODEL]}", attention=attention,
+      verify=verify, mla_attention=backend.mla_attention and mla_attention, mesh=mesh)
 
 
 def backend_names() -> list[str]:

@@ -102,7 +102,8 @@ class Engine:
         num_draft=self.num_draft)
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
-                               model.dtype, with_mtp=config.speculative == "mtp")
+                               model.dtype, with_mtp=config.speculative == "mtp",
+                               mesh=config.backend.mesh)
     draft_cache = None
     if self.draft_model is not None:
       d = self.draft_model.config

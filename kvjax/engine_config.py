@@ -12,10 +12,11 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from kvjax import speculative as spec
-from kvjax.backends import Backend, get_backend
+from kvjax.backends import Backend, get_backend, on_mesh
 from kvjax.caches import check_cache_support
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.scheduler import max_pages_held
+from kvjax.sharding import mesh_of
 
 __all__ = ["EngineConfig", "add_engine_flags", "engine_config_from_flags"]
 
@@ -82,7 +83,7 @@ class EngineConfig:
   def resolve(self, model) -> "EngineConfig":
     """Validated against `model`, defaults filled; ValueError naming a bad option."""
     cfg: ModelConfig = model.config
-    backend = get_backend(self.backend)
+    backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
     check_cache_support(self.kv_dtype, cfg, "paged", backend)
     self._check_int4()
     draft = self.draft_model

@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.backends import get_backend
+from kvjax.backends import get_backend, on_mesh
 from kvjax.caches import (CACHE_KINDS, check_cache_support, create_contiguous_cache,
                           create_paged_cache)
 from kvjax.config import ModelConfig
 from kvjax.model import forward_hidden, lm_logits
 from kvjax.params import Params
 from kvjax.sampling import SamplingParams, sample
+from kvjax.sharding import mesh_of
 from kvjax.step_batch import StepBatch, make_step_batch
 from kvjax.steps import model_step, prefill
 from kvjax.xla_options import jit_step
@@ -135,7 +136,8 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
                     page_size: int, backend: str, dtype,
                     kv_dtype: Optional[str] = None) -> GenerateResult:
   """Generate for validated prompts; see kvjax.generate for the public contract."""
-  backend = get_backend(backend)
+  mesh = mesh_of(params)  # a tensor-parallel model: pages and kernels per device
+  backend = on_mesh(get_backend(backend), mesh)
   check_cache_support(kv_dtype, cfg, cache, backend)
   if page_size <= 0:
     raise ValueError(f"page_size must be positive, got {page_size}")
@@ -164,7 +166,8 @@ def generate_static(params: Params, cfg: ModelConfig, prompts: list[list[int]],
     slot_ids = np.arange(rows, dtype=np.int32)
     if cache == "paged":
       pages_per_seq = -(-total_bucket // page_size)
-      kv = create_paged_cache(cfg, kv_dtype, rows, 1 + rows * pages_per_seq, page_size, dtype)
+      kv = create_paged_cache(cfg, kv_dtype, rows, 1 + rows * pages_per_seq, page_size, dtype,
+                              mesh=mesh)
       tables = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
     else:
       kv = create_contiguous_cache(cfg, rows, total_bucket, dtype, kv_dtype)

@@ -21,9 +21,12 @@ KIVIPagedKVCache.  Which backend reads which store is the backend's record
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from kvjax.backends import Backend
 from kvjax.caches.contiguous import ContiguousKVCache
@@ -31,6 +34,7 @@ from kvjax.caches.kivi import KIVIPagedKVCache
 from kvjax.caches.mla import MLAPagedCache
 from kvjax.caches.paged import NULL_PAGE, PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.config import ModelConfig, short_dtype_name
+from kvjax.sharding import cache_shardings
 
 __all__ = ["KV_DTYPES", "CACHE_KINDS", "PagedKVCache", "KIVIPagedKVCache", "MLAPagedCache",
            "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "clear_cache_pages", "check_cache_support",
@@ -65,13 +69,24 @@ def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
 
 
 def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
-                       num_pages: int, page_size: int, dtype, *, with_mtp: bool = False):
+                       num_pages: int, page_size: int, dtype, *, with_mtp: bool = False,
+                       mesh: Optional[Mesh] = None):
   """Empty pages for cfg's attention and kv_dtype (None: `dtype`).
 
   The MTP modules' KV layers are allocated only `with_mtp` (speculative
   drafting): a plain decoder never writes them (claim C11's memory cost).
   `num_slots` rows of per-slot state (int4's residual) sit beside the pages.
+  On a `mesh` each device allocates only its kv heads (kvjax/sharding.py).
   """
+  build = functools.partial(_create_paged_cache, cfg, kv_dtype, num_slots, num_pages,
+                            page_size, dtype, with_mtp=with_mtp)
+  if mesh is None:
+    return build()
+  return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh))()
+
+
+def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
+                        num_pages: int, page_size: int, dtype, *, with_mtp: bool):
   kv_dtype = short_dtype_name(kv_dtype)
   if cfg.attention_type == "mla":
     return MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)

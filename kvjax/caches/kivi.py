@@ -39,6 +39,8 @@ class KIVIPagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
   PAGE_AXIS = 2
   SLOT_ARRAYS = ("k_residual", "v_residual")
+  # kv-head axes, split over tp (kvjax/sharding.py)
+  HEAD_AXES = {**{name: 1 for name in PAGE_ARRAYS}, **{name: 3 for name in SLOT_ARRAYS}}
 
   k_pages: jax.Array  # [L, K, P, Z, H/2] int8, two int4 codes per byte
   v_pages: jax.Array  # [L, K, P, Z, H/2]

@@ -62,6 +62,7 @@ class PagedLayout:
 class PagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
   PAGE_AXIS = 2
+  HEAD_AXES = {name: 1 for name in PAGE_ARRAYS}  # kv heads split over tp (kvjax/sharding.py)
   k_pages: jax.Array  # [L, K, P, Z, H]
   v_pages: jax.Array  # [L, K, P, Z, H]
   k_scales: Optional[jax.Array] = None  # [L, K, P, Z] f32 (int8 pages only)

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import Params, init_params
+from kvjax.sharding import param_shardings
 
 __all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "read_config",
            "restore", "read_metadata", "train_state_manager", "save_train_state",
@@ -49,13 +50,16 @@ def config_from_dict(d: dict) -> ModelConfig:
   return ModelConfig(**d)
 
 
-def _abstract_params(cfg: ModelConfig, dtype) -> Params:
-  """Restore target on this process's default device: a checkpoint written on a
-  CPU must load on a GPU (orbax would otherwise ask for the saving topology)."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+def _abstract_params(cfg: ModelConfig, dtype, mesh=None) -> Params:
+  """Restore target on this process's default device, or shard by shard on `mesh`
+  (kvjax/sharding.py): a checkpoint written on a CPU must load on a GPU (orbax
+  would otherwise ask for the saving topology)."""
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+  shardings = (param_shardings(shapes, mesh) if mesh is not None else jax.tree_util.tree_map(
+      lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes))
   return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+      lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes,
+      shardings)
 
 
 def save(path: str, config: ModelConfig, params: Params,
@@ -86,14 +90,15 @@ def read_config(path: str) -> ModelConfig:
     return config_from_dict(json.load(f))
 
 
-def restore(path: str = DEFAULT_MODEL_DIR, dtype=None) -> tuple[ModelConfig, Params]:
-  """-> (config, params); params cast to `dtype` (default: as stored)."""
+def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[ModelConfig, Params]:
+  """-> (config, params); params cast to `dtype` (default: as stored), restored straight
+  into their shardings on `mesh` if given."""
   path = os.path.abspath(path)
   cfg = read_config(path)
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(os.path.join(path, "params"))
     stored_dtype = jax.tree_util.tree_leaves(stored.item_metadata.tree)[0].dtype
-    params = ckptr.restore(os.path.join(path, "params"), _abstract_params(cfg, stored_dtype))
+    params = ckptr.restore(os.path.join(path, "params"), _abstract_params(cfg, stored_dtype, mesh))
   if dtype is not None:
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
   return cfg, params

@@ -17,13 +17,18 @@ import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
-from kvjax.weights.load_checks import nonfinite_count, raise_first_nonfinite
+from kvjax.sharding import place_host_params
+from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "read_hf_config", "config_from_hf",
            "load_hf"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+# safetensors dtype codes -> numpy (ml_dtypes supplies bfloat16).
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                       "BF16": jnp.bfloat16, "I64": np.int64, "I32": np.int32, "I8": np.int8,
+                       "U8": np.uint8, "BOOL": np.bool_}
 
 
 def is_hf_checkpoint(path: str) -> bool:
@@ -155,8 +160,26 @@ def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
       wo=get(pre + "o_proj.weight").T.reshape(n, hv, d), **q)
 
 
-def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
-  """name -> array over model.safetensors or a sharded model.safetensors.index.json."""
+def _mmap_tensors(file: str) -> dict[str, np.ndarray]:
+  """name -> read-only memory-mapped numpy view of each tensor of one .safetensors file."""
+  with open(file, "rb") as f:
+    header_size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(header_size))
+  tensors = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    begin, end = info["data_offsets"]
+    dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+    shape = tuple(info["shape"])
+    tensors[name] = (np.memmap(file, dtype, "r", offset=8 + header_size + begin, shape=shape)
+                     if end > begin else np.zeros(shape, dtype))
+  return tensors
+
+
+def _tensor_reader(path: str, mmap: bool = False) -> Callable[[str], np.ndarray]:
+  """name -> array over model.safetensors or a sharded model.safetensors.index.json
+  (`mmap`: a memory-mapped host view, nothing read until a slice is used)."""
   from safetensors import safe_open
 
   index = os.path.join(path, "model.safetensors.index.json")
@@ -175,28 +198,36 @@ def _tensor_reader(path: str) -> Callable[[str], np.ndarray]:
     if file is None:
       raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
     if file not in handles:
-      handles[file] = safe_open(os.path.join(path, file), framework="flax")
+      handles[file] = (_mmap_tensors(os.path.join(path, file)) if mmap else
+                       safe_open(os.path.join(path, file), framework="flax"))
     if name not in handles[file].keys():
       raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
-    return handles[file].get_tensor(name)
+    return handles[file][name] if mmap else handles[file].get_tensor(name)
 
   return read
 
 
-def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True
+def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
             ) -> tuple[ModelConfig, Params]:
   """-> (config, params at `dtype`); `check_finite` raises naming the first HF
-  tensor with a NaN or inf (counted on device as each tensor loads)."""
+  tensor with a NaN or inf (counted on device as each tensor loads).
+
+  On a `mesh` the tensors are memory-mapped, rearranged as host views and
+  placed shard by shard (kvjax/sharding.py), each device reading its slice;
+  `check_finite` then names the first kvjax parameter with a NaN or inf.
+  """
   hf_config, cfg = read_hf_config(path)
   # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
   interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
       hf_config.get("rope_interleave", True))
-  read = _tensor_reader(path)
+  read = _tensor_reader(path, mmap=mesh is not None)
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
   names, nonfinite, sizes = [], [], []  # per tensor, in load order
 
   def get(name):
+    if mesh is not None:
+      return read(name)
     tensor = jnp.asarray(read(name), dtype)
     if check_finite:
       names.append(name)
@@ -232,6 +263,11 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True
       embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
       final_norm=get("model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
+  if mesh is not None:
+    params = place_host_params(params, mesh, dtype)
+    if check_finite:
+      check_finite_tree(params, f"HF checkpoint {path}")
+    return cfg, params
   if check_finite:
     raise_first_nonfinite(names, nonfinite, sizes, f"HF checkpoint {path}")
   return cfg, params

@@ -1,0 +1,191 @@
+"""Where arrays live under tensor parallelism: the device mesh and the Megatron rules.
+
+`make_mesh(tp, dp)` lays devices out as a ("data", "model") `jax.sharding.Mesh`;
+a model lives on one data row (`submeshes`; kvjax/router.py spreads replicas
+over the rows).  Parameters are placed with `NamedSharding` by leaf name
+(`param_spec`), the Megatron layout: q/k/v heads and gate/up columns split over
+"model", o and down rows split (their partial sums are the two all-reduces of
+a dense block), embedding and LM head split over the vocabulary, norms and
+MLA's shared latent projection replicated.  A leaf this table does not name is
+replicated: correct, only not split.
+
+KV pages split over "model" by kv head (`cache_shardings`, from each cache's
+`HEAD_AXES`).  When num_kv_heads K does not divide by tp, `replicate_kv_heads`
+copies each kv head r times (K' = lcm(K, tp), r = K'/K) in wk/wv (and their
+biases), an equivalent model whose K' heads split evenly: query head n still
+reads a copy of kv head n // (N/K).  The cost, r x the KV bytes per token, is
+logged here and reported by kvjax/ledger.py `tp_plan`.  MLA's latent cache
+has no head axis and is replicated; its query and output heads split.
+
+The steps themselves need no change: jit propagates these shardings through
+the model (GSPMD), and kvjax/backends.py `on_mesh` runs the attention and
+verification kernels per device under `shard_map`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvjax.config import ModelConfig
+
+__all__ = ["DATA", "MODEL", "make_mesh", "submeshes", "tp_size", "mesh_of", "check_tp",
+           "replicated_kv_heads", "param_spec", "param_shardings", "init_on_mesh",
+           "place_host_params", "replicate_kv_heads", "cache_shardings"]
+
+DATA, MODEL = "data", "model"
+_log = logging.getLogger(__name__)
+
+# Leaf name -> (axis split over "model", what that axis counts).  "kv" leaves split
+# only when K divides by tp (replicate_kv_heads makes it so); "vocab" only when V does.
+_SPLIT = {
+    "wq": (1, "heads"), "wk": (1, "kv"), "wv": (1, "kv"), "wo": (0, "heads"),
+    "bq": (0, "heads"), "bk": (0, "kv"), "bv": (0, "kv"),
+    "w_gate": (1, "ffn"), "w_up": (1, "ffn"), "w_down": (0, "ffn"),
+    "wk_b": (1, "heads"), "wv_b": (1, "heads"), "wq_b": (1, "heads"),
+    "embed": (0, "vocab"), "lm_head": (1, "vocab"),
+}
+
+
+def _check_count(value, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  return int(value)
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices: Optional[Sequence] = None) -> Mesh:
+  """A (dp, tp) mesh with axes ("data", "model") over the first dp * tp `devices`
+  (default: every device of every process, jax.devices())."""
+  tp, dp = _check_count(tp, "tp"), _check_count(dp, "dp")
+  devices = list(jax.devices() if devices is None else devices)
+  if tp * dp > len(devices):
+    raise ValueError(f"tp={tp} x dp={dp} needs {tp * dp} devices, only {len(devices)} "
+                     f"available ({devices[0].platform})")
+  return Mesh(np.array(devices[:tp * dp]).reshape(dp, tp), (DATA, MODEL))
+
+
+def submeshes(mesh: Mesh) -> list[Mesh]:
+  """One (1, tp) mesh per data row: where each data-parallel replica lives."""
+  return [Mesh(row[None], (DATA, MODEL)) for row in mesh.devices]
+
+
+def tp_size(mesh: Optional[Mesh]) -> int:
+  return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def mesh_of(params) -> Optional[Mesh]:
+  """The mesh `params` were placed on by this module, or None (one device)."""
+  sharding = getattr(params.embed, "sharding", None)
+  if isinstance(sharding, NamedSharding) and MODEL in sharding.mesh.axis_names:
+    return sharding.mesh
+  return None
+
+
+def replicated_kv_heads(num_kv_heads: int, tp: int) -> int:
+  """The kv heads a tp-way cache stores: the smallest multiple of K that tp divides."""
+  return math.lcm(num_kv_heads, tp)
+
+
+def check_tp(cfg: ModelConfig, mesh: Mesh) -> None:
+  """ValueError naming the dimension unless cfg splits tp ways on `mesh`."""
+  tp = tp_size(mesh)
+  if mesh.shape[DATA] != 1:
+    raise ValueError(f"a model lives on one data row, got a mesh with data={mesh.shape[DATA]}; "
+                     "put one model per kvjax.sharding.submeshes(mesh) behind kvjax.Router")
+  if cfg.num_heads % tp:
+    raise ValueError(f"num_heads {cfg.num_heads} of {cfg.name!r} does not split over tp={tp}")
+  if cfg.intermediate_size % tp:
+    raise ValueError(f"intermediate_size {cfg.intermediate_size} of {cfg.name!r} does not "
+                     f"split over tp={tp}")
+  if cfg.attention_type != "mla" and cfg.num_heads % replicated_kv_heads(cfg.num_kv_heads, tp):
+    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} replicated to "
+                     f"{replicated_kv_heads(cfg.num_kv_heads, tp)} for tp={tp} does not group "
+                     f"num_heads {cfg.num_heads}")
+
+
+def param_spec(name: str, shape: tuple, tp: int) -> P:
+  """The PartitionSpec of a parameter leaf called `name` with `shape` on a tp-way mesh."""
+  if name not in _SPLIT or tp == 1:
+    return P()
+  axis, kind = _SPLIT[name]
+  if kind in ("kv", "vocab") and shape[axis] % tp:
+    return P()  # K < tp before replicate_kv_heads; a vocabulary tp does not divide
+  if shape[axis] % tp:
+    raise ValueError(f"parameter {name} {shape}: axis {axis} ({kind}) does not split over "
+                     f"tp={tp}")
+  return P(*([None] * axis + [MODEL]))
+
+
+def _leaf_name(path) -> str:
+  return next(str(key.name) for key in reversed(path) if hasattr(key, "name"))
+
+
+def param_shardings(params, mesh: Mesh):
+  """A pytree like `params` (arrays or ShapeDtypeStructs) of NamedShardings."""
+  tp = tp_size(mesh)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, tp)), params)
+
+
+def init_on_mesh(init: Callable[[], object], mesh: Mesh):
+  """Run a params-producing function with its outputs placed shard by shard."""
+  shardings = param_shardings(jax.eval_shape(init), mesh)
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def place_host_params(host_params, mesh: Mesh, dtype):
+  """Host arrays (memory-mapped views) -> device arrays, each device reading its own slice."""
+  np_dtype = np.dtype(dtype)
+
+  def place(x, sharding):
+    return jax.make_array_from_callback(
+        x.shape, sharding, lambda index: np.ascontiguousarray(x[index], np_dtype))
+
+  return jax.tree.map(place, host_params, param_shardings(host_params, mesh))
+
+
+def _repeat_heads(params, repeats: int):
+  def repeat(path, x):
+    if x is None or _SPLIT.get(_leaf_name(path), (0, ""))[1] != "kv":
+      return x
+    return jnp.repeat(x, repeats, axis=_SPLIT[_leaf_name(path)][0])
+
+  return jax.tree_util.tree_map_with_path(repeat, params)
+
+
+def replicate_kv_heads(cfg: ModelConfig, params, mesh: Mesh):
+  """(cfg, params) with K' = lcm(K, tp) kv heads when tp does not divide K (else as is).
+
+  Logs what the replication costs: r x the KV cache's bytes per token.
+  """
+  tp, k = tp_size(mesh), cfg.num_kv_heads
+  kv_heads = replicated_kv_heads(k, tp)
+  if cfg.attention_type == "mla" or kv_heads == k:
+    return cfg, params
+  repeats = kv_heads // k
+  _log.warning("num_kv_heads %d of %r does not split over tp=%d: each kv head is stored %dx "
+               "(%d heads, one or more per device); the KV cache costs %dx its single-device "
+               "bytes per token (kvjax.ledger.tp_plan)", k, cfg.name, tp, repeats, kv_heads,
+               repeats)
+  params = init_on_mesh(lambda: _repeat_heads(params, repeats), mesh)
+  return dataclasses.replace(cfg, num_kv_heads=kv_heads), params
+
+
+def cache_shardings(cache, mesh: Mesh):
+  """NamedShardings for a cache pytree (arrays or ShapeDtypeStructs): each field in its
+  class's HEAD_AXES {name: kv-head axis} splits there over "model"; the rest replicate."""
+  head_axes = getattr(type(cache), "HEAD_AXES", {})
+
+  def spec(path, x):
+    axis = head_axes.get(_leaf_name(path))
+    if axis is None or x.shape[axis] % tp_size(mesh):
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(*([None] * axis + [MODEL])))
+
+  return jax.tree_util.tree_map_with_path(spec, cache)
