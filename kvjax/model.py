@@ -4,8 +4,11 @@ One block implementation serves every cache kind: the block computes q, k, v
 and hands them to an `attend(cache, layer, q, k, v) -> (cache, out)` callable
 supplied by the caller (dense causal for the no-cache forward, or a cache's
 `attend` for a StepBatch; kvjax/caches/).  Both attention blocks live here:
-GQA (MHA / GQA / MQA) and MLA (latent attention).  The cache goes in
-and comes out; nothing is mutated.
+GQA (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope) and MLA
+(latent attention); a hybrid's linear-attention layers dispatch to the Gated
+DeltaNet mixer (kvjax/hybrid.py), which hands its state to the same callback.
+Layers reach the cache by `ModelConfig.state_index` (a hybrid's KV rows count
+only attention layers).  The cache goes in and comes out; nothing is mutated.
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.attention.gated_delta import LinearInputs
 from kvjax.config import ModelConfig
+from kvjax.hybrid import gated_delta_net, stateless_mix
 from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
 from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
 
@@ -30,6 +35,21 @@ LORA_NORM_EPS = 1e-6
 Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
 
 
+def _inv_freq(cfg: ModelConfig) -> jax.Array:
+  """[rotary_dim / 2] rope frequencies (partial rope rotates only the leading dims)."""
+  if cfg.rotary_dim == cfg.head_dim:
+    return rope_inv_freq(cfg)
+  return rope_inv_freq(cfg.replace(head_dim=cfg.rotary_dim, partial_rotary_factor=1.0))
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rope on x's first 2 * len(inv_freq) dims; the rest pass through (partial rope)."""
+  rotary = 2 * inv_freq.shape[0]
+  if rotary == x.shape[-1]:
+    return apply_rope(x, positions, inv_freq)
+  return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], -1)
+
+
 def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
   """MHA / GQA / MQA: h [B, T, D] -> (cache, out [B, T, D])."""
@@ -41,10 +61,12 @@ def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions
   if a.q_norm is not None:
     q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
     k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-  q = apply_rope(q, positions, inv_freq)
-  k = apply_rope(k, positions, inv_freq)
+  q = _rope(q, positions, inv_freq)
+  k = _rope(k, positions, inv_freq)
   with jax.named_scope(f"attention_{layer}"):
-    cache, out = attend(cache, layer, q, k, v)
+    cache, out = attend(cache, cfg.state_index(layer), q, k, v)
+  if a.wg is not None:  # Qwen3.5: each head's output scaled by its own sigmoid gate
+    out = out * jax.nn.sigmoid(dense("btd,dnh->btnh", h, a.wg))
   return cache, dense("btnh,nhd->btd", out, a.wo)
 
 
@@ -89,6 +111,8 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
   """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
   h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
   attention = mla_attention if cfg.attention_type == "mla" else _gqa_attention
+  if cfg.is_linear_layer(layer):
+    attention = gated_delta_net
   cache, out = attention(cfg, p.attn, h, positions, inv_freq, cache, layer, attend)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
@@ -100,7 +124,7 @@ def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             cache: Any, attend: Attend):
   """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm."""
   x = params.embed[tokens]
-  inv_freq = rope_inv_freq(cfg)
+  inv_freq = _inv_freq(cfg)
   with matmul_precision(params.embed.dtype):
     for layer, block in enumerate(params.blocks):
       cache, x = _block(cfg, block, x, positions, inv_freq, cache, layer, attend)
@@ -127,15 +151,18 @@ def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Arr
   h = rms_norm(prev_hidden, m.hidden_norm, cfg.rms_norm_eps)
   with matmul_precision(params.embed.dtype):
     x = jnp.concatenate([e, h], axis=-1) @ m.proj
-    return _block(cfg, m.block, x, positions, rope_inv_freq(cfg), cache,
+    return _block(cfg, m.block, x, positions, _inv_freq(cfg), cache,
                   cfg.num_layers + depth, attend)
 
 
 def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
-  """Causal self-attention among the T tokens themselves (no cache)."""
+  """Causal self-attention among the T tokens themselves (no cache); linear layers
+  run their rule over the T tokens from zero states."""
   valid = jnp.ones(positions.shape, bool)
 
   def attend(cache, layer, q, k, v):
+    if isinstance(q, LinearInputs):
+      return cache, stateless_mix(q)
     visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
     return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5)
 

@@ -15,8 +15,8 @@ from flax import struct
 
 from kvjax.config import ModelConfig
 
-__all__ = ["AttentionParams", "MLAParams", "BlockParams", "MTPParams", "Params", "init_params",
-           "count_params"]
+__all__ = ["AttentionParams", "GatedDeltaParams", "MLAParams", "BlockParams", "MTPParams",
+           "Params", "init_params", "count_params"]
 
 
 @struct.dataclass
@@ -30,6 +30,23 @@ class AttentionParams:
   bv: Optional[jax.Array] = None  # [K, H]
   q_norm: Optional[jax.Array] = None  # [H]  (Qwen3)
   k_norm: Optional[jax.Array] = None  # [H]
+  wg: Optional[jax.Array] = None  # [D, N, H] sigmoid output gate (Qwen3.5 gated attention)
+
+
+@struct.dataclass
+class GatedDeltaParams:
+  """One Gated DeltaNet layer (Qwen3.5 / Qwen3-Next; kvjax/hybrid.py, the rule in
+  kvjax/attention/gated_delta.py).  Nk / Nv key / value heads, Hk / Hv their dims,
+  X = 2 Nk Hk + Nv Hv conv channels, Kc the conv width."""
+  w_qkv: jax.Array  # [D, X] q, k, v channels before the conv
+  w_z: jax.Array  # [D, Nv, Hv] output gate
+  w_b: jax.Array  # [D, Nv] write strength logits (beta = sigmoid)
+  w_a: jax.Array  # [D, Nv] decay logits
+  conv: jax.Array  # [Kc, X] depthwise causal conv
+  dt_bias: jax.Array  # [Nv]
+  a_log: jax.Array  # [Nv] log decay rate: g = -exp(a_log) softplus(a + dt_bias)
+  norm: jax.Array  # [Hv] gated RMSNorm weight
+  wo: jax.Array  # [Nv, Hv, D]
 
 
 @struct.dataclass
@@ -53,7 +70,8 @@ class MLAParams:
 @struct.dataclass
 class BlockParams:
   attn_norm: jax.Array  # [D]
-  attn: AttentionParams  # or MLAParams when config.attention_type == "mla"
+  attn: AttentionParams  # MLAParams when config.attention_type == "mla", GatedDeltaParams
+  #                       on a hybrid's linear_attention layers
   mlp_norm: jax.Array  # [D]
   w_gate: jax.Array  # [D, F]
   w_up: jax.Array  # [D, F]
@@ -83,20 +101,40 @@ class Params:
     return self.embed.T if self.lm_head is None else self.lm_head
 
 
-def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> BlockParams:
+def _gated_delta_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> GatedDeltaParams:
+  d, nv, hv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+  channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + nv * hv
+  keys = jax.random.split(key, 7)
+  normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+  # HF's init: unit dt_bias, decay rates A uniform in [0.01, 16) (kept away from log 0).
+  rates = jax.random.uniform(keys[6], (nv,), jnp.float32, 0.01, 16.0)
+  return GatedDeltaParams(
+      w_qkv=normal(keys[0], (d, channels)), w_z=normal(keys[1], (d, nv, hv)),
+      w_b=normal(keys[2], (d, nv)), w_a=normal(keys[3], (d, nv)),
+      conv=normal(keys[4], (cfg.linear_conv_kernel, channels)),
+      dt_bias=jnp.ones((nv,), dtype), a_log=jnp.log(rates).astype(dtype),
+      norm=jnp.ones((hv,), dtype), wo=normal(keys[5], (nv, hv, d)))
+
+
+def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float,
+                layer: int = 0) -> BlockParams:
   d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.intermediate_size)
   keys = jax.random.split(key, 10)
   normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
   bias = cfg.attention_bias
-  attn = AttentionParams(
-      wq=normal(keys[0], (d, n, h)), wk=normal(keys[1], (d, k, h)),
-      wv=normal(keys[2], (d, k, h)), wo=normal(keys[3], (n, h, d)),
-      bq=normal(keys[4], (n, h)) if bias else None,
-      bk=normal(keys[5], (k, h)) if bias else None,
-      bv=normal(keys[6], (k, h)) if bias else None,
-      q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
-      k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None)
+  if cfg.is_linear_layer(layer):
+    attn = _gated_delta_init(cfg, keys[0], dtype, std)
+  else:
+    attn = AttentionParams(
+        wq=normal(keys[0], (d, n, h)), wk=normal(keys[1], (d, k, h)),
+        wv=normal(keys[2], (d, k, h)), wo=normal(keys[3], (n, h, d)),
+        bq=normal(keys[4], (n, h)) if bias else None,
+        bk=normal(keys[5], (k, h)) if bias else None,
+        bv=normal(keys[6], (k, h)) if bias else None,
+        q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
+        k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
+        wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None)
   return BlockParams(
       attn_norm=jnp.ones((d,), dtype), attn=attn, mlp_norm=jnp.ones((d,), dtype),
       w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
@@ -111,15 +149,16 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
         f"init_params supports attention_type 'gqa', got {cfg.attention_type!r}")
   k_embed, k_head, k_blocks, k_mtp = jax.random.split(key, 4)
   d = cfg.hidden_size
-  blocks = tuple(_block_init(cfg, kk, dtype, std)
-                 for kk in jax.random.split(k_blocks, cfg.num_layers))
+  blocks = tuple(_block_init(cfg, kk, dtype, std, layer)
+                 for layer, kk in enumerate(jax.random.split(k_blocks, cfg.num_layers)))
   mtp = []
   for kk in jax.random.split(k_mtp, cfg.mtp_num_hidden_layers):
     k_proj, k_block = jax.random.split(kk)
     mtp.append(MTPParams(
         embed_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
         proj=(std * jax.random.normal(k_proj, (2 * d, d))).astype(dtype),
-        block=_block_init(cfg, k_block, dtype, std), out_norm=jnp.ones((d,), dtype)))
+        block=_block_init(cfg, k_block, dtype, std, cfg.num_layers),
+        out_norm=jnp.ones((d,), dtype)))
   return Params(
       embed=(std * jax.random.normal(k_embed, (cfg.vocab_size, d))).astype(dtype),
       blocks=blocks, final_norm=jnp.ones((d,), dtype),

@@ -2,7 +2,8 @@
 
 Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
 window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
-deepseek_v2 / deepseek_v3 with MLA and dense MLPs only (MoE layers raise).
+deepseek_v2 / deepseek_v3 with MLA and dense MLPs only (MoE layers raise),
+qwen3_5 / qwen3_5_text / dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
 split out ([D, N, H] etc.), so each tensor is transposed once here.
 """
@@ -18,12 +19,14 @@ import numpy as np
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 from kvjax.sharding import place_host_params
+from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, load_qwen3_5, qwen3_5_config
 from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "read_hf_config", "config_from_hf",
            "load_hf"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
+                         "deepseek_v3") + QWEN3_5_MODEL_TYPES
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # safetensors dtype codes -> numpy (ml_dtypes supplies bfloat16).
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -69,6 +72,8 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     raise ValueError(f"unsupported model_type {model_type!r} "
                      f"(architectures {hf.get('architectures')}); "
                      f"supported: {SUPPORTED_MODEL_TYPES}")
+  if model_type in QWEN3_5_MODEL_TYPES:
+    return qwen3_5_config(hf, name)
   theta, scaling = _rope(hf)
   if model_type in _DEEPSEEK:
     return _deepseek_config(hf, name, theta, scaling)
@@ -238,6 +243,25 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   def proj(name, heads):  # torch [heads*H, D] -> [D, heads, H]
     return get(name).T.reshape(d, heads, h)
 
+  def has(name):
+    try:
+      read(name)
+    except KeyError:
+      return False
+    return True
+
+  def finish(cfg, params):
+    if mesh is not None:
+      params = place_host_params(params, mesh, dtype)
+      if check_finite:
+        check_finite_tree(params, f"HF checkpoint {path}")
+      return cfg, params
+    if check_finite:
+      raise_first_nonfinite(names, nonfinite, sizes, f"HF checkpoint {path}")
+    return cfg, params
+
+  if hf_config.get("model_type") in QWEN3_5_MODEL_TYPES:
+    return finish(*load_qwen3_5(cfg, hf_config, get, has))
   blocks = []
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
@@ -263,11 +287,4 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
       embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
       final_norm=get("model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
-  if mesh is not None:
-    params = place_host_params(params, mesh, dtype)
-    if check_finite:
-      check_finite_tree(params, f"HF checkpoint {path}")
-    return cfg, params
-  if check_finite:
-    raise_first_nonfinite(names, nonfinite, sizes, f"HF checkpoint {path}")
-  return cfg, params
+  return finish(cfg, params)
