@@ -9,7 +9,6 @@ step programs compile once).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -415,15 +414,16 @@ def test_full_queue_answers_503_at_once(model, tok):
     print(f"503 answered in {statistics.median(times) * 1e3:.1f} ms (median of 5)")
 
 
-def test_cli_serve_prints_one_url_line_and_serves_port_0():
+def test_cli_serve_prints_one_url_line_and_serves_port_0(tmp_path):
   command = [sys.executable, "-m", "kvjax", "serve", "--port", "0", "--served-model-name", "m",
              "--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "16",
              "--num-scheduler-steps", "1"]
-  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": ROOT})
+  errors = open(tmp_path / "stderr", "w+")
+  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors,
+                             text=True, env={**os.environ, "PYTHONPATH": ROOT})
   try:
     line = process.stdout.readline()
-    assert line.startswith("kvjax serving m at http://127.0.0.1:"), line
+    assert line.startswith("kvjax serving m at http://127.0.0.1:"), (line, open(errors.name).read())
     url = line.split()[-1]
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     assert port != 0 and url.endswith("/v1")
