@@ -61,7 +61,8 @@ def _pool_requests(model, c, seed) -> list:
 def _bench(server, model, sessions, c, *, rate, concurrency=None):
   return bench_client.run_benchmark(
       server.url, sessions, request_rate=rate, max_concurrency=concurrency,
-      encode=tokenizer_of(model).encode, seed=c.seed, metrics_interval_s=c.metrics_interval_s)
+      encode=functools.partial(tokenizer_of(model).encode, add_special_tokens=False),
+      seed=c.seed, metrics_interval_s=c.metrics_interval_s)
 
 
 def _curves(result):

@@ -221,8 +221,9 @@ def run_benchmark(url: str, sessions, *, request_rate: float = math.inf,
                   metrics_interval_s: Optional[float] = 0.5) -> dict:
   """Sends `sessions` to the server at `url` (its root) -> {"summary", "requests", "server_metrics"}.
 
-  encode(text) -> ids turns an answer back into history ids; needed when a
-  session has more than one turn.
+  encode(text) -> ids turns an answer back into history ids (no special
+  tokens: the answer continues the history); needed when a session has more
+  than one turn.
   """
   if max_concurrency is not None and max_concurrency < 1:
     raise ValueError(f"max_concurrency must be >= 1 (None: unlimited), got {max_concurrency}")

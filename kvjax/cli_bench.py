@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -257,7 +258,8 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
   result = bench_client.run_benchmark(
       args.url, sessions, request_rate=args.request_rate, burstiness=args.burstiness,
       max_concurrency=args.max_concurrency, goodput=goodput,
-      encode=tokenizer.encode if tokenizer is not None else None,
+      encode=None if tokenizer is None else functools.partial(tokenizer.encode,
+                                                              add_special_tokens=False),
       model=args.model, temperature=args.temperature, seed=args.seed,
       timeout_s=args.request_timeout)
   title = (f"{args.workload} over HTTP: {args.num_requests} x {args.input_len} -> "

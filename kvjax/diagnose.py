@@ -7,7 +7,9 @@ P95), KV memory utilization, and running vs configured concurrency; queue
 depth and queue time complete them.  A queue is concurrency's first symptom:
 requests waiting for a slot or for pages show a slow first token before their
 later tokens slow down, so a slow first token that is mostly queue time is
-named concurrency, not prefill.
+named concurrency, not prefill.  Concurrency short of memory (a full KV pool,
+or requests waiting beside free slots) adds KV quantization to the remedies;
+short of slots (running = configured) it does not.
 
 "Slow" is relative to targets the caller gives (`Targets`: TTFT and TPOT in
 seconds, e.g. a few times the unloaded service's own).  Signals come from a
@@ -281,17 +283,20 @@ def diagnose(signals: Signals, targets: Targets) -> Diagnosis:
   kv_full = signals.kv_utilization is not None and signals.kv_utilization >= targets.kv_full
   if kv_full:
     reasons.append(f"KV utilization {signals.kv_utilization:.0%} >= {targets.kv_full:.0%}")
-  under = (signals.running is not None and signals.max_num_seqs is not None
-           and signals.running < signals.max_num_seqs - 0.5)
-  if kind == "concurrency" and under:
-    reasons.append(f"running {signals.running:.1f} < configured {signals.max_num_seqs:.0f}: "
-                   "requests wait for pages, not for slots" if kv_full else
-                   f"running {signals.running:.1f} < configured {signals.max_num_seqs:.0f}")
+  # Requests waiting while slots are free wait for pages (the mean utilization
+  # dips as requests come and go, so a queue beside free slots says it too).
+  free_slots = (signals.running is not None and signals.max_num_seqs is not None
+                and signals.running < signals.max_num_seqs - 0.5)
+  queued = signals.waiting is not None and signals.waiting >= 0.5
+  memory_bound = kv_full or (free_slots and queued)
+  if kind == "concurrency" and free_slots:
+    reasons.append(f"running {signals.running:.1f} < configured {signals.max_num_seqs:.0f}"
+                   + (" with requests waiting: they wait for KV pages" if queued else ""))
   # The seed's order, keeping the remedies this kind of slow calls for.
   wanted = {"healthy": set(), "prefill": {"input", "scheduling"},
             "decode": {"scheduling", "kv_quant", "devices"},
             "concurrency": {"input", "scheduling", "kv_quant", "devices"}}[kind]
-  if kind == "concurrency" and not kv_full:
+  if kind == "concurrency" and not memory_bound:
     wanted.discard("kv_quant")  # slots, not memory, are short
   actions = [key for key, _ in ACTIONS if key in wanted]
   return Diagnosis(kind, slow_ttft, slow_tpot, queue_bound, actions, reasons)

@@ -89,6 +89,11 @@ SCENARIOS = {
     # Slow first tokens that are mostly queue time, a full pool, few running.
     "concurrency_queue": ([(300, 0.90, 0.015, 0.80)] * 8, [(2, 6, 0.97), (2, 6, 0.95)],
                           "concurrency", ["input", "scheduling", "kv_quant", "devices"]),
+    # The same queue beside free slots, the pool's mean use dipping between requests:
+    # still waiting for pages.
+    "concurrency_queue_free_slots": ([(300, 0.90, 0.015, 0.80)] * 8, [(2, 6, 0.4), (1, 6, 0.6)],
+                                     "concurrency", ["input", "scheduling", "kv_quant",
+                                                     "devices"]),
 }
 
 
