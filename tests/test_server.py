@@ -414,6 +414,25 @@ def test_full_queue_answers_503_at_once(model, tok):
     print(f"503 answered in {statistics.median(times) * 1e3:.1f} ms (median of 5)")
 
 
+def test_stop_ends_open_streams_with_an_error_event(model):
+  server = serve_in_thread(model, CONFIG, served_model_name=NAME)
+  body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0,
+          "stream": True}
+  with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/completions",
+                                                     json=body) as response:
+    lines = response.iter_lines()
+    first = sse_events([next(line for line in lines if line.startswith("data: "))])[0]
+    assert first["choices"][0]["finish_reason"] is None
+    start = time.monotonic()
+    server.stop()
+    assert time.monotonic() - start < 10
+    events = sse_events(lines)
+  assert events and "error" in events[-1] and "[DONE]" not in events, events[-3:]
+  assert events[-1]["error"]["message"] == "the server is shutting down"
+  with pytest.raises(httpx.ConnectError):
+    httpx.get(server.root + "/health")
+
+
 def test_cli_serve_prints_one_url_line_and_serves_port_0(tmp_path):
   command = [sys.executable, "-m", "kvjax", "serve", "--port", "0", "--served-model-name", "m",
              "--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "16",
