@@ -36,7 +36,7 @@ class ServerHandle:
                state: ServerState, host: str, port: int):
     self._server, self._thread, self._loop, self.state = server, thread, loop, state
     self.port = port
-    self.root = f"http://{host}:{port}"
+    self.root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     self.url = self.root + "/v1"
     self.engine = loop.engine
     self.model_name = state.limits.model_name
