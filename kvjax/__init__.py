@@ -11,7 +11,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, batching, validation              request vocabulary and checks, packing
-  7  scheduler, ledger, metrics                      host policy, accounting
+  7  scheduler, ledger, metrics, draft_policy        host policy, accounting
   8  engine_config, engine, router                   the serving engine's request API, and
                                                     data-parallel replicas behind a router
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,

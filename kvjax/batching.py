@@ -62,11 +62,13 @@ class Packing:
     width = max_pages_per_seq + -(-max_query // page_size)
     return cls(max_num_seqs, max_query, page_size, width, num_draft)
 
-  def shape(self, rows: Sequence[ScheduledRow]) -> tuple[int, int]:
-    """(B, T) of a row group: decode rows 1 + J wide, prefill chunks bucketed."""
+  def shape(self, rows: Sequence[ScheduledRow], num_draft: Optional[int] = None
+            ) -> tuple[int, int]:
+    """(B, T) of a row group: decode rows 1 + J wide (J: num_draft, default the
+    engine's), prefill chunks bucketed."""
     min_rows = _MIN_ROWS_BUCKET
     if rows[0].is_decode:
-      t = 1 + self.num_draft
+      t = 1 + (self.num_draft if num_draft is None else num_draft)
     else:
       t = bucket(max(r.num_tokens for r in rows), self.max_query,
                  min(_MIN_PREFILL_BUCKET, self.max_query))
@@ -81,10 +83,17 @@ class Packing:
     needed = max(needed, int(held[-1]) + 1 if held.size else 0)
     return bucket(needed, self.max_table_width, min(_MIN_TABLE_BUCKET, self.max_table_width))
 
-  def pack(self, plan: SchedulerOutput, group: Sequence[int]) -> StepBatch:
-    """Rows plan.rows[group] (all decode or all prefill) -> their padded StepBatch."""
+  def pack(self, plan: SchedulerOutput, group: Sequence[int],
+           verify: Optional[Sequence[int]] = None, num_draft: Optional[int] = None
+           ) -> StepBatch:
+    """Rows plan.rows[group] (all decode or all prefill) -> their padded StepBatch.
+
+    verify[j]: drafts row j verifies, at most its planned num_draft (default: all
+    planned); num_draft: the step program's J (default the engine's).
+    """
     rows = [plan.rows[i] for i in group]
-    b, t = self.shape(rows)
+    verify = [r.num_draft for r in rows] if verify is None else verify
+    b, t = self.shape(rows, num_draft)
     width = self.table_width(plan.block_tables[group], rows, t)
     tokens = np.zeros((b, t), np.int32)
     q_lens, num_draft, starts = (np.zeros(b, np.int32) for _ in range(3))
@@ -97,8 +106,9 @@ class Packing:
     top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
     for j, row in enumerate(rows):
       tokens[j, :len(row.token_ids)] = row.token_ids
+      drafts = min(row.num_draft, verify[j])
       q_lens[j], num_draft[j], slot_ids[j], starts[j] = (
-          len(row.token_ids) + row.num_draft, row.num_draft, row.slot, row.start)
+          len(row.token_ids) + drafts, drafts, row.slot, row.start)
       if not row.sample:
         next_tokens[j] = row.request.token_ids[row.start + row.num_tokens]
       s = row.request.sampling

@@ -46,6 +46,7 @@ import numpy as np
 
 from kvjax.batching import Packing, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
+from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
@@ -87,7 +88,11 @@ class Engine:
     self.config = config
     self.model_config = cfg
     self.draft_model = config.draft_model
-    self.num_draft = config.drafts_per_step
+    self.num_draft = config.drafts_per_step  # the most drafts a step verifies (J)
+    self.draft_policy = policy_from(config.draft_policy, self.num_draft) if self.num_draft \
+        else None
+    self._fresh_drafts: dict[str, int] = {}  # drafts a request's slot holds for its next step
+    self._step_drafts = self.num_draft  # the last decode group's J, also used by prefill
     self.scheduler = Scheduler(
         num_pages=config.num_pages, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
@@ -177,6 +182,7 @@ class Engine:
       return False
     metrics = self.metrics.pop(request_id)
     metrics.finish_s = time.perf_counter()
+    self._fresh_drafts.pop(request_id, None)
     self._pending.append(RequestOutput(request_id, [], list(req.output_ids), True,
                                        req.status.value, metrics))
     return True
@@ -214,7 +220,8 @@ class Engine:
       self.state = copy_pages(self.state, src, dst)
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
-    launched = [(group, self._launch(plan, group)) for group in groups if group]
+    k = self._choose_drafts(plan, groups[0])
+    launched = [(group, self._launch(plan, group, k)) for group in groups if group]
     new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
     for group, (_, emitted, drafted, steps) in launched:
@@ -226,6 +233,7 @@ class Engine:
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
+        self._fresh_drafts[row.request_id] = k if row.sample else 0
         if not (row.sample or emitted.failed[:, j].any()):
           continue
         counts = emitted.counts[:steps_run, j]
@@ -253,6 +261,7 @@ class Engine:
                                    new_logprobs[req.request_id]))
     for rid, num_draft, num_accepted in verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
+      self.draft_policy.observe_verify(num_draft, num_accepted)
     for rid, req in sampled.items():
       new = req.output_ids[before[rid]:]
       metrics = self.metrics[rid]
@@ -262,18 +271,24 @@ class Engine:
       if finished:
         metrics.finish_s = now
         del self.metrics[rid]
+        self._fresh_drafts.pop(rid, None)
       logprobs = new_logprobs[rid]
       outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
                                    req.status.value if finished else None,
                                    metrics if finished else None,
                                    None if logprobs is None else logprobs[:len(new)]))
+    for req, _ in broken:
+      self._fresh_drafts.pop(req.request_id, None)
+    decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
+    if decode_only and self.draft_policy is not None:
+      self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
     allocator = self.scheduler.allocator
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                       utilization=allocator.utilization, pages_used=allocator.num_used,
                       batched_tokens=plan.num_batched_tokens, step_s=now - start,
-                      decode_only=bool(plan.rows) and all(r.is_decode for r in plan.rows),
-                      num_steps=steps_run,
-                      row_shapes=[shape for _, (shape, *_) in launched])
+                      decode_only=decode_only, num_steps=steps_run,
+                      row_shapes=[shape for _, (shape, *_) in launched],
+                      num_draft=k if groups[0] else 0)
     return outputs
 
   def stream(self) -> Iterator[RequestOutput]:
@@ -290,19 +305,34 @@ class Engine:
     padded[:len(pages)] = pages
     self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
 
-  def _launch(self, plan: SchedulerOutput, group: list[int]):
+  def _choose_drafts(self, plan: SchedulerOutput, decode: list[int]) -> int:
+    """J of this step's programs: the draft policy's choice for the decode rows."""
+    if self.draft_policy is None or not decode:
+      return self._step_drafts
+    rows = [plan.rows[i] for i in decode]
+    bucket = self.packing.shape(rows)[0]
+    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in rows])
+    if not 0 <= k <= self.num_draft:
+      raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
+    self._step_drafts = k
+    return k
+
+  def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
-    -> ((B, T), Emitted [U, B, ...], drafted [U, B], steps run), U = 1 unless the
-    plan is a burst.
+    Rows verify at most the fresh drafts their slot holds and num_draft; every
+    sampling row drafts num_draft anew.  -> ((B, T), Emitted [U, B, ...],
+    drafted [U, B], steps run), U = 1 unless the plan is a burst.
     """
-    batch = self.packing.pack(plan, group)
+    verify = [min(num_draft, self._fresh_drafts.get(plan.rows[i].request_id, 0))
+              for i in group]
+    batch = self.packing.pack(plan, group, verify, num_draft)
     shape = batch.tokens.shape
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
     draft = self.draft_model
     static = dict(config=self.model_config, draft_config=draft and draft.config,
-                  backend=self.config.backend, num_draft=self.num_draft, use_filter=use_filter,
+                  backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
                   logprobs=logprobs)
     if plan.num_steps == 1:
       self.state, emitted = serve_step(

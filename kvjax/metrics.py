@@ -89,7 +89,7 @@ class RequestMetrics:
 
 
 _SAMPLES = ("queue_depth", "running", "kv_utilization", "pages_used", "batched_tokens",
-            "step_s", "decode_only", "num_steps", "row_shapes")
+            "step_s", "decode_only", "num_steps", "row_shapes", "num_draft")
 
 
 @dataclasses.dataclass
@@ -112,10 +112,11 @@ class StepLog:
   decode_only: list = dataclasses.field(default_factory=list)  # no prefill row this step
   num_steps: list = dataclasses.field(default_factory=list)  # forward steps run (a burst: > 1)
   row_shapes: list = dataclasses.field(default_factory=list)  # padded (B, T) of each row group
+  num_draft: list = dataclasses.field(default_factory=list)  # drafts a step's program verifies
 
   def record(self, *, waiting: int, running: int, utilization: float, pages_used: int,
              batched_tokens: int, step_s: float, decode_only: bool, num_steps: int = 1,
-             row_shapes: tuple = ()) -> None:
+             row_shapes: tuple = (), num_draft: int = 0) -> None:
     self.queue_depth.append(waiting)
     self.running.append(running)
     self.kv_utilization.append(utilization)
@@ -125,6 +126,7 @@ class StepLog:
     self.decode_only.append(decode_only)
     self.num_steps.append(num_steps)
     self.row_shapes.append(tuple(row_shapes))
+    self.num_draft.append(num_draft)
     self.num_recorded += 1
     if len(self.step_s) >= 2 * self.max_steps:  # amortized: trim once per max_steps steps
       for name in _SAMPLES:

@@ -25,7 +25,7 @@ from kvjax.caches import PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.config import ModelConfig
 from kvjax.model import lm_logits
 from kvjax.params import Params
-from kvjax.sampling import sample, token_logprobs
+from kvjax.sampling import MAX_LOGPROBS, sample, token_logprobs
 from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
@@ -78,9 +78,10 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   error and the other rows are unaffected.
   logprobs: also return each emitted id's log-probability and the likeliest ids.
   """
+  # A slot keeps up to the engine's most drafts; this program verifies and drafts J.
+  pending = state.drafts[batch.slot_ids, :num_draft]  # [B, J]
   if num_draft:
-    batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, state.drafts[batch.slot_ids],
-                                                  batch.num_draft))
+    batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, pending, batch.num_draft))
   cache, hidden = model_step(params, state.cache, batch, config=config,
                              backend=backend)  # hidden [B, T, D]
   base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
@@ -96,9 +97,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
   failed = jnp.any(verified & ~jnp.all(jnp.isfinite(raw), axis=-1), axis=1)
   logits = spec.target_logits_for_accept(raw, batch.sampling, use_filter)  # [B, J+1, V]
-  emitted, accepted = spec.accept(logits, state.drafts[batch.slot_ids],
-                                  state.draft_probs[batch.slot_ids], batch.num_draft,
-                                  batch.sampling, first, backend)
+  emitted, accepted = spec.accept(logits, pending, state.draft_probs[batch.slot_ids, :num_draft],
+                                  batch.num_draft, batch.sampling, first, backend)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
@@ -114,13 +114,25 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     cache, drafts, probs = spec.mtp_draft(params, config, cache, batch, hidden, next_tokens,
                                           last, backend, num_draft)
     state = state.replace(cache=cache)
-  state = state.replace(drafts=state.drafts.at[batch.slot_ids].set(drafts),
-                        draft_probs=state.draft_probs.at[batch.slot_ids].set(probs))
+  state = state.replace(drafts=state.drafts.at[batch.slot_ids, :num_draft].set(drafts),
+                        draft_probs=state.draft_probs.at[batch.slot_ids, :num_draft].set(probs))
   return state, _emitted(emitted, accepted + 1, failed, raw, logprobs)
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs")
 serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+def _empty_history(u: int, b: int, t: int, vocab: int, logprobs: bool) -> Emitted:
+  """U steps of Emitted for B rows of T columns, nothing emitted yet."""
+  out = Emitted(tokens=jnp.full((u, b, t), -1, jnp.int32), counts=jnp.zeros((u, b), jnp.int32),
+                failed=jnp.zeros((u, b), bool))
+  if not logprobs:
+    return out
+  a = min(MAX_LOGPROBS, vocab)
+  return out.replace(logprobs=jnp.zeros((u, b, t), jnp.float32),
+                     top_ids=jnp.zeros((u, b, t, a), jnp.int32),
+                     top_logprobs=jnp.zeros((u, b, t, a), jnp.float32))
 
 
 @jit_step(static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
@@ -149,7 +161,9 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
 
   def body(carry):
     step, state, last, starts, active, left, history, drafted_all = carry
-    drafted = jnp.where(active, jnp.maximum(jnp.minimum(num_draft, left - 1), 0), 0)
+    # Step 0 verifies what the host packed (a slot may hold fewer fresh drafts).
+    most = jnp.where(step == 0, batch.num_draft, num_draft)
+    drafted = jnp.where(active, jnp.maximum(jnp.minimum(most, left - 1), 0), 0)
     step_batch = batch.at_starts(starts, jnp.where(active, 1 + drafted, 0)).replace(
         tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
         slot_ids=jnp.where(active, batch.slot_ids, scratch),
@@ -170,13 +184,7 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
             jax.tree.map(lambda h, x: h.at[step].set(x), history, out),
             drafted_all.at[step].set(drafted))
 
-  # Shapes and dtypes of one step's Emitted, stacked U times (-1 tokens, zeros elsewhere).
-  one_step = jax.eval_shape(functools.partial(
-      _serve_rows, config=config, draft_config=draft_config, backend=backend,
-      num_draft=num_draft, use_filter=use_filter, logprobs=logprobs),
-      params, draft_params, state, batch)[1]
-  history = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), one_step)
-  history = history.replace(tokens=history.tokens - 1)
+  history = _empty_history(max_steps, b, t, config.vocab_size, logprobs)
   carry = (jnp.int32(0), state, batch.tokens[:, 0], batch.starts,
            (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
   steps_run, state, *_, history, drafted = jax.lax.while_loop(cond, body, carry)

@@ -1,0 +1,143 @@
+"""How many drafts a speculative step verifies, chosen from measurements (issue 17).
+
+A verify step with k drafts costs t(B, k) seconds for a row group of B rows
+(the bucketed batch) and emits, per row r, E_k(r) = 1 + A_1(r) + ... + A_k(r)
+tokens, where A_i(r) is the chance that drafts 1..i are all accepted.  The
+adaptive policy measures both online and picks, per step,
+
+    k* = argmax_k  sum_r E_k(r) / t(B, k),    k in 0..K_max,
+
+so speculation is used only where it pays: k = 0 is plain decoding (the plain
+step program, no drafting), and a step after it has no drafts to verify, so
+it drafts first (its rows verify 0).  Estimates:
+  * t(B, k): an exponential moving average of the measured seconds per step of
+    decode-only steps, per (row bucket, k); a program's first call compiles and
+    is not counted; every (B, k) is tried until it has `warmup` measurements,
+    and the second-best k is re-tried every `explore_every` decisions so a
+    stale estimate cannot lock a choice in.
+  * A_i(r): per request, accepted_i / proposed_i (kvjax.metrics.RequestMetrics
+    counts them) shrunk toward the engine-wide rate with `prior_weight`
+    pseudo-observations; the engine-wide rate starts at `prior_acceptance`^i.
+Outputs never depend on k: greedy verification is exact and rejection
+sampling keeps the target distribution for any number of drafts, so only
+speed does.  `FixedDrafts` is the constant policy; a policy is any object with
+the same four methods (`choose`, `observe_step`, `observe_verify`, `estimates`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+__all__ = ["FixedDrafts", "AdaptiveDrafts", "expected_tokens", "policy_from"]
+
+
+def expected_tokens(accept_through: Sequence[float], k: int) -> float:
+  """1 + A_1 + ... + A_k: a row's expected emitted tokens when it verifies k drafts."""
+  return 1.0 + sum(accept_through[:k])
+
+
+@dataclasses.dataclass
+class FixedDrafts:
+  """Always num_draft drafts (the engine's behaviour without a policy)."""
+
+  num_draft: int
+
+  def choose(self, bucket: int, requests: Sequence) -> int:
+    return self.num_draft
+
+  def observe_step(self, bucket: int, k: int, seconds: float, num_steps: int) -> None:
+    pass
+
+  def observe_verify(self, num_draft: int, num_accepted: int) -> None:
+    pass
+
+  def estimates(self) -> dict:
+    return {"policy": "fixed", "num_draft": self.num_draft}
+
+
+class AdaptiveDrafts:
+  """Maximize expected emitted tokens per second over k in 0..max_drafts (module doc)."""
+
+  def __init__(self, max_drafts: int, *, prior_acceptance: float = 0.7,
+               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 2,
+               explore_every: int = 64):
+    if max_drafts < 1:
+      raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
+    self.max_drafts = max_drafts
+    self.prior_weight = prior_weight
+    self.ema = ema
+    self.warmup = warmup
+    self.explore_every = explore_every
+    self._prior = [prior_acceptance ** (i + 1) for i in range(max_drafts)]
+    self._seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> EMA s per step
+    self._count: dict[tuple[int, int], int] = {}  # calls seen, the compiling one included
+    self._proposed = [0] * max_drafts  # engine-wide, finished requests included
+    self._accepted = [0] * max_drafts
+    self._decisions = 0
+    self.last_choice: Optional[dict] = None
+
+  # -- measurements -------------------------------------------------------------
+
+  def observe_step(self, bucket: int, k: int, seconds: float, num_steps: int) -> None:
+    """A decode-only step (or burst of num_steps) of `bucket` rows verified with k drafts."""
+    key = (bucket, k)
+    self._count[key] = self._count.get(key, 0) + 1
+    if self._count[key] == 1:
+      return  # the first call compiled the program
+    per_step = seconds / max(num_steps, 1)
+    old = self._seconds.get(key)
+    self._seconds[key] = per_step if old is None else (1 - self.ema) * old + self.ema * per_step
+
+  def observe_verify(self, num_draft: int, num_accepted: int) -> None:
+    """One row's verify outcome (engine-wide acceptance)."""
+    for i in range(num_draft):
+      self._proposed[i] += 1
+      self._accepted[i] += i < num_accepted
+
+  def accept_through(self, metrics=None) -> list[float]:
+    """[A_1..A_K] for a request (its RequestMetrics, or None: the engine-wide estimate)."""
+    w = self.prior_weight
+    overall = [(a + w * p) / (n + w)
+               for a, n, p in zip(self._accepted, self._proposed, self._prior)]
+    if metrics is None or not metrics.proposed:
+      return overall
+    return [(a + w * g) / (n + w) for a, n, g in zip(metrics.accepted, metrics.proposed, overall)]
+
+  # -- the decision -------------------------------------------------------------
+
+  def choose(self, bucket: int, requests: Sequence) -> int:
+    """k for a decode row group of `bucket` rows; `requests`: their RequestMetrics."""
+    self._decisions += 1
+    untried = [k for k in range(self.max_drafts + 1)
+               if self._count.get((bucket, k), 0) < self.warmup + 1]
+    if untried:
+      self.last_choice = {"bucket": bucket, "k": untried[0], "reason": "measuring"}
+      return untried[0]
+    through = [self.accept_through(m) for m in requests]
+    rates = {k: sum(expected_tokens(a, k) for a in through) / self._seconds[(bucket, k)]
+             for k in range(self.max_drafts + 1)}
+    ranked = sorted(rates, key=rates.get, reverse=True)
+    k = ranked[1] if self._decisions % self.explore_every == 0 else ranked[0]
+    self.last_choice = {"bucket": bucket, "k": k, "tokens_per_s": rates,
+                        "reason": "exploring" if k != ranked[0] else "best"}
+    return k
+
+  def estimates(self) -> dict:
+    """What the policy believes: step seconds per (bucket, k) and acceptance A_i."""
+    return {"policy": "adaptive", "max_drafts": self.max_drafts,
+            "step_s": {f"{b}x{k}": s for (b, k), s in sorted(self._seconds.items())},
+            "accept_through": self.accept_through(), "last_choice": self.last_choice}
+
+
+def policy_from(spec, max_drafts: int):
+  """EngineConfig.draft_policy -> a policy object (None: fixed; 'adaptive'; an object)."""
+  if spec is None:
+    return FixedDrafts(max_drafts)
+  if spec == "adaptive":
+    return AdaptiveDrafts(max_drafts)
+  methods = ("choose", "observe_step", "observe_verify", "estimates")
+  if isinstance(spec, str) or not all(hasattr(spec, m) for m in methods):
+    raise ValueError(f"draft_policy must be None, 'adaptive' or an object with "
+                     f"{', '.join(methods)}, got {spec!r}")
+  return spec
+

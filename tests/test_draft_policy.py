@@ -1,0 +1,148 @@
+"""Draft policies (issue 17): the adaptive choice maximizes expected tokens per second
+(checked against hand-computed rates), and whatever number of drafts each step picks,
+greedy speculative output equals plain greedy and sampled output keeps the target
+distribution; a step after a plain one never verifies stale drafts."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.draft_policy import AdaptiveDrafts, FixedDrafts, expected_tokens, policy_from
+from tests import engine_helpers as h
+
+
+@dataclasses.dataclass
+class Cycle:
+  """A policy that ignores measurements: k = ks[0], ks[1], ... per decode step."""
+
+  ks: tuple
+  calls: int = 0
+
+  def choose(self, bucket, requests):
+    self.calls += 1
+    return self.ks[(self.calls - 1) % len(self.ks)]
+
+  def observe_step(self, bucket, k, seconds, num_steps):
+    pass
+
+  def observe_verify(self, num_draft, num_accepted):
+    pass
+
+  def estimates(self):
+    return {"policy": "cycle", "ks": self.ks}
+
+
+def _measured(policy, bucket, seconds_by_k, calls=4):
+  for k, seconds in seconds_by_k.items():
+    for _ in range(calls):  # the first call of each (bucket, k) is the compile
+      policy.observe_step(bucket, k, seconds, 1)
+
+
+# Step ms for k = 0, 1, 2 drafts: C9's CPU cost (3.4x at k = 2), a cheap verify, and one
+# whose second draft costs more than it brings.
+@pytest.mark.parametrize("step_ms,want", [((1, 2.2, 3.4), 0), ((1, 1.1, 1.2), 2),
+                                          ((1, 1.2, 2.0), 1)])
+def test_adaptive_picks_the_best_tokens_per_second(step_ms, want):
+  # Acceptance 0.9 at position 1 and 0.8 through position 2 (the prior is outweighed).
+  policy = AdaptiveDrafts(2, prior_weight=1e-9)
+  for _ in range(1000):
+    policy.observe_verify(2, 2)
+  for _ in range(125):
+    policy.observe_verify(2, 0)
+  for _ in range(125):
+    policy.observe_verify(2, 1)
+  through = policy.accept_through()
+  np.testing.assert_allclose(through, [1125 / 1250, 1000 / 1250])
+  seconds = {k: 1e-3 * ms for k, ms in enumerate(step_ms)}
+  _measured(policy, 8, seconds)
+  rates = {k: 8 * (1 + sum(through[:k])) / seconds[k] for k in range(3)}
+  assert want == max(rates, key=rates.get)
+  assert policy.choose(8, [None] * 8) == want
+  assert policy.last_choice["reason"] == "best"
+
+
+def test_adaptive_measures_every_choice_first_and_explores_later():
+  policy = AdaptiveDrafts(2, warmup=2, explore_every=5)
+  seen = [policy.choose(4, []) for _ in range(3)]
+  assert seen == [0, 0, 0]  # nothing measured yet: k = 0 first
+  _measured(policy, 4, {0: 1e-3}, calls=3)
+  assert policy.choose(4, []) == 1
+  _measured(policy, 4, {1: 5e-3, 2: 9e-3}, calls=3)
+  choices = [policy.choose(4, []) for _ in range(10)]
+  assert choices.count(0) >= 8 and any(k != 0 for k in choices)  # mostly best, some explore
+
+
+def test_a_requests_own_acceptance_shrinks_toward_the_engine_rate():
+  policy = AdaptiveDrafts(2, prior_weight=4.0)
+  for _ in range(100):
+    policy.observe_verify(2, 2)
+  metrics = kvjax.metrics.RequestMetrics("r", 5, 0.0)
+  for _ in range(4):
+    metrics.record_verify(2, 0, 2)
+  overall = policy.accept_through()
+  got = policy.accept_through(metrics)
+  np.testing.assert_allclose(got, [(0 + 4 * g) / (4 + 4) for g in overall])
+  assert expected_tokens(got, 2) == pytest.approx(1 + sum(got))
+
+
+def test_policy_specs():
+  assert isinstance(policy_from(None, 3), FixedDrafts)
+  assert isinstance(policy_from("adaptive", 3), AdaptiveDrafts)
+  with pytest.raises(ValueError, match="draft_policy must be"):
+    policy_from("fast", 3)
+  with pytest.raises(ValueError, match="needs speculative"):
+    h.engine(draft_policy="adaptive")
+  with pytest.raises(ValueError, match="num_draft must be an int or 'auto'"):
+    h.engine(speculative="mtp", num_draft="two")
+  eng = h.engine(speculative="mtp", num_draft="auto")
+  assert eng.num_draft == 2 and isinstance(eng.draft_policy, AdaptiveDrafts)
+
+
+@pytest.mark.parametrize("steps", [1, 4], ids=["single_step", "burst"])
+def test_changing_the_draft_count_every_step_keeps_greedy_exact(steps):
+  batch = h.prompts(5, seed=3, shared=20) + h.prompts(2, seed=4, lengths=(12, 15))
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=Cycle((2, 0, 1, 1, 0)),
+                 num_scheduler_steps=steps, num_pages=h.TINY_POOL)
+  finals = h.run_staggered_finals(eng, batch)
+  assert [out.output_ids for out in finals] == [h.reference(p) for p in batch]
+  assert set(eng.steps.num_draft) == {0, 1, 2}
+  h.assert_no_pages_held(eng)
+
+
+def test_a_step_after_a_plain_step_verifies_no_stale_drafts():
+  # Cycle (2, 0): a prefill that drafts 2 is verified by the next decode step; afterwards
+  # every k = 2 step follows a plain one, so it may only draft.  At most one verify step
+  # per request (none if its prefill ran in a k = 0 step).
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=Cycle((2, 0)),
+                 num_scheduler_steps=1)
+  ids = [eng.add_request(p, h.MAX_NEW, temperature=1.0, seed=i)
+         for i, p in enumerate(h.prompts(2, seed=5))]
+  finals = h.run_to_end(eng)
+  verify_steps = [finals[r].metrics.verify_steps for r in ids]
+  assert max(verify_steps) == 1 and len(finals[ids[0]].output_ids) == h.MAX_NEW
+
+
+def test_sampling_keeps_the_target_distribution_whatever_k_each_step_picks():
+  # As tests/test_speculative.py: the first two tokens at temperature 1, exact marginals
+  # from full forwards; here the first verify step of each request runs with k = 0, 1 or 2
+  # depending on where the cycle stands when it arrives.
+  model = h.mtp_model()
+  prompt = [17, 4, 250, 61, 9]
+  n, vocab = 900, model.config.vocab_size
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=Cycle((2, 0, 1)),
+                 prefix_cache=False, num_pages=h.TINY_POOL)
+  ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
+  finals = h.run_to_end(eng)
+  first = np.array([finals[rid].output_ids[:2] for rid in ids])  # [n, 2]
+  p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
+  extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
+  p1 = p0 @ np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
+  for k, probs in enumerate((p0, p1)):
+    counts = np.bincount(first[:, k], minlength=vocab)
+    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
+    assert np.all(np.abs(counts - n * probs) <= bound), k
+  assert set(eng.steps.num_draft) == {0, 1, 2}
