@@ -414,6 +414,58 @@ def test_full_queue_answers_503_at_once(model, tok):
     print(f"503 answered in {statistics.median(times) * 1e3:.1f} ms (median of 5)")
 
 
+@pytest.fixture(scope="module")
+def hf_chat_model(tmp_path_factory):
+  """A tiny random Llama saved by transformers with a byte-level BPE tokenizer and a
+  ChatML template -> (kvjax Model loaded from the directory, transformers' tokenizer)."""
+  import torch
+  import transformers
+
+  from tests.test_hf_tokenizer import CHATML, _train_byte_level_bpe
+
+  directory = str(tmp_path_factory.mktemp("hf_chat"))
+  hf_tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=_train_byte_level_bpe(), bos_token="<s>", eos_token="<|im_end|>",
+      chat_template=CHATML)
+  hf_tok.save_pretrained(directory)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      initializer_range=0.2, bos_token_id=hf_tok.bos_token_id,
+      eos_token_id=hf_tok.eos_token_id)).save_pretrained(directory)
+  return kvjax.load_checkpoint(directory), transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def test_hf_tokenizer_text_and_chat_equal_transformers_decode(hf_chat_model):
+  """Multi-byte text through a BPE tokenizer: the served text (streamed or not) is
+  transformers' decode of kvjax.generate's ids for transformers' own prompt ids."""
+  model, hf_tok = hf_chat_model
+  max_tokens = 24
+  prompt = "日本語 café 🐍 def main():"
+  messages = [{"role": "system", "content": "You are terse."},
+              {"role": "user", "content": "你好，世界！ emoji 🚀"}]
+  prompts = [hf_tok.encode(prompt),
+             hf_tok.encode(hf_tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False),
+                           add_special_tokens=False)]
+  want = [hf_tok.decode(out, skip_special_tokens=True)
+          for out in kvjax.generate(model, prompts, max_tokens).tokens]
+  assert any(ord(c) > 127 for c in "".join(want))  # the test decodes multi-byte characters
+  with serve_in_thread(model, CONFIG, served_model_name="hf") as server:
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    sampling = dict(model="hf", max_tokens=max_tokens, temperature=0)
+    got = client.completions.create(prompt=prompt, **sampling)
+    assert (got.choices[0].text, got.usage.prompt_tokens) == (want[0], len(prompts[0]))
+    chunks = client.completions.create(prompt=prompt, stream=True, **sampling)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[0]
+    chat = client.chat.completions.create(messages=messages, **sampling)
+    assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (want[1],
+                                                                          len(prompts[1]))
+    chunks = client.chat.completions.create(messages=messages, stream=True, **sampling)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[1]
+
+
 def test_stop_ends_open_streams_with_an_error_event(model):
   server = serve_in_thread(model, CONFIG, served_model_name=NAME)
   body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0,
