@@ -4,7 +4,8 @@
 (a) engine vs HF transformers static batching on random-prompt workloads of
     fixed and of varied lengths, at two concurrencies,
 (b) TTFT per turn with and without the prefix cache on 10-turn chats (C15),
-(c) tokens/s and acceptance with and without MTP speculation at batch 1 and 8.
+(c) tokens/s and acceptance with and without MTP speculation (K = 2, and
+    num_draft="auto": the adaptive draft policy) at batch 1, 8 and 32.
 `get_config("runlocal")` shrinks every part so the script runs end to end in
 a couple of minutes (its numbers then mean little) and writes
 results/serve_bench_runlocal.*, never the committed results.
@@ -30,8 +31,8 @@ def get_config(arg=None):
   config.chat_num_turns = 10
   config.chat_user_len = 64
   config.chat_output_len = 32
-  # (c) MTP: held-out code prompts, K = 2 drafts.
-  config.spec_batches = (1, 8)
+  # (c) MTP: random prompts, K = 2 drafts and the adaptive policy (num_draft "auto").
+  config.spec_batches = (1, 8, 32)
   config.spec_requests_per_slot = 2
   config.spec_input_len = 64
   config.spec_output_len = 128

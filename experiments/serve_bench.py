@@ -110,11 +110,22 @@ def _interleaved(variants: dict, repeats: int) -> dict:
   return common.interleaved(variants, repeats).median_results(key=lambda run: run["wall_s"])
 
 
-def _engines(model, sessions, variants: dict) -> dict:
-  """name -> a callable serving `sessions` on a fresh Engine(model, **kwargs)."""
-  return {name: functools.partial(lambda kw: cli_bench.run_workload(Engine(model, **kw),
-                                                                     sessions), kwargs)
-          for name, kwargs in variants.items()}
+def _engines(model, variants: dict) -> dict:
+  """name -> Engine(model, **kwargs), built once, outside the timed runs (allocating a
+  pool is not serving): each keeps what a running server keeps (compiled steps, a draft
+  policy's measurements) from one run to the next."""
+  return {name: Engine(model, **kwargs) for name, kwargs in variants.items()}
+
+
+def _serving(engines: dict, sessions) -> dict:
+  """name -> a callable serving `sessions` on that warm engine; its prefix cache is
+  emptied first so a repeat does not hit the blocks of the run before."""
+  def run(engine):
+    if engine.scheduler.prefix_cache is not None:
+      engine.scheduler.prefix_cache.reset()
+    return cli_bench.run_workload(engine, sessions)
+
+  return {name: functools.partial(run, engine) for name, engine in engines.items()}
 
 
 def part_a(model, c):
@@ -126,10 +137,10 @@ def part_a(model, c):
         input_len=c.hf_input_len, output_len=c.hf_output_len, range_ratio=ratio, seed=c.seed)
     useful = sum(s.max_new_tokens for s in sessions)
     longest = max(len(s.turns[0]) + s.max_new_tokens for s in sessions)
-    variants = _engines(model, sessions, {("engine", batch): dict(
+    variants = _serving(_engines(model, {("engine", batch): dict(
         page_size=c.page_size, max_num_seqs=batch,
         max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=longest)
-        for batch in c.hf_batches})
+        for batch in c.hf_batches}), sessions)
     # HF at 1 and all torch threads, the faster counts: on shared cores torch's
     # 2-thread runs can stall for tens of seconds, which would flatter the engine.
     for batch in c.hf_batches:
@@ -165,11 +176,11 @@ def part_b(model, c):
       input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
       seed=c.seed)
   max_len = c.chat_num_turns * (c.chat_user_len + c.chat_output_len)
-  runs = _interleaved(_engines(model, sessions, {
+  runs = _interleaved(_serving(_engines(model, {
       name: dict(page_size=c.page_size, max_num_seqs=c.chat_num_chats,
                  max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=max_len,
                  prefix_cache=cache) for name, cache in (("cache", True), ("no_cache", False))}),
-      c.repeats)
+      sessions), c.repeats)
   out = {name: {k: run[k] for k in ("turn_ttft_s", "turn_prompt_tokens", "prefix_hit_rate",
                                     "tokens_per_s", "ttft_s")} for name, run in runs.items()}
   last_on = out["cache"]["turn_ttft_s"][-1]
@@ -186,18 +197,29 @@ def part_c(model, c):
         "random", vocab_size=model.config.vocab_size,
         num_requests=batch * c.spec_requests_per_slot, input_len=c.spec_input_len,
         output_len=c.spec_output_len, seed=c.seed + 1)
-    variants = (("plain", None, c.num_scheduler_steps), ("mtp", "mtp", c.num_scheduler_steps),
-                ("plain_single_step", None, 1))
-    runs = _interleaved(_engines(model, sessions, {
+    variants = (("plain", None, c.num_draft, c.num_scheduler_steps),
+                ("mtp", "mtp", c.num_draft, c.num_scheduler_steps),
+                ("mtp_auto", "mtp", "auto", c.num_scheduler_steps),
+                ("plain_single_step", None, c.num_draft, 1))
+    engines = _engines(model, {
         name: dict(page_size=c.page_size, max_num_seqs=batch,
                    max_num_batched_tokens=c.spec_max_num_batched_tokens,
                    max_model_len=c.spec_input_len + c.spec_output_len, speculative=spec,
-                   num_draft=c.num_draft, num_scheduler_steps=steps)
-        for name, spec, steps in variants}), c.repeats)
+                   num_draft=num_draft, num_scheduler_steps=steps)
+        for name, spec, num_draft, steps in variants})
+    runs = _interleaved(_serving(engines, sessions), c.repeats)
     plain, mtp, single = runs["plain"], runs["mtp"], runs["plain_single_step"]
+    auto, policy = runs["mtp_auto"], engines["mtp_auto"].draft_policy
+    chosen = [k for k, decode in zip(engines["mtp_auto"].steps.num_draft,
+                                     engines["mtp_auto"].steps.decode_only) if decode]
     out[f"batch_{batch}"] = {
         "plain_tokens_per_s": plain["tokens_per_s"], "mtp_tokens_per_s": mtp["tokens_per_s"],
         "speedup": mtp["tokens_per_s"] / plain["tokens_per_s"],
+        "auto_tokens_per_s": auto["tokens_per_s"],
+        "auto_speedup": auto["tokens_per_s"] / plain["tokens_per_s"],
+        "auto_drafts_chosen": {str(k): chosen.count(k) for k in sorted(set(chosen))},
+        "auto_estimates": policy.estimates(),
+        "auto_greedy_outputs_equal": auto["outputs"] == plain["outputs"],
         "decode_speedup": plain["tpot_s"] / mtp["tpot_s"],
         "acceptance_length": mtp["acceptance_length"],
         "acceptance_rate_per_position": mtp["acceptance_rate_per_position"],
@@ -255,6 +277,8 @@ def _spec_rows(batch: int, r: dict, first: bool) -> list:
        f"{r['speedup']:.2f}x"),
       ("issue", f"MTP speedup TPOT, batch {batch}", ">= 1.5x" if first else "-",
        f"{r['decode_speedup']:.2f}x"),
+      ("issue", f"MTP num_draft='auto' / plain tok/s, batch {batch}", ">= 1.0x",
+       f"{r['auto_speedup']:.2f}x"),
       ("C9", f"verify+draft step / decode step, batch {batch}", "~1x",
        f"{r['verify_step_cost']:.2f}x"),
       ("C13", f"engine tok/s, multi-step device loop / a call per step, batch {batch}",

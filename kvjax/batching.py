@@ -3,11 +3,12 @@
 Shapes are bucketed to powers of two so a run compiles few step programs:
 rows from min(8, max_num_seqs) up to max_num_seqs (fewer for long prefill
 chunks, at most _MIN_PREFILL_TOKENS of padding-only rows); prefill chunks from
-16 tokens up to the token budget; decode rows always 1 + J wide (one shape
-whatever drafts the budget allowed); block tables from 8 pages up to the
-widest a row can need.  A run then compiles at most (row buckets) x (chunk
-buckets + 1) x (table buckets) serve steps, plus a multi-step loop per row and
-table bucket.  The table width matters because the reference backend gathers
+16 tokens up to the token budget; decode rows 1 + J wide for the step's J
+(one shape whatever drafts the budget allowed; an adaptive draft policy picks
+J in 0..J_max per step, kvjax/draft_policy.py); block tables from 8 pages up
+to the widest a row can need.  A run then compiles at most (row buckets) x
+(chunk buckets + 1) x (table buckets) serve steps, plus a multi-step loop per
+row and table bucket, each times (J_max + 1) with an adaptive draft policy.  The table width matters because the reference backend gathers
 every column: a decode row of a 192-token context would otherwise carry the
 pages a 512-token prefill chunk needs.  Padding rows use the scratch slot and
 the null page.  Shapes: docs/DIMENSIONS.md.
