@@ -13,6 +13,8 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
   kivi.py        KIVIPagedKVCache: int4 pages, keys per channel, values per token
   mla.py         MLAPagedCache: one latent row per token (DeepSeek MLA)
   contiguous.py  ContiguousKVCache: one max-length buffer per slot (C7's baseline)
+  recurrent.py   HybridPagedCache / HybridContiguousCache: either of those for a
+                 hybrid's attention layers plus per-slot Gated DeltaNet states
 
 kv_dtype says how pages store K/V: None keeps the model dtype; "fp32",
 "bf16", "fp16" (or "float32", "bfloat16", "float16") store that float; "int8" is PagedKVCache with scales; "int4" is
@@ -33,12 +35,13 @@ from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.kivi import KIVIPagedKVCache
 from kvjax.caches.mla import MLAPagedCache
 from kvjax.caches.paged import NULL_PAGE, PagedKVCache, clear_cache_pages, copy_cache_pages
+from kvjax.caches.recurrent import check_hybrid_engine, with_recurrent_state
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.sharding import cache_shardings
 
 __all__ = ["KV_DTYPES", "CACHE_KINDS", "PagedKVCache", "KIVIPagedKVCache", "MLAPagedCache",
            "ContiguousKVCache", "NULL_PAGE", "copy_cache_pages", "clear_cache_pages", "check_cache_support",
-           "create_paged_cache", "create_contiguous_cache"]
+           "create_paged_cache", "create_contiguous_cache", "check_hybrid_engine"]
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 CACHE_KINDS = ("paged", "contiguous", "none")
@@ -56,6 +59,9 @@ def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
     backend.check_mla()
   if kv_dtype is None:
     return
+  if cfg.is_hybrid and kv_dtype == "int4":
+    raise ValueError(f"kv_dtype 'int4' is not supported for hybrid model {cfg.name!r} (its "
+                     "per-slot residual and recurrent state are not combined); use int8")
   if kv_dtype not in KV_DTYPES:
     raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; use None or one of {KV_DTYPES}")
   if cfg.attention_type == "mla":
@@ -94,7 +100,8 @@ def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: in
   if kv_dtype == "int4":
     return KIVIPagedKVCache.create(*args, num_slots=num_slots, residual_dtype=dtype)
   store = {None: dtype, "int8": jnp.int8, **_FLOATS}[kv_dtype]
-  return PagedKVCache.create(*args, store)
+  pages = PagedKVCache.create(*args, store)
+  return with_recurrent_state(pages, cfg, num_slots, dtype) if cfg.is_hybrid else pages
 
 
 def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
@@ -107,5 +114,6 @@ def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtyp
     r = cfg.kv_lora_rank
     return ContiguousKVCache.create(cfg.num_layers, 1, num_slots, max_len,
                                     r + cfg.qk_rope_head_dim, dtype, value_dim=r)
-  return ContiguousKVCache.create(cfg.num_layers, cfg.num_kv_heads, num_slots, max_len,
-                                  cfg.head_dim, dtype)
+  buffers = ContiguousKVCache.create(cfg.cache_layers(False), cfg.num_kv_heads, num_slots,
+                                     max_len, cfg.head_dim, dtype)
+  return with_recurrent_state(buffers, cfg, num_slots, dtype) if cfg.is_hybrid else buffers
