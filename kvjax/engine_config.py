@@ -38,7 +38,11 @@ class EngineConfig:
     min_cacheable_tokens: shorter prefix hits are ignored.
     speculative: None, "mtp" (draft with the model's MTP modules) or a
       kvjax.Model of the same vocabulary (a draft model with its own paged KV).
-    num_draft: draft tokens per verify step (J).
+    num_draft: draft tokens per verify step (J), or "auto": the drafter's most
+      (the MTP modules, or 4 for a draft model) with draft_policy "adaptive".
+    draft_policy: None (always num_draft drafts), "adaptive" (choose 0..num_draft
+      per step from measured step costs and acceptance, kvjax/draft_policy.py),
+      or a policy object with that module's interface.
     backend: attention and verification backend, a name or a Backend record
       (kvjax/backends.py).
     num_scheduler_steps: most decode steps one device call runs (multi-step
@@ -65,7 +69,8 @@ class EngineConfig:
   prefix_match: str = "block"
   min_cacheable_tokens: int = 0
   speculative: Any = None
-  num_draft: int = 2
+  num_draft: Union[int, str] = 2
+  draft_policy: Any = None
   backend: Union[str, Backend] = "reference"
   num_scheduler_steps: int = 16
   kv_dtype: Optional[str] = None
@@ -87,17 +92,18 @@ class EngineConfig:
     check_cache_support(self.kv_dtype, cfg, "paged", backend)
     check_hybrid_engine(cfg, speculative=self.speculative, prefix_cache=self.prefix_cache)
     self._check_int4()
-    draft = self.draft_model
+    config = self._resolve_drafts(model)
+    draft = config.draft_model
     if draft is not None:
       if not (hasattr(draft, "config") and hasattr(draft, "params")):
         raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
                          f"{type(draft).__name__}")
-      spec.check_draft_model(cfg, draft.config, self.num_draft)
+      spec.check_draft_model(cfg, draft.config, config.num_draft)
     elif self.speculative not in (None, "mtp"):
       raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
                        f"{self.speculative!r}")
     elif self.speculative:
-      spec.check_mtp(cfg, model.params, self.num_draft)
+      spec.check_mtp(cfg, model.params, config.num_draft)
     if self.prefix_match not in ("block", "token"):
       raise ValueError(f"prefix_match must be 'block' or 'token', got {self.prefix_match!r}")
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
@@ -115,8 +121,26 @@ class EngineConfig:
           max_model_len, page_size=self.page_size,
           max_num_batched_tokens=self.max_num_batched_tokens,
           sliding_window=self.widest_window(cfg))
-    return dataclasses.replace(self, backend=backend, max_model_len=max_model_len,
+    return dataclasses.replace(config, backend=backend, max_model_len=max_model_len,
                                num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
+
+  def _resolve_drafts(self, model) -> "EngineConfig":
+    """num_draft "auto" -> the drafter's most drafts with the adaptive policy."""
+    if isinstance(self.num_draft, bool) or not (self.num_draft == "auto"
+                                                or isinstance(self.num_draft, int)):
+      raise ValueError(f"num_draft must be an int or 'auto', got {self.num_draft!r}")
+    if self.speculative is None:
+      if self.draft_policy is not None:
+        raise ValueError(f"draft_policy={self.draft_policy!r} needs speculative decoding "
+                         "(speculative='mtp' or a draft model)")
+      return self
+    if self.num_draft != "auto":
+      return self
+    if self.speculative == "mtp":
+      most = min(model.config.mtp_num_hidden_layers, len(model.params.mtp))
+    else:
+      most = _AUTO_DRAFT_MODEL_DRAFTS
+    return dataclasses.replace(self, num_draft=most, draft_policy=self.draft_policy or "adaptive")
 
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""
@@ -140,6 +164,13 @@ class EngineConfig:
                        "prefix_match='block' or prefix_cache=False")
 
 
+_AUTO_DRAFT_MODEL_DRAFTS = 4  # num_draft "auto" with a separate draft model
+
+
+def _int_or_auto(text: str):
+  """--num-draft: an int or 'auto'."""
+  return text if text == "auto" else int(text)
+
 # Command-line form of each field (kvjax bench, kvjax serve): flag -> (type, choices, help).
 _FLAGS = {
     "page_size": (int, None, "tokens per KV page"),
@@ -151,7 +182,7 @@ _FLAGS = {
     "prefix_match": (str, ("block", "token"), "prefix hits: whole blocks or tokens"),
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
     "speculative": (str, ("mtp",), "draft with the model's MTP modules"),
-    "num_draft": (int, None, "draft tokens per verify step"),
+    "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive)"),
     "backend": (str, None, "attention + verification backend"),
     "num_scheduler_steps": (int, None, "most decode steps per device call"),
     "kv_dtype": (str, None, "KV pages: fp32 | bf16 | fp16 (or float32 ...), int8, int4"),
