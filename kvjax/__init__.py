@@ -27,9 +27,10 @@ from kvjax.config import PRESETS, ModelConfig, get_preset
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult
+from kvjax.router import Router
 from kvjax.sharding import make_mesh
 from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
            "generate", "GenerateResult", "ByteTokenizer", "Engine", "EngineConfig", "Backend",
-           "get_backend", "make_mesh"]
+           "get_backend", "make_mesh", "Router"]

@@ -1,0 +1,186 @@
+"""Router: data-parallel Engine replicas behind the Engine's own interface.
+
+A KV cache makes serving stateful: a multi-turn user whose history sits in one
+replica's prefix cache should land on that replica again.  `Router(engines,
+policy)` takes one Engine per replica (each on its own sub-mesh,
+kvjax.sharding.submeshes, or sharing a device in tests) and offers
+add_request / step / abort / stream / generate like one Engine.
+
+Policies (where a new request goes):
+  prefix        the replica whose prefix cache holds the longest cached prefix of
+                the prompt (the same block hashes and cache_salt rules the engine
+                uses, kvjax/prefix_cache.py `lookup`, which takes nothing), ties
+                and misses to the least loaded;
+  round_robin   replicas in turn;
+  least_loaded  the replica with the fewest unfinished requests.
+Load bound: under "prefix", a replica holding more than `max_imbalance`
+unfinished requests above the least loaded one is not chosen, so at every
+routing decision the chosen replica's load is within `max_imbalance` of the
+minimum and no replica ever runs more than `max_imbalance + 1` requests ahead
+of the least loaded one by routing alone.
+
+`step()` steps every replica that has work, one after another on this thread;
+the replicas' device work is their own (different devices in a real
+deployment), the host loop is shared.  Request ids are the router's own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+from kvjax.engine import Engine
+from kvjax.generation import GenerateResult, validate_prompts
+from kvjax.requests import RequestOutput
+from kvjax.validation import per_prompt_seeds
+
+__all__ = ["Router", "POLICIES"]
+
+POLICIES = ("prefix", "round_robin", "least_loaded")
+
+
+class Router:
+  """Data-parallel replicas with one Engine's interface; see the module docstring."""
+
+  def __init__(self, engines: Sequence[Engine], policy: str = "prefix", *,
+               max_imbalance: int = 4):
+    engines = list(engines)
+    if not engines:
+      raise ValueError("Router needs at least one engine")
+    if policy not in POLICIES:
+      raise ValueError(f"unknown routing policy {policy!r}; use one of {POLICIES}")
+    if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, int) or \
+        max_imbalance < 0:
+      raise ValueError(f"max_imbalance must be an int >= 0, got {max_imbalance!r}")
+    vocab = {e.model_config.vocab_size for e in engines}
+    if len(vocab) != 1:
+      raise ValueError(f"replicas must serve one model; vocab sizes {sorted(vocab)}")
+    self.engines = engines
+    self.policy = policy
+    self.max_imbalance = max_imbalance
+    self._ids = itertools.count()
+    self._turn = itertools.cycle(range(len(engines)))
+    self._where: dict[str, tuple[int, str]] = {}  # router id -> (replica, engine id)
+    self._router_id: dict[tuple[int, str], str] = {}
+    self.routed = [0] * len(engines)  # requests sent to each replica
+    self._pending: list[RequestOutput] = []  # returned by the next step()
+    self._lock = threading.RLock()
+
+  # -- routing ----------------------------------------------------------------
+
+  def load(self, replica: int) -> int:
+    """Unfinished requests (running + waiting) of one replica."""
+    scheduler = self.engines[replica].scheduler
+    return len(scheduler.running) + len(scheduler.waiting)
+
+  def cached_prefix(self, replica: int, prompt: Sequence[int],
+                    cache_salt: Optional[str] = None) -> int:
+    """Prompt tokens the replica's prefix cache would reuse now (0 without a cache)."""
+    cache = self.engines[replica].scheduler.prefix_cache
+    return cache.lookup(list(prompt), cache_salt).num_tokens if cache else 0
+
+  def choose(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
+    """The replica the policy sends `prompt` to (nothing is queued)."""
+    loads = [self.load(r) for r in range(len(self.engines))]
+    if self.policy == "round_robin":
+      return next(self._turn)
+    if self.policy == "least_loaded":
+      return loads.index(min(loads))
+    eligible = [r for r, load in enumerate(loads) if load <= min(loads) + self.max_imbalance]
+    return max(eligible, key=lambda r: (self.cached_prefix(r, prompt, cache_salt), -loads[r]))
+
+  def replica_of(self, request_id: str) -> int:
+    """Which replica serves an unfinished request."""
+    if request_id not in self._where:
+      raise KeyError(f"unknown or finished request {request_id!r}")
+    return self._where[request_id][0]
+
+  # -- the Engine interface ---------------------------------------------------
+
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, **options) -> str:
+    """Route one request -> the router's id for it; options as Engine.add_request.
+
+    ValueError from the chosen replica (nothing queued) on bad input.
+    """
+    with self._lock:
+      replica = self.choose(prompt, options.get("cache_salt"))
+      engine_id = self.engines[replica].add_request(prompt, max_new_tokens, **options)
+      request_id = str(next(self._ids))
+      self._where[request_id] = (replica, engine_id)
+      self._router_id[(replica, engine_id)] = request_id
+      self.routed[replica] += 1
+      return request_id
+
+  def abort(self, request_id: str) -> bool:
+    with self._lock:
+      if request_id not in self._where:
+        return False
+      replica, engine_id = self._where[request_id]
+      return self.engines[replica].abort(engine_id)
+
+  @property
+  def has_unfinished(self) -> bool:
+    return bool(self._pending) or any(e.has_unfinished for e in self.engines)
+
+  def step(self) -> list[RequestOutput]:
+    """One step of every replica with work -> their outputs, under the router's ids
+    (and outputs of other callers' requests that ran while `generate` did)."""
+    with self._lock:
+      outputs, self._pending = self._pending, []
+      for replica, engine in enumerate(self.engines):
+        if not engine.has_unfinished:
+          continue
+        for out in engine.step():
+          key = (replica, out.request_id)
+          request_id = self._router_id[key]
+          if out.finished:
+            del self._router_id[key], self._where[request_id]
+          outputs.append(dataclasses.replace(out, request_id=request_id))
+      return outputs
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Step until every request finishes, yielding each step's outputs."""
+    while self.has_unfinished:
+      yield from self.step()
+
+  __iter__ = stream
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               temperature: float = 0.0, top_k: Optional[int] = None,
+               top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
+               stop: Union[None, int, Sequence[int]] = None,
+               cache_salt: Optional[str] = None) -> GenerateResult:
+    """Route and run `prompts` to completion -> GenerateResult (tokens per prompt).
+
+    stats: "replicas" (which replica served each prompt), "finish_reasons",
+    and the prefix hit tokens / queried tokens of this call over every replica.
+    """
+    with self._lock:
+      prompts = validate_prompts(self.engines[0].model_config, prompts, max_new_tokens)
+      seeds = per_prompt_seeds(seed, len(prompts))
+      before = self.prefix_counts()
+      start = time.perf_counter()
+      ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
+             for p, s in zip(prompts, seeds)]
+      replicas = [self.replica_of(rid) for rid in ids]
+      done, others, mine = {}, [], set(ids)
+      while len(done) < len(ids):
+        for out in self.step():
+          if out.request_id not in mine:
+            others.append(out)  # another caller's: handed out by the next step()
+          elif out.finished:
+            done[out.request_id] = out
+      self._pending = others + self._pending
+      hits, queried = (now - then for now, then in zip(self.prefix_counts(), before))
+      stats = dict(replicas=replicas, finish_reasons=[done[r].finish_reason for r in ids],
+                   prefix_hit_tokens=hits, prefix_queried_tokens=queried,
+                   latency_s=time.perf_counter() - start)
+      return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)
+
+  def prefix_counts(self) -> tuple[int, int]:
+    """(hit tokens, queried tokens) summed over every replica's prefix cache."""
+    caches = [e.scheduler.prefix_cache for e in self.engines if e.scheduler.prefix_cache]
+    return sum(c.hit_tokens for c in caches), sum(c.queried_tokens for c in caches)

@@ -1,0 +1,95 @@
+"""Tensor parallelism on 8 fake CPU devices (kvjax/sharding.py, backends.on_mesh).
+
+The checks run in one subprocess (tests/sharded_checks.py: XLA_FLAGS must be set
+before jax starts, and the rest of the suite runs on one device); each test
+here asserts on one check's report.  Single-process parts (mesh and spec
+errors) run here on the one CPU device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import kvjax
+from kvjax import sharding
+
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_checks.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("sharded") / "report.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  run = subprocess.run([sys.executable, _SCRIPT, str(out)], env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.exists(), run.stderr[-4000:]
+  return json.loads(out.read_text())
+
+
+def _ok(report, name):
+  entry = report[name]
+  assert entry["ok"], entry.get("error")
+  return entry
+
+
+def test_llama_gqa_tokens_and_logits_at_tp_2_4_8(report):
+  entry = _ok(report, "check_llama_gqa")
+  for tp, kv_heads in ((2, 2), (4, 4), (8, 8)):  # GQA 8/2: replicated 2x at tp 4, 4x at tp 8
+    got = entry[f"tp{tp}"]
+    assert got["kv_heads"] == kv_heads
+    assert got["forward_diff"] < 1e-5 and got["prefill_diff"] < 1e-5
+    assert got["leaves"] == 2 + 1 + 2 * 9  # embed, lm_head, final norm; 9 leaves a block
+
+
+def test_engine_on_a_sharded_model_reference_and_pallas(report):
+  entry = _ok(report, "check_llama_engine")
+  for backend in ("reference", "pallas_interpret"):
+    assert entry[backend]["k_pages_shard"][1] == 1  # [L, K'/tp, P, Z, H]: one head a device
+
+
+def test_qwen3_mistral_window_and_mla(report):
+  entry = _ok(report, "check_families")
+  assert entry["mistral"]["kv_heads"] == 2  # MQA replicated to tp
+  assert entry["deepseek_v2"]["kv_heads"] == 4  # MLA: no kv-head replication
+  assert all(entry[name]["prefill_diff"] < 1e-5 for name in ("qwen3", "mistral", "deepseek_v2"))
+
+
+def test_int8_pages_and_scales_split_by_kv_head(report):
+  entry = _ok(report, "check_int8_kv")
+  assert entry["scale_shard"][1] == 1
+
+
+def test_mtp_speculation_on_a_sharded_model(report):
+  _ok(report, "check_mtp")
+
+
+def test_two_all_reduces_per_dense_block(report):
+  assert _ok(report, "check_collectives")["per_layer"] == 2
+
+
+def test_step_runs_under_transfer_guard(report):
+  _ok(report, "check_transfer_guard")
+
+
+def test_make_mesh_axes_and_errors():
+  mesh = kvjax.make_mesh()
+  assert mesh.axis_names == ("data", "model") and mesh.devices.shape == (1, 1)
+  with pytest.raises(ValueError, match="tp=2 x dp=1 needs 2 devices"):
+    kvjax.make_mesh(tp=2, devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match="tp must be an int >= 1, got 0"):
+    kvjax.make_mesh(tp=0)
+
+
+def test_specs_and_replication_arithmetic():
+  assert sharding.replicated_kv_heads(2, 8) == 8 and sharding.replicated_kv_heads(8, 4) == 8
+  assert sharding.replicated_kv_heads(3, 2) == 6
+  assert sharding.param_spec("wq", (64, 8, 16), 4) == jax.sharding.PartitionSpec(None, "model")
+  assert sharding.param_spec("embed", (259, 64), 2) == jax.sharding.PartitionSpec()  # odd vocab
+  with pytest.raises(ValueError, match=r"w_up \(64, 30\): axis 1 \(ffn\) does not split over "
+                                       "tp=4"):
+    sharding.param_spec("w_up", (64, 30), 4)
