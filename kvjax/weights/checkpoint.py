@@ -98,7 +98,13 @@ def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[Model
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(os.path.join(path, "params"))
     stored_dtype = jax.tree_util.tree_leaves(stored.item_metadata.tree)[0].dtype
-    params = ckptr.restore(os.path.join(path, "params"), _abstract_params(cfg, stored_dtype, mesh))
+  target = _abstract_params(cfg, stored_dtype, mesh)
+  # Partial: a checkpoint saved before Params grew an optional field (None for its
+  # config, e.g. the gated-attention `wg`) has no entry for it.
+  with ocp.PyTreeCheckpointer() as ckptr:
+    params = ckptr.restore(os.path.join(path, "params"), args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
   if dtype is not None:
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
   return cfg, params
