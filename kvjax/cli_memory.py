@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="count the KV pages of the MTP draft blocks too")
   p.add_argument("--count-scales", action="store_true",
                  help="add int8/int4 KV scales to per-request bytes and concurrency")
+  p.add_argument("--tp", type=int, default=None,
+                 help="tensor-parallel degree: also print per-device weight and KV bytes, "
+                      "the kv-head replication cost and the smallest tp that fits")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=run)
   return p
@@ -58,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype, weight_gib=args.weight_gib, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales)
+    per_device = None if args.tp is None else ledger.tp_plan(
+        get_preset(args.preset), args.context, args.tp, batch=args.batch,
+        kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, gpu_gib=args.gpu_gib,
+        reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
+        count_scales=args.count_scales)
   except ValueError as e:
     print(f"kvjax memory: error: {e}", file=sys.stderr)
     return 2
   if args.json:
-    print(json.dumps(dataclasses.asdict(result), indent=2))
+    print(json.dumps(dataclasses.asdict(result) | (
+        {} if per_device is None else {"tp": dataclasses.asdict(per_device)}), indent=2))
     return 0
   r = result
   scales = (f" (+{r.kv_scale_bytes_per_token / ledger.KIB:g} KiB scales"
@@ -77,4 +86,22 @@ def run(args: argparse.Namespace) -> int:
   print(f"  max concurrency  {r.max_concurrency}")
   print(f"  total at batch {r.batch}: {_gib(r.total_bytes)}"
         f" ({'fits' if r.fits else 'does NOT fit'} in {_gib(r.gpu_bytes)})")
+  if per_device is not None:
+    _print_tp(per_device, r.gpu_bytes, get_preset(args.preset).attention_type == "mla")
   return 0
+
+
+def _print_tp(t: ledger.TPPlan, gpu_bytes: int, mla: bool) -> None:
+  print(f"  per device at tp={t.tp}:")
+  print(f"    weights        {_gib(t.weight_bytes_per_device)}")
+  print(f"    KV per token   {t.kv_bytes_per_token_per_device / ledger.KIB:g} KiB "
+        f"({'the latent, replicated' if mla else f'{t.stored_kv_heads // t.tp} kv heads'}"
+        " a device)")
+  if t.kv_replication > 1:
+    print(f"    replication    each kv head stored {t.kv_replication}x ({t.stored_kv_heads} "
+          f"heads): +{t.kv_replication_bytes_per_token / ledger.KIB:g} KiB per token "
+          f"over the mesh")
+  print(f"    KV per request {_gib(t.kv_bytes_per_request_per_device)}")
+  print(f"    max concurrency {t.max_concurrency}; batch {t.batch} "
+        f"{'fits' if t.fits else 'does NOT fit'} in {_gib(gpu_bytes)}")
+  print(f"  smallest tp that fits: {t.smallest_tp or 'none up to 64'}")

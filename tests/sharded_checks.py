@@ -15,8 +15,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -27,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax import sharding  # noqa: E402
+from kvjax import cli, sharding  # noqa: E402
 from kvjax.params import init_params  # noqa: E402
 from kvjax.step_batch import make_step_batch  # noqa: E402
 from kvjax.caches import create_paged_cache  # noqa: E402
@@ -251,7 +253,43 @@ def check_transfer_guard() -> dict:
   return dict(logits_shape=list(logits.shape))
 
 
-CHECKS = [check_llama_gqa, check_llama_engine, check_families, check_int8_kv, check_mtp,
+def _device_bytes(tree) -> set:
+  """Bytes each device holds of a pytree's arrays -> the set over devices (one value if even)."""
+  per_device = {}
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return set(per_device.values())
+
+
+def _memory_json(tp: int, kv_dtype: str) -> dict:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert cli.main(["memory", "--preset", "tiny", "--context", "64", "--tp", str(tp),
+                     "--weight-dtype", "fp32", "--kv-dtype", kv_dtype, "--count-scales",
+                     "--json"]) == 0
+  return json.loads(out.getvalue())["tp"]
+
+
+def check_memory_ledger() -> dict:
+  """Per-device bytes of the placed weights and pages equal `kvjax memory --tp N`."""
+  out = {}
+  for tp, kv_dtype in ((2, "fp32"), (4, "fp32"), (4, "int8")):
+    model = kvjax.load_checkpoint("tiny", mesh=sharding.make_mesh(tp=tp))
+    printed = _memory_json(tp, kv_dtype)
+    weights = _device_bytes(model.params)
+    assert weights == {printed["weight_bytes_per_device"]}, (tp, weights, printed)
+    engine = kvjax.Engine(model, max_num_seqs=2, max_model_len=64, page_size=8, num_pages=17,
+                          kv_dtype=None if kv_dtype == "fp32" else kv_dtype)
+    pages = _device_bytes(engine.state.cache)
+    tokens = engine.state.cache.num_pages * engine.state.cache.page_size
+    assert pages == {printed["kv_bytes_per_token_per_device"] * tokens}, (tp, pages, printed)
+    out[f"tp{tp}_{kv_dtype}"] = dict(weights=weights.pop(), kv_per_token=pages.pop() // tokens,
+                                     kv_replication=printed["kv_replication"])
+  return out
+
+
+CHECKS = [check_memory_ledger, check_llama_gqa, check_llama_engine, check_families, check_int8_kv, check_mtp,
           check_collectives, check_transfer_guard]
 
 

@@ -16,7 +16,7 @@ import jax
 import pytest
 
 import kvjax
-from kvjax import sharding
+from kvjax import ledger, sharding
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_checks.py")
 
@@ -74,6 +74,27 @@ def test_two_all_reduces_per_dense_block(report):
 
 def test_step_runs_under_transfer_guard(report):
   _ok(report, "check_transfer_guard")
+
+
+def test_per_device_bytes_equal_kvjax_memory(report):
+  entry = _ok(report, "check_memory_ledger")
+  assert entry["tp4_fp32"]["kv_replication"] == 2  # tiny: K=2 stored as 4 heads at tp 4
+  # fp32: 1 kv head a device x K+V x 2 layers x head_dim 32 x 4 B; int8 adds 4 B scales.
+  assert entry["tp4_fp32"]["kv_per_token"] == 2 * 2 * 32 * 4
+  assert entry["tp4_int8"]["kv_per_token"] == 2 * 2 * (32 + 4)
+
+
+def test_tp_plan_by_hand():
+  """Llama-3-70B (80 layers, 8 kv heads of 128, bf16) at tp 8: one kv head a device."""
+  cfg = kvjax.get_preset("llama3-70b")
+  plan = ledger.tp_plan(cfg, 8192, 8, batch=64, gpu_gib=141)
+  assert plan.kv_bytes_per_token_per_device == 80 * 2 * 128 * 2
+  assert plan.kv_replication == 1 and plan.kv_replication_bytes_per_token == 0
+  assert plan.fits and plan.smallest_tp == 4
+  tiny = ledger.tp_plan(kvjax.get_preset("tiny"), 64, 4)  # K=2 -> 4 stored heads
+  assert (tiny.kv_replication, tiny.kv_replication_bytes_per_token) == (2, 2 * 2 * 2 * 32 * 2)
+  with pytest.raises(ValueError, match="'tiny' does not split over tp=8"):
+    ledger.tp_plan(kvjax.get_preset("tiny"), 64, 8)
 
 
 def test_make_mesh_axes_and_errors():
