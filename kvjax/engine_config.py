@@ -183,6 +183,8 @@ _FLAGS = {
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
     "speculative": (str, ("mtp",), "draft with the model's MTP modules"),
     "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive)"),
+    "draft_policy": (str, ("adaptive",), "choose 0..num_draft drafts per step from measured "
+                                         "costs and acceptance"),
     "backend": (str, None, "attention + verification backend"),
     "num_scheduler_steps": (int, None, "most decode steps per device call"),
     "kv_dtype": (str, None, "KV pages: fp32 | bf16 | fp16 (or float32 ...), int8, int4"),
@@ -194,7 +196,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
   defaults = EngineConfig()
   for name, (kind, choices, text) in _FLAGS.items():
     flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
-    text = f"{text} (default: %(default)s)"
+    text = text if "default:" in text else f"{text} (default: %(default)s)"
     if kind is bool:
       parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                           help=text)
