@@ -8,7 +8,7 @@ small_pool     random prompts, a KV pool that holds a few of the offered request
 "Slow" is relative to the unloaded server: targets are ttft_factor and
 tpot_factor times the baseline's mean TTFT and TPOT (chat_num_chats
 single-turn requests of chat_user_len ids, one at a time).  `get_config("runlocal")`
-shrinks everything for a smoke run (well under a minute after compiles) and
+shrinks everything for a smoke run (under a minute on an idle 2-core CPU) and
 writes results/serve_diagnose_runlocal.*, never the committed results.
 """
 import ml_collections
@@ -46,14 +46,15 @@ def get_config(arg=None):
   config.name = "serve_diagnose"
   if arg == "runlocal":
     config.chat_num_chats = 2
-    config.chat_num_turns = 4
-    config.chat_user_len = 64
+    config.chat_num_turns = 3
+    config.chat_user_len = 32
     config.chat_output_len = 8
-    config.pool_num_requests = 8
-    config.pool_input_len = 64
+    config.pool_num_requests = 4
+    config.pool_input_len = 32
     config.pool_output_len = 8
-    config.pool_max_num_seqs = 4
-    config.pool_max_concurrency = 4
+    config.pool_max_num_seqs = 2
+    config.pool_max_concurrency = 2
+    config.pool_requests_held = 1
     config.metrics_interval_s = 0.05
     config.warmup_passes = 1
     config.repeats = 1

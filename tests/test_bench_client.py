@@ -172,7 +172,7 @@ def test_counts_and_latencies_agree_with_server_metrics(served):
 def test_multi_turn_history_and_poisson_starts(served):
   sessions = cli_bench.make_workload("multi-turn-chat", vocab_size=259, num_requests=3,
                                      input_len=20, output_len=10, num_turns=3, seed=3)
-  rate, seed = 8.0, 5
+  rate, seed = 2.0, 5  # gaps of 0.5 s on average, far above the event loop's lag
   result, first, last = _window(served, lambda: bench_client.run_benchmark(
       served.url, sessions, request_rate=rate, encode=ENCODE, seed=seed,
       metrics_interval_s=None))
@@ -181,8 +181,9 @@ def test_multi_turn_history_and_poisson_starts(served):
   for index, session in enumerate(sessions):
     turns = sorted((r for r in result["requests"] if r["session"] == index),
                    key=lambda r: r["turn"])
-    # A chat starts at its arrival (no concurrency cap) ...
-    assert 0 <= turns[0]["start_s"] - scheduled[index] < 0.05
+    # A chat starts at its arrival (no concurrency cap; the client shares a busy
+    # CPU with the server, so its timers may fire late) ...
+    assert 0 <= turns[0]["start_s"] - scheduled[index] < 0.15
     history = 0
     for turn, record in enumerate(turns):
       # ... each turn sends the history: earlier messages and answers, as the
