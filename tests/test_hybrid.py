@@ -1,0 +1,112 @@
+"""Hybrid (Gated DeltaNet + full attention) models through the caches and the Engine.
+
+The oracle is the no-cache forward: every linear layer there runs its rule over
+the whole sequence from zero states, with no slot, no page and no chunking, so
+each engine output must be its teacher-forced argmax.  (That forward equals HF
+transformers: tests/test_weights_qwen3_5.py.)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.caches import clear_cache_pages, create_contiguous_cache, create_paged_cache
+from kvjax.params import init_params
+
+MAX_NEW = 8
+# Two groups of (2 linear, 1 full): the KV rows and state rows each interleave.
+CONFIG = kvjax.ModelConfig(
+    name="tiny-hybrid", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=6,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128, qk_norm=True,
+    layer_types=("linear_attention", "linear_attention", "full_attention") * 2,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_chunk_size=8, attn_output_gate=True,
+    partial_rotary_factor=0.5)
+ENGINE = dict(page_size=16, max_num_seqs=4, max_model_len=64, prefix_cache=False)
+
+
+@functools.lru_cache(maxsize=None)
+def model() -> kvjax.Model:
+  return kvjax.Model(CONFIG, init_params(CONFIG, jax.random.PRNGKey(0), std=0.2))
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 128, int(length)).tolist() for length in rng.integers(17, 33, n)]
+
+
+def assert_teacher_forced_argmax(prompts, outputs):
+  """Each output token is the no-cache forward's argmax after the tokens before it."""
+  width = 64  # one padded shape: right padding never changes earlier causal logits
+  rows = np.zeros((len(prompts), width), np.int32)
+  for i, (p, out) in enumerate(zip(prompts, outputs)):
+    rows[i, :len(p) + len(out)] = p + out
+  argmax = np.asarray(kvjax.forward(model(), rows)).argmax(-1)
+  for i, (p, out) in enumerate(zip(prompts, outputs)):
+    assert len(out) == MAX_NEW
+    assert argmax[i, len(p) - 1:len(p) + len(out) - 1].tolist() == out, i
+
+
+def test_cache_holds_kv_for_full_layers_and_state_per_slot():
+  paged = create_paged_cache(CONFIG, None, 5, 9, 16, jnp.float32)
+  assert paged.k_pages.shape == (2, 2, 9, 16, 16)  # [L = 2 full layers, K, P, Z, H]
+  assert paged.conv_state.shape == (4, 5, 3, 2 * 2 * 8 + 4 * 8)  # [Ll, M, Kc - 1, X]
+  assert paged.delta_state.shape == (4, 5, 4, 8, 8)  # [Ll, M, Nv, Hk, Hv]
+  contiguous = create_contiguous_cache(CONFIG, 5, 32, jnp.float32)
+  assert contiguous.k.shape == (2, 5, 32, 2, 16)
+  assert contiguous.delta_state.shape == paged.delta_state.shape
+  filled = paged.replace(delta_state=paged.delta_state + 1, conv_state=paged.conv_state + 1)
+  cleared = clear_cache_pages(filled, jnp.asarray([1]), jnp.asarray([2]))  # a failed slot
+  assert float(jnp.abs(cleared.delta_state[:, 2]).max()) == 0.0
+  assert float(jnp.abs(cleared.conv_state[:, 2]).max()) == 0.0
+  assert float(cleared.delta_state[:, 3].min()) == 1.0  # other slots untouched
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous", "none"])
+def test_static_generate_is_the_no_cache_argmax(cache):
+  prompts = _prompts(3, seed=1)
+  assert_teacher_forced_argmax(prompts, kvjax.generate(model(), prompts, MAX_NEW,
+                                                       cache=cache).tokens)
+
+
+# name: (engine overrides, expect preemption)
+SCENARIOS = {
+    "chunk_7": (dict(max_num_batched_tokens=7), False),  # chunks never page-aligned
+    "chunk_16": (dict(max_num_batched_tokens=16), False),
+    "chunk_64": (dict(max_num_batched_tokens=64), False),
+    "preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=4), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_engine_mixed_batches_equal_each_request_alone(name):
+  """6 requests through 4 rows: slots are reused, prefills chunked and mixed with decodes."""
+  overrides, preempts = SCENARIOS[name]
+  eng = kvjax.Engine(model(), **{**ENGINE, **overrides})
+  prompts = _prompts()
+  half = len(prompts) // 2
+  ids = [eng.add_request(p, MAX_NEW) for p in prompts[:half]]
+  finals = {out.request_id: out for _ in range(2) for out in eng.step() if out.finished}
+  ids += [eng.add_request(p, MAX_NEW) for p in prompts[half:]]
+  while eng.has_unfinished:
+    finals.update({out.request_id: out for out in eng.step() if out.finished})
+    eng.scheduler.check_invariants()
+  assert (eng.scheduler.num_preemptions > 0) == preempts
+  assert_teacher_forced_argmax(prompts, [finals[i].output_ids for i in ids])
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(), r"prefix_cache=True is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(prefix_cache=False, speculative="mtp"),
+     r"speculative='mtp' is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(prefix_cache=False, kv_dtype="int4"),
+     r"kv_dtype 'int4' is not supported for hybrid model 'tiny-hybrid'"),
+])
+def test_engine_refuses_what_a_recurrent_state_cannot_serve(options, match):
+  with pytest.raises(ValueError, match=match):
+    kvjax.Engine(model(), **options)
