@@ -203,6 +203,7 @@ _TABLE = (("requests", "num_requests", "{:.0f}"), ("wall s", "wall_s", "{:.2f}")
           ("output tok/s", "tokens_per_s", "{:.1f}"), ("req/s", "request_throughput", "{:.2f}"),
           ("TTFT mean ms", ("ttft", "mean"), "{:.1f}"), ("TTFT p99 ms", ("ttft", "p99"), "{:.1f}"),
           ("TPOT mean ms", ("tpot", "mean"), "{:.2f}"), ("ITL p99 ms", ("itl", "p99"), "{:.2f}"),
+          ("ITL same-step share", "itl_same_step_fraction", "{:.2f}"),
           ("e2e mean s", ("e2e_latency", "mean"), "{:.2f}"),
           ("KV util mean", ("kv_utilization", "mean"), "{:.2f}"),
           ("KV pages peak", "kv_pages_used", "{:.0f}"),
@@ -215,7 +216,9 @@ _TABLE = (("requests", "num_requests", "{:.0f}"), ("wall s", "wall_s", "{:.2f}")
 def format_table(summary: dict) -> str:
   lines = []
   for label, key, fmt in _TABLE:
-    value = summary[key] if isinstance(key, str) else summary[key[0]][key[1]]
+    value = summary.get(key) if isinstance(key, str) else summary[key[0]][key[1]]
+    if value is None:  # e.g. the acceptance length of a run without speculation
+      continue
     if "ms" in label:
       value *= 1e3
     lines.append(f"  {label:<18} {fmt.format(value)}")

@@ -15,6 +15,7 @@ depth.  Distributions are reported as mean, median and P99.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
@@ -143,6 +144,11 @@ class StepLog:
                    **{name: getattr(self, name)[start:] for name in _SAMPLES})
 
 
+def _fraction(flags) -> float:
+  flags = list(flags)
+  return sum(flags) / len(flags) if flags else 0.0
+
+
 def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float, *,
               prefix_hit_tokens: int, prefix_queried_tokens: int,
               num_preemptions: int) -> dict:
@@ -163,6 +169,13 @@ def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float,
       "ttft_s": ttft["mean"], "tpot_s": tpot["mean"],
       "ttft": ttft, "tpot": tpot,
       "itl": distribution(x for r in done for x in r.itls_s),
+      # Tokens that reached the host in the same step as the one before (a multi-step
+      # burst's, or a verify step's accepted drafts): their ITL reads 0 because the
+      # host saw them together; this share says how much of "itl" that is.
+      "itl_same_step_fraction": _fraction(x == 0 for r in done for x in r.itls_s),
+      # Decode steps by the drafts their program verified (an adaptive policy's choices).
+      "decode_steps_by_num_draft": dict(sorted(collections.Counter(
+          k for k, d in zip(steps.num_draft, steps.decode_only) if d).items())),
       "e2e_latency": distribution(r.e2e_s for r in done),
       "request_throughput": len(done) / wall_s if wall_s else 0.0,
       "tokens_per_s": out_tokens / wall_s if wall_s else 0.0,
@@ -173,8 +186,9 @@ def summarize(requests: Sequence[RequestMetrics], steps: StepLog, wall_s: float,
       "prefix_hit_tokens": prefix_hit_tokens,
       "prefix_hit_rate": prefix_hit_tokens / prefix_queried_tokens if prefix_queried_tokens
                          else 0.0,
+      # None without speculation: there is nothing to accept.
       "acceptance_length": (sum(r.emitted for r in done) / verify_steps if verify_steps
-                            else 1.0),
+                            else None),
       "acceptance_rate_per_position": [float(a / p) if p else 0.0
                                        for a, p in zip(accepted, proposed)],
       "acceptance_rate": float(accepted.sum() / proposed.sum()) if proposed.sum() else 0.0,

@@ -48,6 +48,20 @@ def test_verify_steps_give_acceptance_per_position():
   assert s["decode_step_s"]["mean"] == 0.25  # the prefill step does not count, a burst per step
 
 
+def test_same_step_itl_share_drafts_per_step_and_no_acceptance_without_drafts():
+  # Tokens at 1.0, 1.0, 1.0 (one burst), then 2.0: ITLs 0, 0, 1 -> 2 of 3 in one step.
+  r = _request(0.5, [1.0, 1.0, 1.0, 2.0])
+  steps = StepLog()
+  for k, decode in ((2, False), (2, True), (0, True), (0, True), (1, True)):
+    steps.record(waiting=0, running=1, utilization=0.1, pages_used=1, batched_tokens=1,
+                 step_s=0.1, decode_only=decode, num_draft=k)
+  s = summarize([r], steps, wall_s=1.5, prefix_hit_tokens=0, prefix_queried_tokens=0,
+                num_preemptions=0)
+  assert s["itl_same_step_fraction"] == pytest.approx(2 / 3)
+  assert s["decode_steps_by_num_draft"] == {0: 2, 1: 1, 2: 1}
+  assert s["acceptance_length"] is None  # nothing was verified
+
+
 def test_distribution_mean_median_p99():
   d = distribution(range(101))
   assert (d["mean"], d["median"], d["p99"]) == (50.0, 50.0, 99.0)
