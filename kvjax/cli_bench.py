@@ -12,13 +12,13 @@ lengths are drawn uniformly from [len x (1 - r), len x (1 + r)] instead.
 Prompt ids are slices of the held-out stdlib code for byte-level models (the
 default model) and random ids otherwise.  A warm-up pass of the same workload
 on a throwaway engine compiles every shape first, so timings exclude compiles.
-Writes results/bench_<workload>.json and .png and prints a table.
+Writes <out-dir>/bench_<workload>.json and .png and prints a table.
 
 With --url the same workloads go over HTTP to a running server
 (kvjax/bench_client.py: --request-rate Poisson arrivals, --burstiness gamma,
 --max-concurrency, --goodput ttft:MS tpot:MS e2el:MS), timed by the client;
 --checkpoint then only names the tokenizer (vocabulary, answers back to ids
-for multi-turn chats).  Writes results/bench_http_<workload>.json (read by
+for multi-turn chats).  Writes <out-dir>/bench_http_<workload>.json (read by
 `python -m kvjax diagnose --bench-json`) and .png.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import json
 import math
 import os
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -96,12 +96,13 @@ def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: i
           for _ in range(num_requests)]
 
 
-def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
+def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str] = None,
                  **sampling) -> dict:
   """Serve every session to completion -> metrics summary plus per-turn TTFTs.
 
   Returns kvjax.metrics.summarize's dict with "turn_ttft_s" (mean TTFT per
-  turn index) and "outputs" (per session, per turn output ids).
+  turn index) and "outputs" (per session, per turn output ids).  `progress`:
+  a progress bar with this label (requests done, rate).
   """
   from kvjax.metrics import summarize
 
@@ -109,7 +110,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: bool = False,
   bar = None
   if progress:
     from tqdm import tqdm
-    bar = tqdm(total=total, unit="req", desc="bench")
+    bar = tqdm(total=total, unit="req", desc=progress)
   history = [[] for _ in sessions]
   outputs = [[] for _ in sessions]
   owner: dict[str, tuple[int, int]] = {}
@@ -181,7 +182,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-warmup", action="store_true", help="time compiles too")
-  p.add_argument("--out-dir", default="results")
+  p.add_argument("--out-dir", default="bench_results",
+                 help="where the JSON and PNG go; the repo's results/ holds only the "
+                      "experiments' committed runs (default: %(default)s)")
   http = p.add_argument_group("HTTP mode (bench a running server)")
   http.add_argument("--url", default=None, help="server URL (root or its /v1 base)")
   http.add_argument("--request-rate", type=float, default=math.inf,
@@ -296,8 +299,9 @@ def run(args: argparse.Namespace) -> int:
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings
     run_workload(_engine(model, args, max_model_len), sessions,
+                 progress="warm-up (compiling step programs)",
                  temperature=args.temperature, seed=args.seed)
-  summary = run_workload(_engine(model, args, max_model_len), sessions, progress=True,
+  summary = run_workload(_engine(model, args, max_model_len), sessions, progress="bench",
                          temperature=args.temperature, seed=args.seed)
   summary.pop("outputs")
   title = (f"{args.workload}: {model.config.name}, {args.num_requests} x {args.input_len}"
