@@ -130,22 +130,25 @@ class Engine:
                   temperature: float = 0.0, top_k: Optional[int] = None,
                   top_p: Optional[float] = None, seed: Optional[int] = None,
                   stop: Union[None, int, Sequence[int]] = None,
-                  cache_salt: Optional[str] = None, logprobs: Optional[int] = None) -> str:
+                  cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
+                  arrival_s: Optional[float] = None) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
     `stop`: token id(s) that end the request (kept as its last output id), in
     addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
     blocks from everyone else's.  `logprobs` n (0..20): every RequestOutput
     carries each new id's log-probability and its n likeliest alternatives
-    (kvjax/requests.py TokenLogprob).
+    (kvjax/requests.py TokenLogprob).  `arrival_s`: when the request arrived
+    (time.perf_counter; default now), e.g. a server's receipt time, so TTFT and
+    queue time include the wait before this call.
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
-                               logprobs=logprobs)
+                               logprobs=logprobs, arrival_s=arrival_s)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt, logprobs=None) -> str:
+                   cache_salt, logprobs=None, arrival_s=None) -> str:
     request_id = str(next(self._ids))
     vocab = self.model_config.vocab_size
     ids = np.asarray(prompt)
@@ -166,7 +169,9 @@ class Engine:
     self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
                                stop_token_ids=list(stops),
                                cache_salt=cache_salt, sampling=sampling)
-    self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), time.perf_counter())
+    now = time.perf_counter()
+    arrival = now if arrival_s is None else min(float(arrival_s), now)
+    self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
     return request_id
   def abort(self, request_id: str) -> bool:
     """Finish a waiting or running request now; its pages are freed.

@@ -161,3 +161,14 @@ def test_wild_parameters_are_refused_at_add_time_and_harm_no_one(requests):
   for (rid, *_), clean_id in zip(good, ids):
     assert finals[rid].output_ids == want[clean_id].output_ids
   h.assert_no_pages_held(eng)
+
+
+def test_arrival_time_given_by_a_server_counts_in_ttft():
+  import time
+
+  eng = h.engine()
+  early = eng.add_request(PROMPTS[0], 2, arrival_s=time.perf_counter() - 5.0)
+  late = eng.add_request(PROMPTS[1], 2, arrival_s=time.perf_counter() + 60.0)  # clamped
+  finals = h.run_to_end(eng)
+  assert finals[early].metrics.ttft_s >= 5.0
+  assert 0 <= finals[late].metrics.ttft_s < 5.0

@@ -63,6 +63,7 @@ class Submission:
     self.request = request
     self.deliver = deliver
     self.request_ids: list[str] = []  # the Engine's ids, set by the engine thread
+    self.received_s = time.perf_counter()  # its arrival: TTFT and queue time count from here
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,7 +179,7 @@ class EngineLoop:
             request.prompts[prompt], request.max_tokens[prompt],
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
-            logprobs=request.logprobs))
+            logprobs=request.logprobs, arrival_s=submission.received_s))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)
