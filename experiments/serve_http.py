@@ -1,0 +1,100 @@
+"""HTTP serving overhead and a request-rate sweep (issue 13; C18's numbers per rate).
+
+One local server (kvjax.server.serve_in_thread, the default model, EOS off so
+every answer has its full length) gets the same random workload
+(kvjax/cli_bench.py, `input_len` -> `output_len` tokens) from the bench client
+(kvjax/bench_client.py, streamed completions) at each request rate (Poisson
+arrivals) and at saturation (every request at once).  The same requests also
+run offline through a warm Engine with the same options; untimed warm-up
+rounds first (arrival order decides which row buckets a run compiles, so one
+is not enough); at saturation
+`repeats` interleaved rounds of (HTTP, offline) give the overhead ratio
+HTTP output tokens/s / offline output tokens/s (goal >= 0.9), so load from
+other processes on a shared machine hits both alike.  Prints the claim ids,
+the seed's values and ours; writes results/<name>.json and .png.
+"""
+import functools
+import math
+
+from absl import app
+from ml_collections import config_flags
+
+from experiments import common
+import kvjax
+from kvjax import bench_client, cli_bench
+from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
+from kvjax.server import serve_in_thread
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/serve_http.py", "experiment config", lock_config=True)
+
+
+def _offline(engine, sessions) -> dict:
+  engine.scheduler.prefix_cache.reset()  # a repeat must not hit the run before
+  return cli_bench.run_workload(engine, sessions)
+
+
+def _http(url, sessions, rate, goodput) -> dict:
+  return bench_client.run_benchmark(url, sessions, request_rate=rate, goodput=goodput,
+                                    metrics_interval_s=None)["summary"]
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  model = kvjax.load_checkpoint(c.checkpoint or None)
+  model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype,
+                      model.tokenizer)
+  sessions = cli_bench.make_workload(
+      "random", vocab_size=model.config.vocab_size, num_requests=c.num_prompts,
+      input_len=c.input_len, output_len=c.output_len, seed=c.seed)
+  config = EngineConfig(max_num_seqs=c.max_num_seqs,
+                        max_num_batched_tokens=c.max_num_batched_tokens,
+                        max_model_len=c.input_len + c.output_len + 1)
+  goodput = {"ttft": c.goodput_ttft_ms, "tpot": c.goodput_tpot_ms}
+  engine = Engine(model, config)
+  with serve_in_thread(model, config) as server:
+    runs = common.interleaved({
+        "http": functools.partial(_http, server.url, sessions, math.inf, goodput),
+        "offline": functools.partial(_offline, engine, sessions)}, c.repeats, warmup=c.warmup)
+    best = runs.median_results(key=lambda r: -r.get("output_throughput", r.get("tokens_per_s")))
+    sweep = {str(rate): _http(server.url, sessions, rate, goodput) for rate in c.request_rates}
+  http, offline = best["http"], best["offline"]
+  sweep["inf"] = http
+  ratio = http["output_throughput"] / offline["tokens_per_s"]
+  device = common.describe_device()
+  results = {"machine": f"{common.device_label(device)}, {device['os']}", "seed": c.seed,
+             "model": model.config.name, "config": c.to_dict(),
+             "offline_tokens_per_s": offline["tokens_per_s"],
+             "http_tokens_per_s_at_saturation": http["output_throughput"],
+             "overhead_ratio": ratio, "sweep": sweep}
+  rows = [("issue", "HTTP / offline output tok/s at saturation", ">= 0.9", f"{ratio:.2f}x")]
+  for rate, s in sweep.items():
+    rows.append(("C18", f"rate {rate}/s: tok/s, goodput req/s, TTFT / TPOT mean ms", "-",
+                 f"{s['output_throughput']:.0f}, {s['goodput']:.2f}, "
+                 f"{s['ttft']['mean'] * 1e3:.0f} / {s['tpot']['mean'] * 1e3:.1f}"))
+  results["table"] = common.claim_rows(rows)
+  print(f"serve_http on {results['machine']}, model {model.config.name}")
+  common.print_claims(results["table"], "{claim:<6} {what:<58} {seed:<8} {ours}")
+  common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
+
+
+def _plot(results, path):
+  sweep = results["sweep"]
+  labels = list(sweep)
+  with common.figure(path, 1, 2, figsize=(11, 4)) as (_, axes):
+    axes[0].bar(labels, [sweep[r]["output_throughput"] for r in labels], label="HTTP")
+    axes[0].axhline(results["offline_tokens_per_s"], color="k", ls="--", label="offline Engine")
+    axes[0].set(xlabel="request rate (req/s)", ylabel="output tokens/s",
+                title=f"throughput (overhead ratio {results['overhead_ratio']:.2f}x)")
+    axes[0].legend()
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT")):
+      axes[1].plot(labels, [sweep[r][key]["mean"] * 1e3 for r in labels], "o-", label=f"{label} mean")
+      axes[1].plot(labels, [sweep[r][key]["p99"] * 1e3 for r in labels], "x--", label=f"{label} p99")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="ms", yscale="log", title="latency")
+    axes[1].legend()
+
+
+if __name__ == "__main__":
+  app.run(main)
