@@ -51,7 +51,7 @@ def test_qwen35_hybrid_counts_only_full_attention_layers():
   cfg = get_preset("qwen3.5-9b")
   assert ledger.kv_bytes_per_token(cfg) == 2 * 8 * 4 * 256 * 2 == 32 * KIB
   assert abs(ledger.kv_bytes_per_token(cfg) / KIB / 32.3 - 1) < 0.02  # measured 32.3 KB.
-  every_layer = cfg.replace(num_full_attention_layers=None)
+  every_layer = cfg.replace(layer_types=None, num_full_attention_layers=None)
   assert ledger.kv_bytes_per_token(every_layer) == 4 * ledger.kv_bytes_per_token(cfg)
   # The MTP draft block's pages count only when asked for.
   assert ledger.kv_bytes_per_token(cfg, include_mtp=True) == 9 * 4 * KIB
