@@ -12,9 +12,11 @@ step program, no drafting), and a step after it has no drafts to verify, so
 it drafts first (its rows verify 0).  Estimates:
   * t(B, k): an exponential moving average of the measured seconds per step of
     decode-only steps, per (row bucket, k); a program's first call compiles and
-    is not counted; every (B, k) is tried until it has `warmup` measurements,
-    and the second-best k is re-tried every `explore_every` decisions so a
-    stale estimate cannot lock a choice in.
+    is not counted, an estimate needs `warmup` more.  The first bucket measures
+    every k; a later bucket measures one k (what the nearest bucket would pick)
+    and scales it by the cost ratios t(k) / t(0) measured elsewhere, so new
+    buckets do not compile K + 1 programs each.  The second-best k is re-tried
+    every `explore_every` decisions so a stale estimate cannot lock a choice in.
   * A_i(r): per request, accepted_i / proposed_i (kvjax.metrics.RequestMetrics
     counts them) shrunk toward the engine-wide rate with `prior_weight`
     pseudo-observations; the engine-wide rate starts at `prior_acceptance`^i.
@@ -59,7 +61,7 @@ class AdaptiveDrafts:
   """Maximize expected emitted tokens per second over k in 0..max_drafts (module doc)."""
 
   def __init__(self, max_drafts: int, *, prior_acceptance: float = 0.7,
-               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 2,
+               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 1,
                explore_every: int = 64):
     if max_drafts < 1:
       raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
@@ -108,19 +110,55 @@ class AdaptiveDrafts:
   def choose(self, bucket: int, requests: Sequence) -> int:
     """k for a decode row group of `bucket` rows; `requests`: their RequestMetrics."""
     self._decisions += 1
-    untried = [k for k in range(self.max_drafts + 1)
-               if self._count.get((bucket, k), 0) < self.warmup + 1]
-    if untried:
-      self.last_choice = {"bucket": bucket, "k": untried[0], "reason": "measuring"}
-      return untried[0]
-    through = [self.accept_through(m) for m in requests]
-    rates = {k: sum(expected_tokens(a, k) for a in through) / self._seconds[(bucket, k)]
-             for k in range(self.max_drafts + 1)}
+    ks = range(self.max_drafts + 1)
+    seconds = {k: self._estimate(bucket, k) for k in ks}
+    missing = [k for k in ks if seconds[k] is None]
+    if missing:
+      k = self._first_to_measure(bucket, missing, requests)
+      self.last_choice = {"bucket": bucket, "k": k, "reason": "measuring"}
+      return k
+    rates = self._rates(seconds, requests)
     ranked = sorted(rates, key=rates.get, reverse=True)
     k = ranked[1] if self._decisions % self.explore_every == 0 else ranked[0]
     self.last_choice = {"bucket": bucket, "k": k, "tokens_per_s": rates,
                         "reason": "exploring" if k != ranked[0] else "best"}
     return k
+
+  def _rates(self, seconds: dict, requests: Sequence) -> dict:
+    through = [self.accept_through(m) for m in requests]
+    return {k: sum(expected_tokens(a, k) for a in through) / s for k, s in seconds.items()}
+
+  def _measured(self, bucket: int, k: int) -> bool:
+    return self._count.get((bucket, k), 0) >= self.warmup + 1
+
+  def _ratios(self) -> dict:
+    """k -> t(B, k) / t(B, 0), averaged over the buckets that measured both."""
+    ratios = {}
+    for k in range(self.max_drafts + 1):
+      pairs = [self._seconds[(b, k)] / self._seconds[(b, 0)] for b, j in self._seconds
+               if j == 0 and self._measured(b, 0) and self._measured(b, k)]
+      if pairs:
+        ratios[k] = sum(pairs) / len(pairs)
+    return ratios
+
+  def _estimate(self, bucket: int, k: int) -> Optional[float]:
+    """Measured t(bucket, k), else one measured k of this bucket times the cost ratios
+    other buckets measured (so a new bucket needs one program measured, not K + 1)."""
+    if self._measured(bucket, k):
+      return self._seconds[(bucket, k)]
+    ratios = self._ratios()
+    base = [self._seconds[(bucket, j)] / ratios[j] for j in ratios if self._measured(bucket, j)]
+    return sum(base) / len(base) * ratios[k] if base and k in ratios else None
+
+  def _first_to_measure(self, bucket: int, missing: list, requests: Sequence) -> int:
+    """Which unmeasured k to run: what the nearest measured bucket would choose, if any."""
+    others = sorted({b for b, k in self._seconds if b != bucket and
+                     all(self._estimate(b, j) is not None for j in range(self.max_drafts + 1))},
+                    key=lambda b: abs(b - bucket))
+    if not others:
+      return missing[0]
+    rates = self._rates({k: self._estimate(others[0], k) for k in missing}, requests)
+    return max(rates, key=rates.get)
 
   def estimates(self) -> dict:
     """What the policy believes: step seconds per (bucket, k) and acceptance A_i."""

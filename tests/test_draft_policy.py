@@ -76,6 +76,21 @@ def test_adaptive_measures_every_choice_first_and_explores_later():
   assert choices.count(0) >= 8 and any(k != 0 for k in choices)  # mostly best, some explore
 
 
+def test_a_new_bucket_measures_one_k_and_borrows_the_cost_ratios():
+  policy = AdaptiveDrafts(2, warmup=1, prior_weight=1e-9)
+  for _ in range(100):
+    policy.observe_verify(2, 2)  # every draft accepted: A = [1, 1]
+  _measured(policy, 8, {0: 1e-3, 1: 1.5e-3, 2: 2e-3})  # k = 2 best: 3 tokens for 2x
+  first = policy.choose(16, [None] * 16)
+  assert first == 2 and policy.last_choice["reason"] == "measuring"
+  _measured(policy, 16, {2: 6e-3})
+  # t(16, 0) and t(16, 1) from bucket 8's ratios 1.5 and 2: 3 ms and 4.5 ms.
+  assert policy._estimate(16, 0) == pytest.approx(3e-3)
+  assert policy._estimate(16, 1) == pytest.approx(4.5e-3)
+  assert policy.choose(16, [None] * 16) == 2 and policy.last_choice["reason"] == "best"
+  assert (16, 0) not in policy._count and (16, 1) not in policy._count  # never compiled
+
+
 def test_a_requests_own_acceptance_shrinks_toward_the_engine_rate():
   policy = AdaptiveDrafts(2, prior_weight=4.0)
   for _ in range(100):
