@@ -2,7 +2,11 @@
 
 A thin argparse face over `kvjax.ledger.plan`; the ledger owns every check, so a
 bad preset, context or dtype gets the same message here as in Python, and exit
-code 2 like any other usage error.
+code 2 like any other usage error.  Beside the arithmetic, `allocated_pool`
+measures the cache the engine would allocate for the preset (jax.eval_shape of
+create_paged_cache: abstract arrays, nothing allocated): bytes per token of its
+page arrays and bytes per slot of its per-slot state (a hybrid's recurrent
+state, int4's residual), so C4's per-token figure comes from the real pool.
 """
 from __future__ import annotations
 
@@ -11,10 +15,14 @@ import dataclasses
 import json
 import sys
 
-from kvjax import ledger
-from kvjax.config import PRESETS, get_preset
+import jax
 
-__all__ = ["add_parser", "run"]
+from kvjax import ledger
+from kvjax.api import resolve_dtype
+from kvjax.caches import create_paged_cache
+from kvjax.config import PRESETS, ModelConfig, get_preset
+
+__all__ = ["add_parser", "run", "allocated_pool"]
 
 _DTYPES = "|".join(ledger.DTYPE_BITS)
 
@@ -49,6 +57,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   return p
 
 
+def allocated_pool(cfg: ModelConfig, kv_dtype: str, weight_dtype: str,
+                   include_mtp: bool = False) -> dict:
+  """Bytes per token of the pages and per slot of the slot state that the engine's
+  cache for cfg holds (abstract shapes: 64 pages of 16 tokens, 2 slots)."""
+  num_pages, page_size, num_slots = 64, 16, 2
+  dtype = resolve_dtype(weight_dtype if weight_dtype in ("fp32", "bf16", "fp16") else "bf16")
+  cache = jax.eval_shape(lambda: create_paged_cache(
+      cfg, kv_dtype, num_slots, num_pages, page_size, dtype, with_mtp=include_mtp))
+
+  def total(names):
+    arrays = [getattr(cache, name) for name in names]
+    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+  return {"kv_bytes_per_token": total(cache.PAGE_ARRAYS) / (num_pages * page_size),
+          "state_bytes_per_slot": total(cache.SLOT_ARRAYS) / num_slots,
+          "cache": type(cache).__name__}
+
+
 def _gib(n: int) -> str:
   return f"{n / ledger.GIB:.3f} GiB"
 
@@ -66,11 +92,13 @@ def run(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales)
+    pool = allocated_pool(get_preset(args.preset), args.kv_dtype, args.weight_dtype,
+                          args.include_mtp)
   except ValueError as e:
     print(f"kvjax memory: error: {e}", file=sys.stderr)
     return 2
   if args.json:
-    print(json.dumps(dataclasses.asdict(result) | (
+    print(json.dumps(dataclasses.asdict(result) | {"allocated_pool": pool} | (
         {} if per_device is None else {"tp": dataclasses.asdict(per_device)}), indent=2))
     return 0
   r = result
@@ -80,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
   print(f"{r.preset}: context {r.context}, kv {r.kv_dtype}, weights {r.weight_dtype}")
   print(f"  KV per token     {r.kv_bytes_per_token / ledger.KIB:g} KiB{scales}")
   print(f"  KV per request   {_gib(r.kv_bytes_per_request)}")
+  if r.state_bytes_per_request:
+    print(f"  state / request  {r.state_bytes_per_request / 2**20:.2f} MiB (recurrent, any "
+          "context)")
+  print(f"  allocated pool   {pool['kv_bytes_per_token']:,.0f} B/token of pages, "
+        f"{pool['state_bytes_per_slot']:,.0f} B/slot of state ({pool['cache']})")
   print(f"  weights          {_gib(r.weight_bytes)} ({r.param_count / 1e9:.2f}B params)")
   print(f"  free for KV      {_gib(r.free_kv_bytes)} = {_gib(r.gpu_bytes)} card"
         f" - weights - {_gib(r.reserve_bytes)} reserve")

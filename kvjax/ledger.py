@@ -9,7 +9,10 @@ layer; MLA layers cache one latent plus the decoupled rope key,
 `kv_lora_rank + qk_rope_head_dim` values per layer (no factor 2: K and V are both
 decompressed from the same latent).  Hybrid models cache only their
 `num_full_attention_layers`; linear-attention layers keep a fixed-size state
-that does not grow with context and is not counted.  A sliding-window layer
+that does not grow with context: not a per-token cost, but a constant per
+request (`state_bytes_per_request`: each Gated DeltaNet layer's conv state,
+Kc - 1 inputs of its X channels at the model dtype, and its float32 delta-rule
+state Nv x Hk x Hv, as kvjax/caches/recurrent.py allocates them).  A sliding-window layer
 holds at most `window` tokens, so `kv_bytes_per_request` caps it while
 `kv_bytes_per_token` (the seed's per-token figure) does not.
 
@@ -38,7 +41,7 @@ from kvjax.sharding import param_spec, replicated_kv_heads
 
 __all__ = ["KIB", "GIB", "DTYPE_BITS", "SCALE_BYTES", "MemoryPlan", "bytes_for",
            "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
-           "kv_bytes_per_request", "param_count", "weight_bytes", "max_concurrency",
+           "kv_bytes_per_request", "state_bytes_per_request", "param_count", "weight_bytes", "max_concurrency",
            "plan", "TPPlan", "weight_bytes_per_device", "kv_bytes_per_token_per_device",
            "tp_plan", "smallest_tp"]
 
@@ -127,6 +130,30 @@ def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
   return total
 
 
+def state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "bf16") -> int:
+  """Recurrent state one request holds whatever its length (0 for non-hybrids):
+  conv states at `state_dtype` (the model's) plus float32 delta-rule states."""
+  if not cfg.is_hybrid:
+    return 0
+  conv = (cfg.linear_conv_kernel - 1) * _linear_channels(cfg)
+  delta = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+  return cfg.num_linear_layers * (bytes_for(conv, state_dtype) + bytes_for(delta, "fp32"))
+
+
+def _linear_channels(cfg: ModelConfig) -> int:
+  """Conv channels X of a Gated DeltaNet layer: q and k (Nk x Hk each), v (Nv x Hv)."""
+  return (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+          + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+
+
+def _gated_delta_params(cfg: ModelConfig) -> int:
+  """in_proj_qkv, z, b, a; conv; dt_bias, A_log; gated norm; out_proj."""
+  d, nv, hv, x = (cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                  _linear_channels(cfg))
+  return (d * x + d * nv * hv + 2 * d * nv + cfg.linear_conv_kernel * x + 2 * nv + hv
+          + nv * hv * d)
+
+
 def _attention_params(cfg: ModelConfig) -> int:
   d, n = cfg.hidden_size, cfg.num_heads
   if cfg.attention_type == "mla":
@@ -144,6 +171,8 @@ def _attention_params(cfg: ModelConfig) -> int:
     total += (n + 2 * k) * h
   if cfg.qk_norm:
     total += 2 * h
+  if cfg.attn_output_gate:
+    total += d * n * h
   return total
 
 
@@ -154,15 +183,16 @@ def _block_params(cfg: ModelConfig, layer: int) -> int:
     mlp = experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts  # + router.
   else:
     mlp = 3 * d * cfg.intermediate_size  # gate, up, down.
-  return 2 * d + _attention_params(cfg) + mlp  # two RMSNorms.
+  mixer = _gated_delta_params(cfg) if cfg.is_linear_layer(layer) else _attention_params(cfg)
+  return 2 * d + mixer + mlp  # two RMSNorms.
 
 
 def param_count(cfg: ModelConfig) -> int:
   """Parameters of the checkpoint described by `cfg`, MTP modules included.
 
-  Linear-attention layers of hybrid models are counted as attention layers of
-  the configured shape; their real projections (e.g. Gated DeltaNet) are larger,
-  so Qwen3.5-9B counts 8.44B against ~8.95B published: a planner's error.
+  Hybrids with `layer_types` count their Gated DeltaNet layers as such; a
+  ledger-only hybrid (just num_full_attention_layers) counts every layer as
+  attention of the configured shape.
   """
   d, v = cfg.hidden_size, cfg.vocab_size
   total = v * d * (1 if cfg.tie_word_embeddings else 2) + d  # + final norm.
@@ -196,6 +226,7 @@ class MemoryPlan:
   kv_bytes_per_token: int  # ideal, values only.
   kv_scale_bytes_per_token: int  # quantization scales, reported separately.
   kv_bytes_per_request: int  # scales included only if count_scales.
+  state_bytes_per_request: int  # hybrids' recurrent state, constant per request.
   scales_counted: bool
   param_count: int
   weight_bytes: int  # computed from param_count, or --weight-gib.
@@ -222,6 +253,8 @@ def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
   _check_positive_int(batch, "batch")
   _check_dtype(weight_dtype, "weight")
   per_request = kv_bytes_per_request(cfg, context, kv_dtype, include_mtp, count_scales)
+  state = state_bytes_per_request(cfg, weight_dtype if weight_dtype in ("fp32", "bf16", "fp16")
+                                  else "bf16")  # conv states: the float model dtype
   weights = (weight_bytes(cfg, weight_dtype) if weight_gib is None
              else _gib_to_bytes(weight_gib, "weight_gib"))
   gpu = _gib_to_bytes(gpu_gib, "gpu_gib")
@@ -229,16 +262,17 @@ def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
     raise ValueError(f"gpu_gib must be > 0, got {gpu_gib!r}")
   reserve = _gib_to_bytes(reserve_gib, "reserve_gib")
   free = gpu - weights - reserve
-  total = weights + batch * per_request + reserve
+  total = weights + batch * (per_request + state) + reserve
   return MemoryPlan(
       preset=cfg.name, context=context, batch=batch, kv_dtype=kv_dtype,
       weight_dtype=weight_dtype,
       kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype, include_mtp),
       kv_scale_bytes_per_token=kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp),
-      kv_bytes_per_request=per_request, scales_counted=count_scales,
+      kv_bytes_per_request=per_request, state_bytes_per_request=state,
+      scales_counted=count_scales,
       param_count=param_count(cfg), weight_bytes=weights, gpu_bytes=gpu,
       reserve_bytes=reserve, free_kv_bytes=free,
-      max_concurrency=max_concurrency(free, per_request), total_bytes=total,
+      max_concurrency=max_concurrency(free, per_request + state), total_bytes=total,
       fits=total <= gpu)
 
 

@@ -110,3 +110,23 @@ def test_engine_mixed_batches_equal_each_request_alone(name):
 def test_engine_refuses_what_a_recurrent_state_cannot_serve(options, match):
   with pytest.raises(ValueError, match=match):
     kvjax.Engine(model(), **options)
+
+
+def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
+  """The engine's cache for the published shape (abstract arrays): 32 KiB of pages per
+  token (C4's measured 32.3 KB within 2%), the ledger's constant state per request,
+  and the ledger's parameter count equal to the random-init pytree's."""
+  from kvjax import ledger
+  from kvjax.cli_memory import allocated_pool
+  from kvjax.params import count_params
+
+  cfg = kvjax.get_preset("qwen3.5-9b")
+  pool = allocated_pool(cfg, "bf16", "bf16")
+  assert pool["kv_bytes_per_token"] == 2 * 8 * 4 * 256 * 2 == 32768
+  assert abs(pool["kv_bytes_per_token"] / 1024 / 32.3 - 1) < 0.02
+  # 24 DeltaNet layers: conv 3 x 8192 bf16 + delta 32 x 128 x 128 fp32 each.
+  assert pool["state_bytes_per_slot"] == 24 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
+  assert pool["state_bytes_per_slot"] == ledger.state_bytes_per_request(cfg, "bf16")
+  assert allocated_pool(cfg, "bf16", "bf16", include_mtp=True)["kv_bytes_per_token"] == 9 * 4096
+  tree = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
+  assert ledger.param_count(cfg) == count_params(tree)
