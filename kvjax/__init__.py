@@ -15,7 +15,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
   8  engine_config, engine, router                   the serving engine's request API, and
                                                     data-parallel replicas behind a router
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
-     chat_template, corpus, train                   training
+     chat_template, corpus, train, distributed      training, multi-host start-up
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_memory, cli_serve,          command lines
      cli_diagnose, __main__

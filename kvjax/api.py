@@ -93,9 +93,9 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   dtype = resolve_dtype(dtype)
   if path_or_preset in PRESETS:
     cfg = get_preset(path_or_preset)
-    load_checks.check_fits(cfg, dtype, available_bytes)
-    init = functools.partial(init_params, cfg, jax.random.PRNGKey(seed), dtype)
-    params = init() if mesh is None else sharding.init_on_mesh(init, mesh)
+    _check_fits(cfg, dtype, available_bytes, mesh)
+    init, key = functools.partial(init_params, cfg, dtype=dtype), jax.random.PRNGKey(seed)
+    params = init(key) if mesh is None else sharding.init_on_mesh(init, mesh, key)
     if check_finite:
       load_checks.check_finite_tree(params, f"preset {path_or_preset}")
     return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
@@ -109,21 +109,44 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
     raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
                      "checkpoint directory")
   if hf.is_hf_checkpoint(path_or_preset):
-    load_checks.check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes)
+    _check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes, mesh)
     cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite, mesh=mesh)
     return _model(cfg, params, dtype,
                   load_tokenizer(path_or_preset) or _byte_tokenizer(cfg), mesh)
-  load_checks.check_fits(read_config(path_or_preset), dtype, available_bytes)
+  _check_fits(read_config(path_or_preset), dtype, available_bytes, mesh)
   cfg, params = restore(path_or_preset, dtype, mesh=mesh)
   if check_finite:
     load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
   return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
 
 
+def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
+  """load_checks.check_fits on one device; on a mesh, this process's share of the
+  weights (one device's slice each, kvjax.ledger.weight_bytes_per_device) against
+  its first device's free bytes (on CPU the fake devices share the host's memory)."""
+  from kvjax import ledger
+  from kvjax.weights import load_checks
+
+  if mesh is None:
+    return load_checks.check_fits(cfg, dtype, available_bytes)
+  sharding.check_tp(cfg, mesh)
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not local:
+    raise ValueError(f"the mesh has no device of this process ({jax.process_index()})")
+  free = available_bytes if available_bytes is not None else \
+      load_checks.available_device_bytes(local[0])
+  tp, short = sharding.tp_size(mesh), DTYPE_SHORT_NAMES[np.dtype(dtype).name]
+  sharers = len(local) if local[0].platform == "cpu" else 1
+  need = sharers * ledger.weight_bytes_per_device(cfg, tp, short)
+  if free is not None and need > free:
+    raise ValueError(f"{cfg.name} at {short} needs {need} bytes of weights per "
+                     f"{'host' if sharers > 1 else 'device'} at tp={tp}, {local[0]} has "
+                     f"{free} free; use a larger tp (kvjax memory --tp)")
+
+
 def _model(cfg: ModelConfig, params: Params, dtype, tokenizer, mesh) -> Model:
   """The loaded Model; on a mesh, with kv heads replicated where tp does not divide them."""
   if mesh is not None:
-    sharding.check_tp(cfg, mesh)
     cfg, params = sharding.replicate_kv_heads(cfg, params, mesh)
   return Model(cfg, params, dtype, tokenizer)
 

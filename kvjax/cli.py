@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from kvjax import cli_bench, cli_memory
 from kvjax import cli_diagnose
 from kvjax import cli_serve
+from kvjax import distributed
 
 __all__ = ["main"]
 
@@ -58,13 +59,17 @@ def _add_generate(subparsers) -> None:
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--no-warmup", action="store_true",
                  help="time the first call (XLA compilation included in TTFT)")
+  distributed.add_parallel_flags(p)
   p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
   import kvjax
 
-  model = kvjax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+  if args.dp != 1:
+    raise ValueError(f"--dp {args.dp}: generate runs one prompt on one replica; replicas "
+                     "serve many requests (kvjax bench --dp, kvjax.Router)")
+  model, = distributed.load_replicas(args, args.checkpoint, args.dtype)
   tokenizer = model.tokenizer
   if args.prompt_ids is not None:
     prompt = args.prompt_ids

@@ -34,6 +34,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kvjax import distributed
+
 __all__ = ["Session", "make_workload", "run_workload", "add_parser", "run", "WORKLOADS"]
 
 WORKLOADS = ("random", "shared-system-prompt", "multi-turn-chat")
@@ -179,6 +181,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   from kvjax.engine_config import add_engine_flags  # lazy: `kvjax --help` imports no jax
 
   add_engine_flags(p)
+  distributed.add_parallel_flags(p)
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-warmup", action="store_true", help="time compiles too")
@@ -283,9 +286,10 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
 
 
 def run(args: argparse.Namespace) -> int:
-  import kvjax
-
-  model = kvjax.load_checkpoint(args.checkpoint)
+  if args.dp != 1:
+    raise ValueError(f"--dp {args.dp}: the bench drives one Engine (its step log and "
+                     "metrics); replicas behind kvjax.Router are benchmarked in Python")
+  model, = distributed.load_replicas(args, args.checkpoint, "float32")
   sessions = make_workload(args.workload, vocab_size=model.config.vocab_size,
                            num_requests=args.num_requests, input_len=args.input_len,
                            output_len=args.output_len, system_len=args.system_len,

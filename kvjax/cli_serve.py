@@ -13,6 +13,7 @@ import argparse
 import signal
 import threading
 
+from kvjax import distributed
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
 
 __all__ = ["add_parser", "run"]
@@ -35,15 +36,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="requests that may wait beyond the --max-num-seqs running ones; "
                       "more get 503 (default: %(default)s)")
   add_engine_flags(p)
+  distributed.add_parallel_flags(p)
   p.set_defaults(func=run)
   return p
 
 
 def run(args: argparse.Namespace) -> int:
-  import kvjax
   from kvjax.server import serve_in_thread
 
-  model = kvjax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+  if args.dp != 1:
+    raise ValueError(f"--dp {args.dp}: the server drives one Engine; run one server per "
+                     "replica (--tp each) behind a load balancer, or kvjax.Router in Python")
+  model, = distributed.load_replicas(args, args.checkpoint, args.dtype)
   handle = serve_in_thread(model, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting)

@@ -24,6 +24,7 @@ verification kernels per device under `shard_map`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Callable, Optional, Sequence
@@ -36,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kvjax.config import ModelConfig
 
 __all__ = ["DATA", "MODEL", "make_mesh", "submeshes", "tp_size", "mesh_of", "check_tp",
-           "replicated_kv_heads", "param_spec", "param_shardings", "init_on_mesh",
+           "replicated_kv_heads", "param_spec", "param_shardings", "init_on_mesh", "shard_params",
            "place_host_params", "replicate_kv_heads", "cache_shardings"]
 
 DATA, MODEL = "data", "model"
@@ -133,10 +134,16 @@ def param_shardings(params, mesh: Mesh):
       lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, tp)), params)
 
 
-def init_on_mesh(init: Callable[[], object], mesh: Mesh):
-  """Run a params-producing function with its outputs placed shard by shard."""
-  shardings = param_shardings(jax.eval_shape(init), mesh)
-  return jax.jit(init, out_shardings=shardings)()
+def init_on_mesh(init: Callable, mesh: Mesh, *args):
+  """init(*args) -> params, run with its outputs placed shard by shard (args are passed,
+  never closed over: a multi-process mesh cannot embed another process's shards)."""
+  shardings = param_shardings(jax.eval_shape(init, *args), mesh)
+  return jax.jit(init, out_shardings=shardings)(*args)
+
+
+def shard_params(params, mesh: Mesh):
+  """Existing params (a Model built in Python) -> the same values in this layout."""
+  return init_on_mesh(lambda tree: tree, mesh, params)
 
 
 def place_host_params(host_params, mesh: Mesh, dtype):
@@ -173,7 +180,7 @@ def replicate_kv_heads(cfg: ModelConfig, params, mesh: Mesh):
                "(%d heads, one or more per device); the KV cache costs %dx its single-device "
                "bytes per token (kvjax.ledger.tp_plan)", k, cfg.name, tp, repeats, kv_heads,
                repeats)
-  params = init_on_mesh(lambda: _repeat_heads(params, repeats), mesh)
+  params = init_on_mesh(functools.partial(_repeat_heads, repeats=repeats), mesh, params)
   return dataclasses.replace(cfg, num_kv_heads=kv_heads), params
 
 

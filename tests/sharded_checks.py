@@ -195,7 +195,7 @@ def check_mtp() -> dict:
   """MTP speculation on tp 2: greedy tokens equal the single-device plain decode."""
   single = engine_helpers.mtp_model()
   mesh = sharding.make_mesh(tp=2)
-  model = kvjax.Model(single.config, sharding.init_on_mesh(lambda: single.params, mesh))
+  model = kvjax.Model(single.config, sharding.shard_params(single.params, mesh))
   assert model.mesh is mesh
   prompts = engine_helpers.prompts(3)
   want = kvjax.generate(single, prompts, NEW_TOKENS).tokens

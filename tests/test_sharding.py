@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ import pytest
 
 import kvjax
 from kvjax import ledger, sharding
+from kvjax.params import init_params
+from kvjax.weights.checkpoint import save
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_checks.py")
 
@@ -95,6 +98,38 @@ def test_tp_plan_by_hand():
   assert (tiny.kv_replication, tiny.kv_replication_bytes_per_token) == (2, 2 * 2 * 2 * 32 * 2)
   with pytest.raises(ValueError, match="'tiny' does not split over tp=8"):
     ledger.tp_plan(kvjax.get_preset("tiny"), 64, 8)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_split_one_model_like_one_process(tmp_path):
+  """`kvjax generate --tp 8` over 2 CPU processes x 4 devices (gloo all-reduces between
+  them, the orbax checkpoint restored shard by shard) gives one process's tokens."""
+  cfg = kvjax.get_preset("tiny").replace(name="tiny-8heads", num_heads=8, head_dim=16)
+  save(str(tmp_path / "ckpt"), cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.2))
+  prompt = [1, 5, 9, 33, 2]
+  want = kvjax.generate(kvjax.load_checkpoint(str(tmp_path / "ckpt")), [prompt], 8).tokens[0]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "kvjax", "generate", "--checkpoint", str(tmp_path / "ckpt"),
+       "--tp", "8", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+       "--process-id", str(i), "--prompt-ids", ",".join(map(str, prompt)),
+       "--max-new-tokens", "8", "--json", "--no-warmup"],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=600) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, (out, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == want
 
 
 def test_make_mesh_axes_and_errors():

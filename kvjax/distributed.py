@@ -1,0 +1,77 @@
+"""Start-up of a multi-device, multi-host run: --tp/--dp and jax.distributed, for the CLIs.
+
+`add_parallel_flags(parser)` adds --tp, --dp and the multi-host flags;
+`load_replicas(args, checkpoint, dtype)` joins the run (`initialize`), lays the
+(dp, tp) mesh over every process's devices (kvjax.make_mesh) and loads one
+Model per data row (kvjax/sharding.py `submeshes`).
+
+Multi-host.  Every process runs the same command with its own --process-id;
+`jax.distributed.initialize` connects them through the coordinator, after
+which jax.devices() lists every host's devices and one jitted step spans them
+(tensor parallelism across hosts; collectives over NCCL on GPUs, gloo on CPU).
+Flags left unset fall back to what `jax.distributed.initialize` reads itself
+(JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster's
+SLURM / Open MPI variables).  Two hosts of 8 GPUs, tensor parallel over all 16:
+
+  host0$ python -m kvjax generate --checkpoint DIR --tp 16 \\
+           --coordinator-address host0:1234 --num-processes 2 --process-id 0 --prompt-ids 1,2
+  host1$ python -m kvjax generate --checkpoint DIR --tp 16 \\
+           --coordinator-address host0:1234 --num-processes 2 --process-id 1 --prompt-ids 1,2
+
+(--tp 8 --dp 2 instead keeps each replica's all-reduces on one host's NVLink.)
+Every process must see the checkpoint at the same path; each reads only the
+slices its devices hold.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+__all__ = ["add_parallel_flags", "initialize", "load_replicas"]
+
+_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel degree: devices one model is split over")
+  parser.add_argument("--dp", type=int, default=1,
+                      help="data-parallel replicas, each on its own --tp devices")
+  parser.add_argument("--coordinator-address", default=None,
+                      help="host:port of process 0 for a multi-host run "
+                           "(default: $JAX_COORDINATOR_ADDRESS)")
+  parser.add_argument("--num-processes", type=int, default=None,
+                      help="processes in a multi-host run (default: $JAX_NUM_PROCESSES)")
+  parser.add_argument("--process-id", type=int, default=None,
+                      help="this process's index (default: $JAX_PROCESS_ID)")
+
+
+def initialize(coordinator_address: Optional[str] = None,
+               num_processes: Optional[int] = None, process_id: Optional[int] = None) -> bool:
+  """Join a multi-process run if any flag or JAX_* variable asks for one -> whether it did.
+
+  On CPU the processes' collectives go over gloo.
+  """
+  import jax  # here, not at the top: `kvjax --help` adds these flags without jax
+
+  given = (coordinator_address, num_processes, process_id)
+  if all(v is None for v in given) and not any(os.environ.get(name) for name in _ENV):
+    return False
+  if jax.config.jax_platforms in (None, "", "cpu"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+  return True
+
+
+def load_replicas(args: argparse.Namespace, checkpoint: Optional[str], dtype) -> list:
+  """One kvjax.Model per data-parallel replica, each split over its --tp devices."""
+  from kvjax.api import load_checkpoint
+  from kvjax.sharding import make_mesh, submeshes
+
+  initialize(args.coordinator_address, args.num_processes, args.process_id)
+  if args.tp == 1 and args.dp == 1:
+    return [load_checkpoint(checkpoint, dtype=dtype)]
+  mesh = make_mesh(tp=args.tp, dp=args.dp)
+  return [load_checkpoint(checkpoint, dtype=dtype, mesh=row) for row in submeshes(mesh)]
