@@ -38,7 +38,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 __all__ = ["LinearInputs", "l2_normalize", "gated_rms_norm", "causal_conv", "delta_rule_step",
            "delta_rule_chunked", "gated_delta_mix", "L2_NORM_EPS"]
@@ -91,6 +90,21 @@ def delta_rule_step(q, k, v, g, beta, state):
   return jnp.einsum("bnh,bnhv->bnv", q, state, precision=_HIGHEST), state
 
 
+def _unit_lower_solve(strict: jax.Array, rhs: jax.Array) -> jax.Array:
+  """Solve (I + strict) x = rhs for strict [..., Lc, Lc] strictly lower, rhs [..., Lc, R].
+
+  Forward substitution, one row per step over every chunk and head at once: as
+  exact as a triangular solve, and on XLA:CPU 60x faster than the batched
+  `solve_triangular` at Lc = 64 (6 ms against 406 ms for [16, 8, 64, 64]).
+  """
+  def solve_row(i, x):  # x_i = rhs_i - strict_i . x (rows >= i of x are still 0)
+    row = rhs[..., i, :] - jnp.einsum("...j,...jr->...r", strict[..., i, :], x,
+                                      precision=_HIGHEST)
+    return x.at[..., i, :].set(row)
+
+  return jax.lax.fori_loop(0, rhs.shape[-2], solve_row, jnp.zeros_like(rhs))
+
+
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
   """T tokens, `chunk` at a time: q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta
   [B, T, Nv] (all float32), state [B, Nv, Hk, Hv] -> (o [B, T, Nv, Hv], state)."""
@@ -111,10 +125,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
   dot = lambda spec, a, c: jnp.einsum(spec, a, c, precision=_HIGHEST)
   strict = jnp.where(causal & ~jnp.eye(chunk, dtype=bool),
                      beta[..., :, None] * decay * dot("...th,...ih->...ti", k, k), 0.0)
-  system = strict + jnp.eye(chunk)  # I + A, unit lower triangular [C, B, Nv, Lc, Lc]
-  solve = lambda rhs: solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-  values = solve(beta[..., None] * v)  # the state-free part of U [.., Lc, Hv]
-  keys = solve((beta * jnp.exp(cum))[..., None] * k)  # U's dependence on S0 [.., Lc, Hk]
+  # (I + A) [values | keys] = [beta V | beta exp(G) K], A = strict [C, B, Nv, Lc, Lc]:
+  # values is U's state-free part [.., Lc, Hv], keys its dependence on S0 [.., Lc, Hk].
+  hv = v.shape[-1]
+  solved = _unit_lower_solve(strict, jnp.concatenate(
+      [beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1))
+  values, keys = solved[..., :hv], solved[..., hv:]
   scores = decay * dot("...th,...ih->...ti", q, k)  # [.., Lc, Lc], diagonal included
   to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k  # exp(G_L - G_i) k_i
 
