@@ -31,7 +31,8 @@ __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
 
-# attend(cache, layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (cache, out [B,T,N,H])
+# attend(cache, layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (cache, out [B,T,N,H]);
+# a hybrid's linear layer passes a LinearInputs as q and None as k, v (kvjax/hybrid.py).
 Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
 
 
