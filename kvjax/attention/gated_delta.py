@@ -30,7 +30,7 @@ states) share one code path.  `gated_rms_norm` is the layer's output norm.
 
 Shapes: B rows, T columns, Nk / Nv key / value heads (each key head serves
 Nv / Nk consecutive value heads), Hk / Hv their head dims, X conv channels
-(2 Nk Hk + Nv Hv), Kc the conv kernel width, Lc the chunk length.
+(2 Nk Hk + Nv Hv), Kc the conv kernel width, Lc the chunk length, Nc the chunks.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def delta_rule_step(q, k, v, g, beta, state):
 
 
 def _unit_lower_solve(strict: jax.Array, rhs: jax.Array) -> jax.Array:
-  """Solve (I + strict) x = rhs for strict [..., Lc, Lc] strictly lower, rhs [..., Lc, R].
+  """Solve (I + strict) x = rhs for strict [..., Lc, Lc] strictly lower, rhs [..., Lc, Hv + Hk].
 
   Forward substitution, one row per step over every chunk and head at once: as
   exact as a triangular solve, and on XLA:CPU 60x faster than the batched
@@ -112,20 +112,20 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
   pad = -t % chunk  # padded columns: beta = g = 0, so the state passes through
   n = (t + pad) // chunk
 
-  def chunks(x):  # [B, T, Nv, ...] -> [C, B, Nv, Lc, ...]
+  def chunks(x):  # [B, T, Nv, ...] -> [Nc, B, Nv, Lc, ...]
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape((b, n, chunk) + x.shape[2:])
     return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
 
   q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-  cum = jnp.cumsum(g, axis=-1)  # G [C, B, Nv, Lc]
+  cum = jnp.cumsum(g, axis=-1)  # G [Nc, B, Nv, Lc]
   causal = jnp.tril(jnp.ones((chunk, chunk), bool))
   # exp(G_t - G_i) for i <= t, exactly 0 above the diagonal (no overflow: masked before exp).
   decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
   dot = lambda spec, a, c: jnp.einsum(spec, a, c, precision=_HIGHEST)
   strict = jnp.where(causal & ~jnp.eye(chunk, dtype=bool),
                      beta[..., :, None] * decay * dot("...th,...ih->...ti", k, k), 0.0)
-  # (I + A) [values | keys] = [beta V | beta exp(G) K], A = strict [C, B, Nv, Lc, Lc]:
+  # (I + A) [values | keys] = [beta V | beta exp(G) K], A = strict [Nc, B, Nv, Lc, Lc]:
   # values is U's state-free part [.., Lc, Hv], keys its dependence on S0 [.., Lc, Hk].
   hv = v.shape[-1]
   solved = _unit_lower_solve(strict, jnp.concatenate(
@@ -144,7 +144,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
     return state, out
 
   state, out = jax.lax.scan(scan_chunk, state, (q, values, keys, scores, to_end, cum))
-  out = jnp.moveaxis(out, 2, 3)  # [C, B, Lc, Nv, Hv]
+  out = jnp.moveaxis(out, 2, 3)  # [Nc, B, Lc, Nv, Hv]
   out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, nv, -1)
   return out[:, :t], state
 
