@@ -304,6 +304,10 @@ def hf_section(cfg, state):
       out[key] = dict(seconds=seconds, first_seconds=timed.first_seconds[key],
                       tokens_per_s=batch * cfg.hf_new_tokens / seconds)
       logging.info("hf %s: %.1f tok/s", key, out[key]["tokens_per_s"])
+  import torch  # pylint: disable=g-import-not-at-top
+  del hf  # torch's caching allocator keeps freed blocks: hand them back before the engine's pool
+  if torch.cuda.is_available():
+    torch.cuda.empty_cache()
   return out
 
 
