@@ -25,6 +25,8 @@ A researcher's variant is a record too, passed where a name goes
 (`Engine(model, backend=Backend(...))`, `kvjax.generate(..., backend=...)`), or
 `dataclasses.replace(get_backend("reference"), name=..., attention=...)`;
 nothing global is mutated.  Records are hashable (jit static arguments).
+`on_mesh(record, mesh)` is the record for a tensor-parallel model: its kernels
+run per device under shard_map (kvjax/sharding.py's kv-head split).
 """
 from __future__ import annotations
 

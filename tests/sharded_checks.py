@@ -289,8 +289,24 @@ def check_memory_ledger() -> dict:
   return out
 
 
-CHECKS = [check_memory_ledger, check_llama_gqa, check_llama_engine, check_families, check_int8_kv, check_mtp,
-          check_collectives, check_transfer_guard]
+def check_router_submeshes() -> dict:
+  """dp=2 x tp=2: one engine per sub-mesh behind the prefix Router; outputs equal one device."""
+  path = hf_family("llama", num_attention_heads=8, head_dim=16)
+  want = kvjax.generate(load(path, 1), PROMPTS, NEW_TOKENS).tokens
+  rows = sharding.submeshes(sharding.make_mesh(tp=2, dp=2))
+  engines = [kvjax.Engine(kvjax.load_checkpoint(path, mesh=row), max_num_seqs=4,
+                          max_model_len=64, page_size=8) for row in rows]
+  router = kvjax.Router(engines, "least_loaded")
+  result = router.generate(PROMPTS, NEW_TOKENS)
+  assert result.tokens == want, (result.tokens, want)
+  devices = [{s.device.id for s in e.state.cache.k_pages.addressable_shards} for e in engines]
+  assert devices == [{0, 1}, {2, 3}], devices
+  return dict(replicas=result.stats["replicas"], devices=[sorted(d) for d in devices])
+
+
+CHECKS = [check_memory_ledger, check_llama_gqa, check_llama_engine, check_families,
+          check_int8_kv, check_mtp, check_collectives, check_transfer_guard,
+          check_router_submeshes]
 
 
 def main(out_path: str, names: list[str]) -> None:

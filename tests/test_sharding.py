@@ -71,6 +71,11 @@ def test_mtp_speculation_on_a_sharded_model(report):
   _ok(report, "check_mtp")
 
 
+def test_router_over_submeshes(report):
+  entry = _ok(report, "check_router_submeshes")
+  assert entry["devices"] == [[0, 1], [2, 3]] and sorted(set(entry["replicas"])) == [0, 1]
+
+
 def test_two_all_reduces_per_dense_block(report):
   assert _ok(report, "check_collectives")["per_layer"] == 2
 
