@@ -69,3 +69,27 @@ def test_prefix_routing_keeps_histories_together(tiny_model, single, replicas):
     assert rr_rate < prefix_rate - 0.05 and 1 - rr_rate > 1.4 * (1 - prefix_rate), (
         rr_rate, prefix_rate)
     assert rr_router.routed == [USERS * TURNS // 2] * 2
+
+
+def test_bad_router_arguments_are_named(tiny_model):
+  engines = _engines(tiny_model, 1)
+  with pytest.raises(ValueError, match="at least one engine"):
+    Router([])
+  with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+    Router(engines, "random")
+  with pytest.raises(ValueError, match="max_imbalance must be an int >= 0, got -1"):
+    Router(engines, max_imbalance=-1)
+
+
+def test_abort_and_least_loaded(tiny_model):
+  router = Router(_engines(tiny_model, 2), "least_loaded")
+  first = router.add_request([5, 6, 7], 4)
+  second = router.add_request([5, 6, 8], 4)
+  assert (router.replica_of(first), router.replica_of(second)) == (0, 1)  # the idle one
+  assert router.abort(first) and not router.abort("no-such-id")
+  finals = {out.request_id: out for out in router.stream() if out.finished}
+  assert finals[first].finish_reason == "abort"
+  assert finals[second].finish_reason == "length" and len(finals[second].output_ids) == 4
+  assert not router.has_unfinished
+  with pytest.raises(KeyError, match="unknown or finished request"):
+    router.replica_of(first)
