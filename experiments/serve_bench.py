@@ -31,7 +31,7 @@ from absl import app
 from ml_collections import config_flags
 import numpy as np
 
-from experiments import common
+from experiments import common, hf_peer
 import kvjax
 from kvjax import cli_bench
 from kvjax.engine import Engine
@@ -41,38 +41,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 
 def _to_hf(model: kvjax.Model):
-  """kvjax trunk weights -> an HF LlamaForCausalLM (inverse of kvjax/weights/hf.py)."""
-  import torch
-  import transformers
-
-  cfg, p = model.config, model.params
-  hf_cfg = transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-      tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=None, eos_token_id=None,
-      pad_token_id=None, attn_implementation="sdpa")
-  t = lambda x: torch.tensor(np.asarray(x, np.float32))
-  d = cfg.hidden_size
-  state = {"model.embed_tokens.weight": t(p.embed), "model.norm.weight": t(p.final_norm),
-           "lm_head.weight": t(np.asarray(p.head()).T)}
-  for i, b in enumerate(p.blocks):
-    pre = f"model.layers.{i}."
-    state.update({
-        pre + "input_layernorm.weight": t(b.attn_norm),
-        pre + "post_attention_layernorm.weight": t(b.mlp_norm),
-        pre + "self_attn.q_proj.weight": t(np.asarray(b.attn.wq).reshape(d, -1).T),
-        pre + "self_attn.k_proj.weight": t(np.asarray(b.attn.wk).reshape(d, -1).T),
-        pre + "self_attn.v_proj.weight": t(np.asarray(b.attn.wv).reshape(d, -1).T),
-        pre + "self_attn.o_proj.weight": t(np.asarray(b.attn.wo).reshape(-1, d).T),
-        pre + "mlp.gate_proj.weight": t(np.asarray(b.w_gate).T),
-        pre + "mlp.up_proj.weight": t(np.asarray(b.w_up).T),
-        pre + "mlp.down_proj.weight": t(np.asarray(b.w_down).T)})
-  hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-  hf.load_state_dict(state, strict=False)
-  return hf
+  """The trunk (MTP heads dropped) as an HF LlamaForCausalLM on kvjax's own buffers."""
+  trunk = kvjax.Model(model.config.replace(mtp_num_hidden_layers=0),
+                      model.params.replace(mtp=()), model.dtype)
+  return hf_peer.to_hf_on_device(trunk)
 
 
 def _hf_static(hf, sessions, batch: int, threads: int):
@@ -207,7 +179,10 @@ def part_c(model, c):
                    max_model_len=c.spec_input_len + c.spec_output_len, speculative=spec,
                    num_draft=num_draft, num_scheduler_steps=steps)
         for name, spec, num_draft, steps in variants})
-    runs = _interleaved(_serving(engines, sessions), c.repeats)
+    # Two untimed runs: the adaptive policy's first choices compile programs the
+    # fixed variants compiled in their first run.
+    runs = common.interleaved(_serving(engines, sessions), c.repeats, warmup=2).median_results(
+        key=lambda run: run["wall_s"])
     plain, mtp, single = runs["plain"], runs["mtp"], runs["plain_single_step"]
     auto, policy = runs["mtp_auto"], engines["mtp_auto"].draft_policy
     chosen = [k for k, decode in zip(engines["mtp_auto"].steps.num_draft,

@@ -11,8 +11,9 @@ so speculation is used only where it pays: k = 0 is plain decoding (the plain
 step program, no drafting), and a step after it has no drafts to verify, so
 it drafts first (its rows verify 0).  Estimates:
   * t(B, k): an exponential moving average of the measured seconds per step of
-    decode-only steps, per (row bucket, k); a program's first call compiles and
-    is not counted, an estimate needs `warmup` more.  The first bucket measures
+    decode-only steps, per (row bucket, k); a step that compiled a program is
+    not reported by the engine, a (bucket, k)'s first report is not counted
+    either (its first call here), and an estimate needs `warmup` more.  The first bucket measures
     every k; a later bucket measures one k (what the nearest bucket would pick)
     and scales it by the cost ratios t(k) / t(0) measured elsewhere, so new
     buckets do not compile K + 1 programs each.  The second-best k is re-tried
@@ -85,7 +86,7 @@ class AdaptiveDrafts:
     key = (bucket, k)
     self._count[key] = self._count.get(key, 0) + 1
     if self._count[key] == 1:
-      return  # the first call compiled the program
+      return  # its first call here (the engine skips the ones that compiled)
     per_step = seconds / max(num_steps, 1)
     old = self._seconds.get(key)
     self._seconds[key] = per_step if old is None else (1 - self.ema) * old + self.ema * per_step

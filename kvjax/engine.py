@@ -52,7 +52,8 @@ from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
 from kvjax.scheduler import Scheduler
-from kvjax.serve_steps import EngineState, clear_pages, copy_pages, serve_burst, serve_step
+from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
+                               serve_step)
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -226,6 +227,7 @@ class Engine:
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
     k = self._choose_drafts(plan, groups[0])
+    programs = num_compiled()
     launched = [(group, self._launch(plan, group, k)) for group in groups if group]
     new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
@@ -285,7 +287,7 @@ class Engine:
     for req, _ in broken:
       self._fresh_drafts.pop(req.request_id, None)
     decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
-    if decode_only and self.draft_policy is not None:
+    if decode_only and self.draft_policy is not None and num_compiled() == programs:
       self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
     allocator = self.scheduler.allocator
     self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),

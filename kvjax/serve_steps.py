@@ -30,7 +30,7 @@ from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
 
-__all__ = ["Emitted", "EngineState", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
+__all__ = ["Emitted", "EngineState", "num_compiled", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
 
 
 @struct.dataclass
@@ -189,6 +189,12 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
            (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
   steps_run, state, *_, history, drafted = jax.lax.while_loop(cond, body, carry)
   return state, history, drafted, steps_run
+
+
+def num_compiled() -> int:
+  """Step programs compiled so far (serve steps and bursts): a step that raised it
+  compiled, so its wall time is not the program's."""
+  return serve_step._cache_size() + serve_burst._cache_size()
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
