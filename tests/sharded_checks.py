@@ -179,7 +179,7 @@ def check_families() -> dict:
 
 
 def check_int8_kv() -> dict:
-  """int8 pages with their scales split by kv head, tp 4 (replicated heads)."""
+  """int8 and int4 pages with their scales split by kv head, tp 4 (replicated heads)."""
   path = hf_family("llama", num_attention_heads=8, head_dim=16)
   want = kvjax.generate(load(path, 1), PROMPTS, NEW_TOKENS, kv_dtype="int8").tokens
   model = load(path, 4)
@@ -188,7 +188,17 @@ def check_int8_kv() -> dict:
   assert engine.generate(PROMPTS, NEW_TOKENS).tokens == want
   cache = engine.state.cache
   assert _spec(cache.k_scales) == (None, M, None, None), cache.k_scales.sharding
-  return dict(scale_shard=list(cache.k_scales.addressable_shards[0].data.shape))
+  # int4 (KIVI): packed pages, per-channel scales and the slots' residual split by kv head.
+  # A page is KIVI's quantization group, so the oracle uses the same page size.
+  int4, want4 = (kvjax.Engine(m, max_num_seqs=4, max_model_len=64, page_size=8, kv_dtype="int4")
+                 for m in (model, load(path, 1)))
+  assert int4.generate(PROMPTS, NEW_TOKENS).tokens == want4.generate(PROMPTS, NEW_TOKENS).tokens
+  assert kvjax.generate(model, PROMPTS, NEW_TOKENS, kv_dtype="int4").tokens == kvjax.generate(
+      load(path, 1), PROMPTS, NEW_TOKENS, kv_dtype="int4").tokens
+  kivi = int4.state.cache
+  assert _spec(kivi.k_residual) == (None, None, None, M, None), kivi.k_residual.sharding
+  return dict(scale_shard=list(cache.k_scales.addressable_shards[0].data.shape),
+              int4_scale_shard=list(kivi.k_scales.addressable_shards[0].data.shape))
 
 
 def check_mtp() -> dict:

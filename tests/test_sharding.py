@@ -62,9 +62,9 @@ def test_qwen3_mistral_window_and_mla(report):
   assert all(entry[name]["prefill_diff"] < 1e-5 for name in ("qwen3", "mistral", "deepseek_v2"))
 
 
-def test_int8_pages_and_scales_split_by_kv_head(report):
+def test_int8_and_int4_pages_and_scales_split_by_kv_head(report):
   entry = _ok(report, "check_int8_kv")
-  assert entry["scale_shard"][1] == 1
+  assert entry["scale_shard"][1] == 1 and entry["int4_scale_shard"][1] == 1
 
 
 def test_mtp_speculation_on_a_sharded_model(report):
