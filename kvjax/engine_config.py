@@ -33,7 +33,9 @@ class EngineConfig:
     max_num_seqs: running requests (rows) at most.
     max_num_batched_tokens: token budget per step (draft slots included).
     max_model_len: prompt + max_new_tokens cap (None: the model context).
-    prefix_cache: share computed full blocks across requests (C8).
+    prefix_cache: share computed full blocks across requests (C8); None (the
+      default): on wherever the model supports it (hybrid linear-attention
+      models do not yet, kvjax/caches/recurrent.py).
     prefix_match: "block" (vLLM) or "token" (also a partial last block).
     min_cacheable_tokens: shorter prefix hits are ignored.
     speculative: None, "mtp" (draft with the model's MTP modules) or a
@@ -65,7 +67,7 @@ class EngineConfig:
   max_num_seqs: int = 8
   max_num_batched_tokens: int = 512
   max_model_len: Optional[int] = None
-  prefix_cache: bool = True
+  prefix_cache: Optional[bool] = None
   prefix_match: str = "block"
   min_cacheable_tokens: int = 0
   speculative: Any = None
@@ -90,9 +92,11 @@ class EngineConfig:
     cfg: ModelConfig = model.config
     backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
     check_cache_support(self.kv_dtype, cfg, "paged", backend)
-    check_hybrid_engine(cfg, speculative=self.speculative, prefix_cache=self.prefix_cache)
-    self._check_int4()
-    config = self._resolve_drafts(model)
+    prefix_cache = (not cfg.is_hybrid) if self.prefix_cache is None else self.prefix_cache
+    check_hybrid_engine(cfg, speculative=self.speculative, prefix_cache=prefix_cache)
+    config = dataclasses.replace(self, prefix_cache=prefix_cache)
+    config._check_int4()
+    config = config._resolve_drafts(model)
     draft = config.draft_model
     if draft is not None:
       if not (hasattr(draft, "config") and hasattr(draft, "params")):
@@ -178,7 +182,8 @@ _FLAGS = {
     "max_num_seqs": (int, None, "running requests at most"),
     "max_num_batched_tokens": (int, None, "token budget per step"),
     "max_model_len": (int, None, "prompt + new tokens cap (default: the model context)"),
-    "prefix_cache": (bool, None, "share computed blocks across requests"),
+    "prefix_cache": (bool, None, "share computed blocks across requests (default: on "
+                                 "where the model supports it)"),
     "prefix_match": (str, ("block", "token"), "prefix hits: whole blocks or tokens"),
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
     "speculative": (str, ("mtp",), "draft with the model's MTP modules"),

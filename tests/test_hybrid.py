@@ -101,7 +101,7 @@ def test_engine_mixed_batches_equal_each_request_alone(name):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(), r"prefix_cache=True is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(prefix_cache=True), r"prefix_cache=True is not supported for hybrid model 'tiny-hybrid'"),
     (dict(prefix_cache=False, speculative="mtp"),
      r"speculative='mtp' is not supported for hybrid model 'tiny-hybrid'"),
     (dict(prefix_cache=False, kv_dtype="int4"),
@@ -110,6 +110,13 @@ def test_engine_mixed_batches_equal_each_request_alone(name):
 def test_engine_refuses_what_a_recurrent_state_cannot_serve(options, match):
   with pytest.raises(ValueError, match=match):
     kvjax.Engine(model(), **options)
+
+
+def test_engine_defaults_leave_the_prefix_cache_off_for_a_hybrid():
+  eng = kvjax.Engine(model(), page_size=16, max_num_seqs=4, max_model_len=64)
+  assert eng.config.prefix_cache is False and eng.scheduler.prefix_cache is None
+  dense = kvjax.load_checkpoint("tiny")
+  assert kvjax.EngineConfig().resolve(dense).prefix_cache is True
 
 
 def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
