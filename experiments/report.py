@@ -57,10 +57,16 @@ FEATURES = {
 _ORDER = {claim: i for i, claim in enumerate(CLAIMS)}
 
 
-def _device(raw: Optional[str]) -> str:
-  """A launcher's device string -> 'CPU, 2 cores' / 'GPU NVIDIA H200' / 'none (arithmetic)'."""
+def _device(raw) -> str:
+  """A launcher's device string (or common.describe_device's dict) -> 'CPU, 2 cores' /
+  'GPU NVIDIA H200' / 'none (arithmetic)'."""
   if not raw:
     return "none (arithmetic)"
+  if isinstance(raw, dict):
+    if raw.get("platform") == "cpu":
+      fake = f", {raw['num_devices']} fake devices" if raw.get("num_devices", 1) > 1 else ""
+      return f"CPU, {raw.get('cpu_count')} cores{fake}"
+    return f"GPU {raw.get('device_kind')}"
   low = raw.lower()
   if low.startswith("gpu:"):
     return "GPU " + raw.split(":", 1)[1]
