@@ -40,8 +40,6 @@ from kvjax.params import init_params
 from kvjax.step_batch import make_step_batch
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gpu_scale.py", "experiment config", lock_config=True)
 
 
 def model_config(cfg):
@@ -473,4 +471,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: the tests import this module beside other launchers,
+  # and absl allows one --config per process.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/gpu_scale.py", "experiment config", lock_config=True)
   app.run(main)

@@ -7,9 +7,12 @@ adaptive policy measures both online and picks, per step,
 
     k* = argmax_k  sum_r E_k(r) / t(B, k),    k in 0..K_max,
 
-so speculation is used only where it pays: k = 0 is plain decoding (the plain
-step program, no drafting), and a step after it has no drafts to verify, so
-it drafts first (its rows verify 0).  Estimates:
+over the candidate k (by default 0 and K_max: each k is a family of step
+programs to compile), so speculation is used only where it pays: k = 0 is
+plain decoding (the plain step program, no drafting), and a step after it has
+no drafts to verify, so it drafts first (its rows verify 0).  A bucket
+switches k only for a gain above `switch_margin` (a switch costs a step of
+rebuilt drafts).  Prefill rows always draft K_max (kvjax/engine.py).  Estimates:
   * t(B, k): an exponential moving average of the measured seconds per step of
     decode-only steps, per (row bucket, k); a step that compiled a program is
     not reported by the engine, a (bucket, k)'s first report is not counted
@@ -63,7 +66,8 @@ class AdaptiveDrafts:
 
   def __init__(self, max_drafts: int, *, prior_acceptance: float = 0.7,
                prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 1,
-               explore_every: int = 64):
+               explore_every: int = 64, candidates: Optional[Sequence[int]] = None,
+               switch_margin: float = 0.05):
     if max_drafts < 1:
       raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
     self.max_drafts = max_drafts
@@ -71,6 +75,15 @@ class AdaptiveDrafts:
     self.ema = ema
     self.warmup = warmup
     self.explore_every = explore_every
+    # Each k is a step program family (x row and table buckets) to compile: by default
+    # only plain decoding and the most drafts.
+    self.candidates = tuple(sorted(set(candidates if candidates is not None
+                                       else (0, max_drafts))))
+    if not set(self.candidates) <= set(range(max_drafts + 1)) or 0 not in self.candidates:
+      raise ValueError(f"candidates must be drafts in 0..{max_drafts} including 0 (plain "
+                       f"decoding, what every cost is measured against), got {candidates!r}")
+    self.switch_margin = switch_margin
+    self._current: dict[int, int] = {}  # bucket -> the k it runs now
     self._prior = [prior_acceptance ** (i + 1) for i in range(max_drafts)]
     self._seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> EMA s per step
     self._count: dict[tuple[int, int], int] = {}  # calls seen, the compiling one included
@@ -111,7 +124,7 @@ class AdaptiveDrafts:
   def choose(self, bucket: int, requests: Sequence) -> int:
     """k for a decode row group of `bucket` rows; `requests`: their RequestMetrics."""
     self._decisions += 1
-    ks = range(self.max_drafts + 1)
+    ks = self.candidates
     seconds = {k: self._estimate(bucket, k) for k in ks}
     missing = [k for k in ks if seconds[k] is None]
     if missing:
@@ -120,9 +133,14 @@ class AdaptiveDrafts:
       return k
     rates = self._rates(seconds, requests)
     ranked = sorted(rates, key=rates.get, reverse=True)
-    k = ranked[1] if self._decisions % self.explore_every == 0 else ranked[0]
+    best, current = ranked[0], self._current.get(bucket, ranked[0])
+    if rates[best] < rates[current] * (1 + self.switch_margin):
+      best = current  # switching costs (drafts to rebuild, programs): only for a clear gain
+    explore = len(ranked) > 1 and self._decisions % self.explore_every == 0
+    k = next(j for j in ranked if j != best) if explore else best
+    self._current[bucket] = best
     self.last_choice = {"bucket": bucket, "k": k, "tokens_per_s": rates,
-                        "reason": "exploring" if k != ranked[0] else "best"}
+                        "reason": "exploring" if explore else "best"}
     return k
 
   def _rates(self, seconds: dict, requests: Sequence) -> dict:
@@ -135,7 +153,7 @@ class AdaptiveDrafts:
   def _ratios(self) -> dict:
     """k -> t(B, k) / t(B, 0), averaged over the buckets that measured both."""
     ratios = {}
-    for k in range(self.max_drafts + 1):
+    for k in self.candidates:
       pairs = [self._seconds[(b, k)] / self._seconds[(b, 0)] for b, j in self._seconds
                if j == 0 and self._measured(b, 0) and self._measured(b, k)]
       if pairs:
@@ -154,7 +172,7 @@ class AdaptiveDrafts:
   def _first_to_measure(self, bucket: int, missing: list, requests: Sequence) -> int:
     """Which unmeasured k to run: what the nearest measured bucket would choose, if any."""
     others = sorted({b for b, k in self._seconds if b != bucket and
-                     all(self._estimate(b, j) is not None for j in range(self.max_drafts + 1))},
+                     all(self._estimate(b, j) is not None for j in self.candidates)},
                     key=lambda b: abs(b - bucket))
     if not others:
       return missing[0]

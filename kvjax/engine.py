@@ -93,7 +93,6 @@ class Engine:
     self.draft_policy = policy_from(config.draft_policy, self.num_draft) if self.num_draft \
         else None
     self._fresh_drafts: dict[str, int] = {}  # drafts a request's slot holds for its next step
-    self._step_drafts = self.num_draft  # the last decode group's J, also used by prefill
     self.scheduler = Scheduler(
         num_pages=config.num_pages, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
@@ -226,9 +225,13 @@ class Engine:
       self.state = copy_pages(self.state, src, dst)
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
+    # The policy picks the decode rows' J; prefill rows always draft the most (fresh
+    # drafts and MTP K/V for the prompt, one prefill program family).
     k = self._choose_drafts(plan, groups[0])
+    group_drafts = (k, self.num_draft)
     programs = num_compiled()
-    launched = [(group, self._launch(plan, group, k)) for group in groups if group]
+    launched = [(group, self._launch(plan, group, j)) for group, j in zip(groups, group_drafts)
+                if group]
     new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
     for group, (_, emitted, drafted, steps) in launched:
@@ -240,7 +243,8 @@ class Engine:
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
-        self._fresh_drafts[row.request_id] = k if row.sample else 0
+        self._fresh_drafts[row.request_id] = (
+            group_drafts[not row.is_decode] if row.sample else 0)
         if not (row.sample or emitted.failed[:, j].any()):
           continue
         counts = emitted.counts[:steps_run, j]
@@ -315,13 +319,12 @@ class Engine:
   def _choose_drafts(self, plan: SchedulerOutput, decode: list[int]) -> int:
     """J of this step's programs: the draft policy's choice for the decode rows."""
     if self.draft_policy is None or not decode:
-      return self._step_drafts
+      return self.num_draft
     rows = [plan.rows[i] for i in decode]
     bucket = self.packing.shape(rows)[0]
     k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in rows])
     if not 0 <= k <= self.num_draft:
       raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
-    self._step_drafts = k
     return k
 
   def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int):

@@ -81,8 +81,9 @@ def tp_size(mesh: Optional[Mesh]) -> int:
 
 
 def mesh_of(params) -> Optional[Mesh]:
-  """The mesh `params` were placed on by this module, or None (one device)."""
-  sharding = getattr(params.embed, "sharding", None)
+  """The mesh `params` were placed on by this module, or None (one device, or no
+  params yet: options are checked before any weight is read)."""
+  sharding = getattr(getattr(params, "embed", None), "sharding", None)
   if isinstance(sharding, NamedSharding) and MODEL in sharding.mesh.axis_names:
     return sharding.mesh
   return None

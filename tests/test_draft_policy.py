@@ -48,7 +48,7 @@ def _measured(policy, bucket, seconds_by_k, calls=4):
                                           ((1, 1.2, 2.0), 1)])
 def test_adaptive_picks_the_best_tokens_per_second(step_ms, want):
   # Acceptance 0.9 at position 1 and 0.8 through position 2 (the prior is outweighed).
-  policy = AdaptiveDrafts(2, prior_weight=1e-9)
+  policy = AdaptiveDrafts(2, prior_weight=1e-9, candidates=(0, 1, 2))
   for _ in range(1000):
     policy.observe_verify(2, 2)
   for _ in range(125):
@@ -66,7 +66,7 @@ def test_adaptive_picks_the_best_tokens_per_second(step_ms, want):
 
 
 def test_adaptive_measures_every_choice_first_and_explores_later():
-  policy = AdaptiveDrafts(2, warmup=2, explore_every=5)
+  policy = AdaptiveDrafts(2, warmup=2, explore_every=5, candidates=(0, 1, 2))
   seen = [policy.choose(4, []) for _ in range(3)]
   assert seen == [0, 0, 0]  # nothing measured yet: k = 0 first
   _measured(policy, 4, {0: 1e-3}, calls=3)
@@ -77,7 +77,7 @@ def test_adaptive_measures_every_choice_first_and_explores_later():
 
 
 def test_a_new_bucket_measures_one_k_and_borrows_the_cost_ratios():
-  policy = AdaptiveDrafts(2, warmup=1, prior_weight=1e-9)
+  policy = AdaptiveDrafts(2, warmup=1, prior_weight=1e-9, candidates=(0, 1, 2))
   for _ in range(100):
     policy.observe_verify(2, 2)  # every draft accepted: A = [1, 1]
   _measured(policy, 8, {0: 1e-3, 1: 1.5e-3, 2: 2e-3})  # k = 2 best: 3 tokens for 2x
@@ -89,6 +89,25 @@ def test_a_new_bucket_measures_one_k_and_borrows_the_cost_ratios():
   assert policy._estimate(16, 1) == pytest.approx(4.5e-3)
   assert policy.choose(16, [None] * 16) == 2 and policy.last_choice["reason"] == "best"
   assert (16, 0) not in policy._count and (16, 1) not in policy._count  # never compiled
+
+
+def test_default_candidates_and_the_switch_margin():
+  policy = AdaptiveDrafts(3, prior_weight=1e-9)
+  assert policy.candidates == (0, 3)  # plain or the most drafts: two program families
+  for _ in range(100):
+    policy.observe_verify(3, 0)  # nothing accepted: A ~ 0
+  _measured(policy, 8, {0: 1e-3, 3: 1.02e-3})
+  assert policy.choose(8, [None]) == 0  # the fastest per token, once measured
+  # A draft count that wins by less than the margin does not displace the current one.
+  for _ in range(100):
+    policy.observe_verify(3, 3)
+  sticky = AdaptiveDrafts(3, prior_weight=1e-9, switch_margin=10.0)
+  sticky._accepted, sticky._proposed = policy._accepted, policy._proposed
+  sticky._current[8] = 0
+  _measured(sticky, 8, {0: 1e-3, 3: 1.02e-3})
+  assert policy.choose(8, [None]) == 3 and sticky.choose(8, [None]) == 0
+  with pytest.raises(ValueError, match="including 0"):
+    AdaptiveDrafts(2, candidates=(1, 2))
 
 
 def test_a_requests_own_acceptance_shrinks_toward_the_engine_rate():
