@@ -56,7 +56,20 @@ from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compile
                                serve_step)
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "run_until_finished"]
+
+
+def run_until_finished(step, ids: Sequence[str]) -> tuple[dict, list]:
+  """Call step() until every request in ids has finished -> (id: its final output,
+  the other requests' outputs seen meanwhile, for their own caller)."""
+  done, others, mine = {}, [], set(ids)
+  while len(done) < len(ids):
+    for out in step():
+      if out.request_id not in mine:
+        others.append(out)
+      elif out.finished:
+        done[out.request_id] = out
+  return done, others
 
 
 def _logprobs(emitted, row: int, counts, num_top: Optional[int]) -> Optional[list]:
@@ -393,13 +406,7 @@ class Engine:
     ids = [self._add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
            for p, s in zip(prompts, seeds)]
-    done, others, mine = {}, [], set(ids)
-    while len(done) < len(ids):
-      for out in self._step():
-        if out.request_id not in mine:
-          others.append(out)  # another caller's: handed out by the next step()
-        elif out.finished:
-          done[out.request_id] = out
+    done, others = run_until_finished(self._step, ids)
     wall = time.perf_counter() - start
     hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     steps = self.steps.since(mark)

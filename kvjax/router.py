@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence, Union
 
-from kvjax.engine import Engine
+from kvjax.engine import Engine, run_until_finished
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.requests import RequestOutput
 from kvjax.validation import per_prompt_seeds
@@ -166,13 +166,7 @@ class Router:
                               top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
              for p, s in zip(prompts, seeds)]
       replicas = [self.replica_of(rid) for rid in ids]
-      done, others, mine = {}, [], set(ids)
-      while len(done) < len(ids):
-        for out in self.step():
-          if out.request_id not in mine:
-            others.append(out)  # another caller's: handed out by the next step()
-          elif out.finished:
-            done[out.request_id] = out
+      done, others = run_until_finished(self.step, ids)
       self._pending = others + self._pending
       hits, queried = (now - then for now, then in zip(self.prefix_counts(), before))
       stats = dict(replicas=replicas, finish_reasons=[done[r].finish_reason for r in ids],
