@@ -45,8 +45,9 @@ def _meminfo_available_bytes() -> Optional[int]:
 
 
 def available_device_bytes(device: Optional[jax.Device] = None) -> Optional[int]:
-  """Free bytes on `device` (default: where jnp places arrays); None if unknown."""
-  device = jax.devices()[0] if device is None else device
+  """Free bytes on `device`, None if unknown.  Default: this process's first device
+  (in a multi-host run jax.devices()[0] may belong to another process)."""
+  device = jax.local_devices()[0] if device is None else device
   stats = device.memory_stats() or {}
   if "bytes_limit" in stats:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -84,7 +85,7 @@ def check_fits(cfg: ModelConfig, dtype, available_bytes: Optional[int] = None,
   `available_bytes` overrides the measured free memory (None: measure; a device
   that reports nothing skips the check), `platform` the device's ("cpu", "gpu").
   """
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   platform = device.platform if platform is None else platform
   if available_bytes is None:
     available_bytes = available_device_bytes(device)
