@@ -19,7 +19,7 @@ import numpy as np
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 from kvjax.sharding import place_host_params
-from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, load_qwen3_5, qwen3_5_config
+from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, hf_eos_id, load_qwen3_5, qwen3_5_config
 from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "read_hf_config", "config_from_hf",
@@ -93,9 +93,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     window = None
     if not any(layer_windows):
       layer_windows = None
-  eos = hf.get("eos_token_id")
-  if isinstance(eos, (list, tuple)):
-    eos = eos[0] if eos else None
+  eos = hf_eos_id(hf)
   return ModelConfig(
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=num_heads,
@@ -121,9 +119,7 @@ def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
         "kvjax loads only dense DeepSeek MLA models")
   if scaling is not None or hf.get("attention_bias"):
     raise ValueError("DeepSeek checkpoints with rope scaling or attention_bias are unsupported")
-  eos = hf.get("eos_token_id")
-  if isinstance(eos, (list, tuple)):
-    eos = eos[0] if eos else None
+  eos = hf_eos_id(hf)
   num_heads = hf["num_attention_heads"]
   return ModelConfig(
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

@@ -33,7 +33,15 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, GatedDeltaParams, MTPParams, Params
 
-__all__ = ["QWEN3_5_MODEL_TYPES", "qwen3_5_config", "load_qwen3_5"]
+__all__ = ["QWEN3_5_MODEL_TYPES", "qwen3_5_config", "load_qwen3_5", "hf_eos_id"]
+
+
+def hf_eos_id(hf: dict[str, Any]):
+  """config.json's eos_token_id (an int or a list: its first) -> one id or None."""
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, (list, tuple)):
+    eos = eos[0] if eos else None
+  return eos
 
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 
@@ -79,9 +87,7 @@ def qwen3_5_config(hf: dict[str, Any], name: str) -> ModelConfig:
   layer_types = text.get("layer_types") or [
       "full_attention" if (i + 1) % interval == 0 else "linear_attention"
       for i in range(num_layers)]
-  eos = text.get("eos_token_id")
-  if isinstance(eos, (list, tuple)):
-    eos = eos[0] if eos else None
+  eos = hf_eos_id(text)
   num_heads = text["num_attention_heads"]
   return ModelConfig(
       name=name, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
