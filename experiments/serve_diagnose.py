@@ -37,7 +37,6 @@ import kvjax
 from kvjax import bench_client, cli_bench, diagnose
 from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
-from kvjax.server.text import tokenizer_of
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/serve_diagnose.py", "experiment config", lock_config=True)
@@ -61,7 +60,7 @@ def _pool_requests(model, c, seed) -> list:
 def _bench(server, model, sessions, c, *, rate, concurrency=None):
   return bench_client.run_benchmark(
       server.url, sessions, request_rate=rate, max_concurrency=concurrency,
-      encode=functools.partial(tokenizer_of(model).encode, add_special_tokens=False),
+      encode=functools.partial(model.tokenizer.encode, add_special_tokens=False),
       seed=c.seed, metrics_interval_s=c.metrics_interval_s)
 
 

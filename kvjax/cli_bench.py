@@ -296,9 +296,7 @@ def run(args: argparse.Namespace) -> int:
                            num_turns=args.num_turns, range_ratio=args.range_ratio,
                            seed=args.seed)
   if args.url is not None:
-    from kvjax.server.text import tokenizer_of
-
-    return _run_http(args, sessions, tokenizer_of(model))
+    return _run_http(args, sessions, model.tokenizer)
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings

@@ -12,14 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-__all__ = ["TextStream", "tokenizer_of"]
-
-
-def tokenizer_of(model):
-  """model.tokenizer (None: token ids only).  Kept for the bench client and the
-  serve_diagnose experiment, which imported it while the server fell back to the
-  byte tokenizer; new code reads model.tokenizer."""
-  return model.tokenizer
+__all__ = ["TextStream"]
 
 
 class TextStream:
