@@ -21,6 +21,7 @@ def get_config(arg=None):
   config.goodput_tpot_ms = 50.0
   config.warmup = 3  # untimed rounds per variant (compiles)
   config.repeats = 3  # interleaved rounds of (HTTP at saturation, offline), median reported
+  config.max_tries = 6  # calls of a round (or sweep point) while it compiles a step program
   config.out_dir = "results"
   config.name = "serve_http"
   if arg == "runlocal":
