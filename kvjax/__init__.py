@@ -10,7 +10,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
   4  model, hybrid                                   the decoder (GQA and MLA blocks), Gated DeltaNet
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
-     prefix_cache, batching, validation              request vocabulary and checks, packing
+     prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
+     validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, ledger, metrics, draft_policy        host policy, accounting
   8  engine_config, engine, router                   the serving engine's request API, and
                                                     data-parallel replicas behind a router

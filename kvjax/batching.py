@@ -22,6 +22,7 @@ import numpy as np
 
 from kvjax.requests import ScheduledRow, SchedulerOutput
 from kvjax.sampling import SamplingParams
+from kvjax.state_snapshots import StepSnapshots
 from kvjax.step_batch import StepBatch, make_step_batch
 
 __all__ = ["bucket", "bucket_sizes", "Packing", "burst_limits"]
@@ -85,12 +86,13 @@ class Packing:
     return bucket(needed, self.max_table_width, min(_MIN_TABLE_BUCKET, self.max_table_width))
 
   def pack(self, plan: SchedulerOutput, group: Sequence[int],
-           verify: Optional[Sequence[int]] = None, num_draft: Optional[int] = None
-           ) -> StepBatch:
+           verify: Optional[Sequence[int]] = None, num_draft: Optional[int] = None,
+           snapshots: Optional[StepSnapshots] = None) -> StepBatch:
     """Rows plan.rows[group] (all decode or all prefill) -> their padded StepBatch.
 
     verify[j]: drafts row j verifies, at most its planned num_draft (default: all
-    planned); num_draft: the step program's J (default the engine's).
+    planned); num_draft: the step program's J (default the engine's); snapshots: a
+    hybrid engine's state snapshots to write and restore (kvjax/state_snapshots.py).
     """
     rows = [plan.rows[i] for i in group]
     verify = [r.num_draft for r in rows] if verify is None else verify
@@ -115,8 +117,14 @@ class Packing:
       s = row.request.sampling
       temperature[j], top_k[j], top_p[j], seeds[j] = s.temperature, s.top_k, s.top_p, s.seed
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
+    snapshot_tables = restore = None
+    if snapshots is not None:
+      snapshot_tables = snapshots.tables(tables)
+      restore = np.full(b, -1, np.int32)
+      restore[:len(rows)] = [snapshots.restore.get(r.request_id, -1) for r in rows]
     return make_step_batch(tokens, starts, q_lens, tables, slot_ids, sampling,
-                           num_draft=num_draft, next_tokens=next_tokens)
+                           num_draft=num_draft, next_tokens=next_tokens,
+                           snapshot_tables=snapshot_tables, restore_snapshots=restore)
 
 
 def burst_limits(rows: Sequence[ScheduledRow], b: int) -> tuple[np.ndarray, np.ndarray]:

@@ -59,12 +59,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def allocated_pool(cfg: ModelConfig, kv_dtype: str, weight_dtype: str,
                    include_mtp: bool = False) -> dict:
-  """Bytes per token of the pages and per slot of the slot state that the engine's
-  cache for cfg holds (abstract shapes: 64 pages of 16 tokens, 2 slots)."""
+  """Bytes per token of the pages, per slot of the slot state and per prefix-cache state
+  snapshot (hybrids) that the engine's cache for cfg holds (abstract shapes: 64 pages
+  of 16 tokens, 2 slots, 2 snapshots)."""
   num_pages, page_size, num_slots = 64, 16, 2
+  num_snapshots = num_slots if cfg.is_hybrid else 0
   dtype = resolve_dtype(weight_dtype if weight_dtype in ("fp32", "bf16", "fp16") else "bf16")
   cache = jax.eval_shape(lambda: create_paged_cache(
-      cfg, kv_dtype, num_slots, num_pages, page_size, dtype, with_mtp=include_mtp))
+      cfg, kv_dtype, num_slots, num_pages, page_size, dtype, with_mtp=include_mtp,
+      num_snapshots=num_snapshots))
 
   def total(names):
     arrays = [getattr(cache, name) for name in names]
@@ -72,6 +75,7 @@ def allocated_pool(cfg: ModelConfig, kv_dtype: str, weight_dtype: str,
 
   return {"kv_bytes_per_token": total(cache.PAGE_ARRAYS) / (num_pages * page_size),
           "state_bytes_per_slot": total(cache.SLOT_ARRAYS) / num_slots,
+          "snapshot_bytes": total(cache.SNAPSHOT_ARRAYS) / max(num_snapshots, 1),
           "cache": type(cache).__name__}
 
 
@@ -111,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
   if r.state_bytes_per_request:
     print(f"  state / request  {r.state_bytes_per_request / 2**20:.2f} MiB (recurrent, any "
           "context)")
+    print(f"  state snapshot   {pool['snapshot_bytes'] / 2**20:.2f} MiB per cached page "
+          "boundary (prefix cache; --prefix-snapshots bounds them)")
   print(f"  allocated pool   {pool['kv_bytes_per_token']:,.0f} B/token of pages, "
         f"{pool['state_bytes_per_slot']:,.0f} B/slot of state ({pool['cache']})")
   print(f"  weights          {_gib(r.weight_bytes)} ({r.param_count / 1e9:.2f}B params)")

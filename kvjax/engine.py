@@ -52,6 +52,7 @@ from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
 from kvjax.scheduler import Scheduler
+from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
                                serve_step)
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
@@ -121,7 +122,10 @@ class Engine:
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
                                model.dtype, with_mtp=config.speculative == "mtp",
-                               mesh=config.backend.mesh)
+                               mesh=config.backend.mesh, num_snapshots=config.prefix_snapshots)
+    # A hybrid's prefix hits also need its recurrent state there (kvjax/state_snapshots.py).
+    self.snapshots = SnapshotPool(self.scheduler.prefix_cache, config.prefix_snapshots,
+                                  config.num_pages) if config.prefix_snapshots else None
     draft_cache = None
     if self.draft_model is not None:
       d = self.draft_model.config
@@ -243,8 +247,9 @@ class Engine:
     k = self._choose_drafts(plan, groups[0])
     group_drafts = (k, self.num_draft)
     programs = num_compiled()
-    launched = [(group, self._launch(plan, group, j)) for group, j in zip(groups, group_drafts)
-                if group]
+    snapshots = self.snapshots and self.snapshots.plan(plan.rows)
+    launched = [(group, self._launch(plan, group, j, snapshots))
+                for group, j in zip(groups, group_drafts) if group]
     new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
     for group, (_, emitted, drafted, steps) in launched:
@@ -275,6 +280,8 @@ class Engine:
     for req, good in broken:
       self._clear(*self.scheduler.fail(req.request_id, good))
     self.scheduler.update_from_output(plan, new_ids)
+    if self.snapshots:
+      self.snapshots.settle()
     now = time.perf_counter()
     for req, good in broken:
       metrics = self.metrics.pop(req.request_id)
@@ -340,7 +347,7 @@ class Engine:
       raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
     return k
 
-  def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int):
+  def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int, snapshots):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
     Rows verify at most the fresh drafts their slot holds and num_draft; every
@@ -349,7 +356,7 @@ class Engine:
     """
     verify = [min(num_draft, self._fresh_drafts.get(plan.rows[i].request_id, 0))
               for i in group]
-    batch = self.packing.pack(plan, group, verify, num_draft)
+    batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
     shape = batch.tokens.shape
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)

@@ -33,10 +33,14 @@ class EngineConfig:
     max_num_seqs: running requests (rows) at most.
     max_num_batched_tokens: token budget per step (draft slots included).
     max_model_len: prompt + max_new_tokens cap (None: the model context).
-    prefix_cache: share computed full blocks across requests (C8); None (the
-      default): on wherever the model supports it (hybrid linear-attention
-      models do not yet, kvjax/caches/recurrent.py).
-    prefix_match: "block" (vLLM) or "token" (also a partial last block).
+    prefix_cache: share computed full blocks across requests (C8).
+    prefix_match: "block" (vLLM) or "token" (also a partial last block; a
+      hybrid model resumes at the hit's last page boundary instead, since its
+      recurrent state is kept only there).
+    prefix_snapshots: a hybrid model's bound on recurrent-state snapshots kept
+      for the prefix cache (one per cached page boundary, LRU;
+      kvjax/state_snapshots.py); None: 8 per running request, 0 with the
+      prefix cache off.  Dense models keep none.
     min_cacheable_tokens: shorter prefix hits are ignored.
     speculative: None, "mtp" (draft with the model's MTP modules) or a
       kvjax.Model of the same vocabulary (a draft model with its own paged KV).
@@ -67,8 +71,9 @@ class EngineConfig:
   max_num_seqs: int = 8
   max_num_batched_tokens: int = 512
   max_model_len: Optional[int] = None
-  prefix_cache: Optional[bool] = None
+  prefix_cache: bool = True
   prefix_match: str = "block"
+  prefix_snapshots: Optional[int] = None
   min_cacheable_tokens: int = 0
   speculative: Any = None
   num_draft: Union[int, str] = 2
@@ -92,9 +97,10 @@ class EngineConfig:
     cfg: ModelConfig = model.config
     backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
     check_cache_support(self.kv_dtype, cfg, "paged", backend)
-    prefix_cache = (not cfg.is_hybrid) if self.prefix_cache is None else self.prefix_cache
-    check_hybrid_engine(cfg, speculative=self.speculative, prefix_cache=prefix_cache)
-    config = dataclasses.replace(self, prefix_cache=prefix_cache)
+    check_hybrid_engine(cfg, speculative=self.speculative)
+    if not isinstance(self.prefix_cache, bool):
+      raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+    config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
     config._check_int4()
     config = config._resolve_drafts(model)
     draft = config.draft_model
@@ -152,6 +158,19 @@ class EngineConfig:
     windows = [cfg.kv_window] + ([draft.config.kv_window] if draft is not None else [])
     return None if None in windows else max(windows)
 
+  def _snapshots(self, cfg: ModelConfig) -> int:
+    """prefix_snapshots resolved: the bound given, or the default (see the field)."""
+    given = self.prefix_snapshots
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)
+                              or given < 0):
+      raise ValueError(f"prefix_snapshots must be an int >= 0 or None, got {given!r}")
+    if not (cfg.is_hybrid and self.prefix_cache):
+      if given:
+        raise ValueError(f"prefix_snapshots={given} needs a hybrid model with the prefix "
+                         f"cache on ({cfg.name!r} is {'hybrid' if cfg.is_hybrid else 'dense'})")
+      return 0
+    return 8 * self.max_num_seqs if given is None else given
+
   def _check_int4(self) -> None:
     """ValueError for what int4 (KIVI) pages cannot serve; see kv_dtype."""
     if short_dtype_name(self.kv_dtype) != "int4":
@@ -182,9 +201,10 @@ _FLAGS = {
     "max_num_seqs": (int, None, "running requests at most"),
     "max_num_batched_tokens": (int, None, "token budget per step"),
     "max_model_len": (int, None, "prompt + new tokens cap (default: the model context)"),
-    "prefix_cache": (bool, None, "share computed blocks across requests (default: on "
-                                 "where the model supports it)"),
+    "prefix_cache": (bool, None, "share computed blocks across requests"),
     "prefix_match": (str, ("block", "token"), "prefix hits: whole blocks or tokens"),
+    "prefix_snapshots": (int, None, "hybrid models: recurrent-state snapshots kept for the "
+                                    "prefix cache (default: 8 per running request)"),
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
     "speculative": (str, ("mtp",), "draft with the model's MTP modules"),
     "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive)"),

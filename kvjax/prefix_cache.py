@@ -18,6 +18,11 @@ copies that page into a fresh one and prefill resumes mid-block.  So a shared
 A lookup never covers the prompt's last token: the engine must compute at least
 one position to get logits, so at most len(prompt) - 1 tokens hit.
 
+A boundary check (`set_boundary_check`) lets a hit end only at blocks it
+accepts, and then never mid-block: a hybrid model resumes only where a
+recurrent-state snapshot exists (kvjax/state_snapshots.py, which also learns
+of every forgotten block through `set_forget_hook`).
+
 Pages are owned by BlockAllocator; a cached page nobody holds stays evictable
 until allocation needs it (LRU, tail blocks first), and the allocator's evict
 hook tells this cache to forget it.
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -103,7 +108,26 @@ class PrefixCache:
     self._children: dict[bytes, dict[int, None]] = {}
     self.hit_tokens = 0
     self.queried_tokens = 0
+    self._boundary_check: Optional[Callable[[bytes], bool]] = None
+    self._forget_hook: Callable[[bytes], None] = lambda block_hash: None
     allocator.set_evict_hook(self._forget)
+
+  def set_boundary_check(self, check: Callable[[bytes], bool]) -> None:
+    """Hits end only at a full block whose hash `check` accepts (see the module doc)."""
+    self._boundary_check = check
+
+  def set_forget_hook(self, hook: Callable[[bytes], None]) -> None:
+    """`hook(block_hash)` runs whenever a cached block is forgotten."""
+    self._forget_hook = hook
+
+  def hash_of(self, page: int) -> Optional[bytes]:
+    """The hash of the block cached in `page`, or None."""
+    entry = self._entry.get(page)
+    return None if entry is None else entry[0]
+
+  def page_of(self, block_hash: bytes) -> Optional[int]:
+    """The page caching the block `block_hash`, or None."""
+    return self._page_of.get(block_hash)
 
   @property
   def num_cached_pages(self) -> int:
@@ -143,7 +167,11 @@ class PrefixCache:
       hashes.append(h)
       parent = h
     src, k = None, 0
-    if self.prefix_match == "token":
+    if self._boundary_check is not None:
+      while pages and not self._boundary_check(hashes[-1]):
+        pages.pop()
+        hashes.pop()
+    elif self.prefix_match == "token":
       src, k = self._longest_child(parent, token_ids[len(pages) * g:max_hit])
     num_tokens = len(pages) * g + k
     if num_tokens < max(self.min_cacheable_tokens, 1):
@@ -217,6 +245,7 @@ class PrefixCache:
     del siblings[page]
     if not siblings:
       del self._children[parent]
+    self._forget_hook(block_hash)
 
   def _longest_child(self, parent: bytes,
                      rest: Sequence[int]) -> tuple[Optional[int], int]:

@@ -44,6 +44,9 @@ class StepBatch:
   num_draft: jax.Array  # [B] int32 trailing draft columns among the q_lens real ones
   next_tokens: jax.Array  # [B] int32 known id after a mid-prompt chunk; -1: the row samples
   sampling: SamplingParams  # [B] per-row temperature, top-k, top-p, seed
+  # Hybrid models' prefix-cache snapshots (kvjax/caches/recurrent.py); None: none this step.
+  snapshot_tables: jax.Array = None  # [B, W] int32 snapshot written at each page's end; -1 none
+  restore_snapshots: jax.Array = None  # [B] int32 snapshot a row starts from; -1: its slot's
 
   @property
   def starts(self) -> jax.Array:
@@ -71,12 +74,13 @@ class StepBatch:
 
 def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=None,
                     sampling: SamplingParams = None, *, num_draft=None,
-                    next_tokens=None) -> StepBatch:
+                    next_tokens=None, snapshot_tables=None,
+                    restore_snapshots=None) -> StepBatch:
   """Host arrays of padded rows -> StepBatch (positions, kv_lens, cu_q_lens derived once).
 
   tokens [B, T] (host or device), starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
   default to 0..B-1, sampling to greedy, num_draft to 0 and next_tokens to -1
-  (every row samples).
+  (every row samples); snapshot_tables / restore_snapshots stay None unless given.
   """
   # Ids already on the device (a sampled token) stay there: no host round trip.
   tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(
@@ -94,4 +98,7 @@ def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=N
       cu_q_lens=np.arange(b + 1, dtype=np.int32) * np.int32(t),
       num_draft=zeros if num_draft is None else np.asarray(num_draft, np.int32),
       next_tokens=zeros - 1 if next_tokens is None else np.asarray(next_tokens, np.int32),
-      sampling=sampling)
+      sampling=sampling,
+      snapshot_tables=None if snapshot_tables is None else np.asarray(snapshot_tables, np.int32),
+      restore_snapshots=(None if restore_snapshots is None
+                         else np.asarray(restore_snapshots, np.int32)))

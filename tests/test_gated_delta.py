@@ -135,3 +135,48 @@ def test_mix_padding_columns_leave_states_as_the_real_prefix_does():
   np.testing.assert_allclose(delta8, delta5, rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(delta8) - delta0).max() > 1e-2  # the real columns did write
 
+
+
+@pytest.mark.parametrize("t, chunk", [(21, 8), (16, 16), (5, 64)])
+def test_captured_states_equal_the_naive_state_after_each_column(t, chunk):
+  """The states after chosen columns (prefix-cache snapshots at page boundaries) equal
+  the float64 recurrence run over exactly those columns; -1 and >= T give zeros."""
+  q, k, v, g, beta, state = _inputs(t, seed=7)
+  cols = np.array([[0, t // 2, t - 1, -1], [chunk - 1, min(chunk, t - 1), t, 3 % t]], np.int32)
+  out, final, captured = delta_rule_chunked(*_f32(q, k, v, g, beta, state), chunk,
+                                            jnp.asarray(cols))
+  plain_out, plain_final = delta_rule_chunked(*_f32(q, k, v, g, beta, state), chunk)
+  np.testing.assert_array_equal(out, plain_out)  # capturing leaves the main path alone
+  np.testing.assert_array_equal(final, plain_final)
+  for b in range(B):
+    for r, c in enumerate(cols[b]):
+      if not 0 <= c < t:
+        assert not np.asarray(captured[b, r]).any()
+        continue
+      _, want = naive_delta_rule(q[b:b + 1, :c + 1], k[b:b + 1, :c + 1], v[b:b + 1, :c + 1],
+                                 g[b:b + 1, :c + 1], beta[b:b + 1, :c + 1], state[b:b + 1])
+      np.testing.assert_allclose(captured[b, r], want[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_mix_captures_equal_feeding_only_that_many_columns(t):
+  rng = np.random.default_rng(8)
+  nk, hk, nv, hv, kc = 1, 4, 2, 3, 4
+  x = rng.normal(size=(2, t, 2 * nk * hk + nv * hv))
+  g, beta = -rng.uniform(0.1, 1, (2, t, nv)), rng.uniform(0.1, 0.9, (2, t, nv))
+  weight = rng.normal(size=(kc, x.shape[-1]))
+  conv0, delta0 = rng.normal(size=(2, kc - 1, x.shape[-1])), rng.normal(size=(2, nv, hk, hv))
+  inputs = lambda cols: LinearInputs(*_f32(x[:, :cols], g[:, :cols], beta[:, :cols], weight),
+                                     nk, hk, nv, hv, chunk=4)
+  cols = np.array([[t - 1, -1], [t // 3, t - 1]], np.int32)
+  *_, (conv_at, delta_at) = gated_delta_mix(inputs(t), *_f32(conv0, delta0),
+                                            jnp.asarray([t, t]), jnp.asarray(cols))
+  for b in range(2):
+    for r, c in enumerate(cols[b]):
+      if c < 0:
+        assert not np.asarray(conv_at[b, r]).any() and not np.asarray(delta_at[b, r]).any()
+        continue
+      _, conv_want, delta_want = gated_delta_mix(inputs(c + 1), *_f32(conv0, delta0),
+                                                 jnp.asarray([c + 1, c + 1]))
+      np.testing.assert_allclose(conv_at[b, r], conv_want[b], rtol=1e-6)
+      np.testing.assert_allclose(delta_at[b, r], delta_want[b], rtol=1e-5, atol=1e-6)

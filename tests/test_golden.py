@@ -9,11 +9,12 @@ import json
 import pytest
 
 from tests import golden_runs
+from tests.run_once import once_per_run
 
 
 @pytest.fixture(scope="module")
-def replayed():
-  return golden_runs.record()
+def replayed(tmp_path_factory):
+  return once_per_run(tmp_path_factory, "golden_replay", golden_runs.record)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ transformers: tests/test_weights_qwen3_5.py.)
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -27,7 +28,7 @@ CONFIG = kvjax.ModelConfig(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
     linear_value_head_dim=8, linear_chunk_size=8, attn_output_gate=True,
     partial_rotary_factor=0.5)
-ENGINE = dict(page_size=16, max_num_seqs=4, max_model_len=64, prefix_cache=False)
+ENGINE = dict(page_size=16, max_num_seqs=4, max_model_len=64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,8 +79,9 @@ def test_static_generate_is_the_no_cache_argmax(cache):
 SCENARIOS = {
     "chunk_7": (dict(max_num_batched_tokens=7), False),  # chunks never page-aligned
     "chunk_16": (dict(max_num_batched_tokens=16), False),
-    "chunk_64": (dict(max_num_batched_tokens=64), False),
-    "preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=4), True),
+    "chunk_64_no_prefix_cache": (dict(max_num_batched_tokens=64, prefix_cache=False), False),
+    # A preempted request recomputes from its own cached blocks: restored state snapshots.
+    "preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=5), True),
 }
 
 
@@ -90,33 +92,106 @@ def test_engine_mixed_batches_equal_each_request_alone(name):
   eng = kvjax.Engine(model(), **{**ENGINE, **overrides})
   prompts = _prompts()
   half = len(prompts) // 2
-  ids = [eng.add_request(p, MAX_NEW) for p in prompts[:half]]
-  finals = {out.request_id: out for _ in range(2) for out in eng.step() if out.finished}
-  ids += [eng.add_request(p, MAX_NEW) for p in prompts[half:]]
-  while eng.has_unfinished:
-    finals.update({out.request_id: out for out in eng.step() if out.finished})
+  finals, logprobs = {}, collections.defaultdict(list)
+
+  def step():
+    for out in eng.step():
+      logprobs[out.request_id] += [t.logprob for t in out.new_logprobs]
+      if out.finished:
+        finals[out.request_id] = out.output_ids
     eng.scheduler.check_invariants()
+    if eng.snapshots:
+      eng.snapshots.check_invariants()
+
+  ids = [eng.add_request(p, MAX_NEW, logprobs=0) for p in prompts[:half]]
+  step(), step()
+  ids += [eng.add_request(p, MAX_NEW, logprobs=0) for p in prompts[half:]]
+  while eng.has_unfinished:
+    step()
   assert (eng.scheduler.num_preemptions > 0) == preempts
-  assert_teacher_forced_argmax(prompts, [finals[i].output_ids for i in ids])
+  if preempts:  # the recomputation resumed from a snapshot of its own prefix
+    assert eng.snapshots.num_restored > 0
+  assert_no_cache_logprobs(prompts, [finals[i] for i in ids], [logprobs[i] for i in ids])
+
+
+def _serve(eng, prompt, **options) -> tuple[list[int], list[float], int]:
+  """One request alone -> (output ids, their log-probabilities, prefix-hit tokens)."""
+  rid = eng.add_request(prompt, MAX_NEW, logprobs=0, **options)
+  logprobs = []
+  while True:
+    for out in eng.step():
+      logprobs += [t.logprob for t in out.new_logprobs]
+      if out.finished:
+        assert out.request_id == rid
+        return out.output_ids, logprobs, out.metrics.prefix_hit_tokens
+
+
+def assert_no_cache_logprobs(prompts, outputs, logprobs):
+  """Each output id's log-probability equals the no-cache forward's (1e-4): a state
+  restored from the wrong position shifts every logit, even where the argmax holds."""
+  assert_teacher_forced_argmax(prompts, outputs)
+  rows = np.zeros((len(prompts), 64), np.int32)
+  for i, (p, out) in enumerate(zip(prompts, outputs)):
+    rows[i, :len(p) + len(out)] = p + out
+  full = np.asarray(jax.nn.log_softmax(kvjax.forward(model(), rows), axis=-1))
+  for i, (p, out) in enumerate(zip(prompts, outputs)):
+    want = full[i, np.arange(len(p) - 1, len(p) + len(out) - 1), out]
+    np.testing.assert_allclose(logprobs[i], want, atol=1e-4, err_msg=f"request {i}")
+
+
+def _sharing(prefix_len: int, tails=(10, 7), seed: int = 3) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  shared = rng.integers(0, 128, prefix_len).tolist()
+  return [shared + rng.integers(0, 128, n).tolist() for n in tails]
+
+
+@pytest.mark.parametrize("prefix_match", ["block", "token"])
+def test_prefix_hits_resume_from_the_state_at_the_last_shared_page_boundary(prefix_match):
+  """A 40-token shared prefix at 16-token pages: the second request reuses 32 tokens
+  of KV and the recurrent state snapshotted at position 32 (token mode too: there is
+  no state mid-page) and still gives the no-cache argmax; another salt hits nothing."""
+  first, second = _sharing(40)
+  eng = kvjax.Engine(model(), **{**ENGINE, "prefix_match": prefix_match})
+  ids, logprobs, hits = zip(_serve(eng, first), _serve(eng, second),
+                            _serve(eng, second, cache_salt="tenant-b"))
+  assert hits == (0, 32, 0)
+  assert eng.snapshots.num_restored == 1
+  eng.snapshots.check_invariants()
+  assert_no_cache_logprobs([first, second, second], ids, logprobs)
+
+
+def test_multi_turn_hit_resumes_inside_generated_tokens_and_snapshots_stay_bounded():
+  """Turn 2 = turn 1's prompt + its answer + more: it hits the boundary at 48, which
+  turn 1 reached while decoding (a multi-step burst wrote that snapshot).  With 2
+  snapshots the pool evicts the oldest boundaries and stays exact."""
+  eng = kvjax.Engine(model(), **{**ENGINE, "prefix_snapshots": 2})
+  turn1 = _sharing(44, tails=(0,))[0]
+  answer, logprobs1, _ = _serve(eng, turn1)  # positions 44..51 -> boundary 48
+  turn2 = turn1 + answer + [5, 6, 7]
+  out, logprobs2, hit = _serve(eng, turn2)
+  assert hit == 48
+  assert eng.snapshots.num_kept <= 2
+  eng.snapshots.check_invariants()
+  assert_no_cache_logprobs([turn1, turn2], [answer, out], [logprobs1, logprobs2])
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(prefix_cache=True), r"prefix_cache=True is not supported for hybrid model 'tiny-hybrid'"),
-    (dict(prefix_cache=False, speculative="mtp"),
-     r"speculative='mtp' is not supported for hybrid model 'tiny-hybrid'"),
-    (dict(prefix_cache=False, kv_dtype="int4"),
-     r"kv_dtype 'int4' is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(speculative="mtp"), r"speculative='mtp' is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(kv_dtype="int4"), r"kv_dtype 'int4' is not supported for hybrid model 'tiny-hybrid'"),
+    (dict(prefix_snapshots=-1), r"prefix_snapshots must be an int >= 0 or None, got -1"),
 ])
 def test_engine_refuses_what_a_recurrent_state_cannot_serve(options, match):
   with pytest.raises(ValueError, match=match):
     kvjax.Engine(model(), **options)
 
 
-def test_engine_defaults_leave_the_prefix_cache_off_for_a_hybrid():
-  eng = kvjax.Engine(model(), page_size=16, max_num_seqs=4, max_model_len=64)
-  assert eng.config.prefix_cache is False and eng.scheduler.prefix_cache is None
+def test_engine_defaults_turn_the_prefix_cache_on_with_snapshots_for_a_hybrid():
+  config = kvjax.EngineConfig(max_num_seqs=4).resolve(model())
+  assert config.prefix_cache is True and config.prefix_snapshots == 32
+  assert kvjax.EngineConfig(prefix_cache=False).resolve(model()).prefix_snapshots == 0
   dense = kvjax.load_checkpoint("tiny")
-  assert kvjax.EngineConfig().resolve(dense).prefix_cache is True
+  with pytest.raises(ValueError, match=r"prefix_snapshots=4 needs a hybrid model"):
+    kvjax.EngineConfig(prefix_snapshots=4).resolve(dense)
 
 
 def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
@@ -134,6 +209,7 @@ def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
   # 24 DeltaNet layers: conv 3 x 8192 bf16 + delta 32 x 128 x 128 fp32 each.
   assert pool["state_bytes_per_slot"] == 24 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
   assert pool["state_bytes_per_slot"] == ledger.state_bytes_per_request(cfg, "bf16")
+  assert pool["snapshot_bytes"] == pool["state_bytes_per_slot"]  # one per cached boundary
   assert allocated_pool(cfg, "bf16", "bf16", include_mtp=True)["kv_bytes_per_token"] == 9 * 4096
   tree = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
   assert ledger.param_count(cfg) == count_params(tree)

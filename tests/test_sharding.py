@@ -19,6 +19,7 @@ import pytest
 import kvjax
 from kvjax import ledger, sharding
 from kvjax.params import init_params
+from tests.run_once import once_per_run
 from kvjax.weights.checkpoint import save
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_checks.py")
@@ -26,12 +27,15 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_chec
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-  out = tmp_path_factory.mktemp("sharded") / "report.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  run = subprocess.run([sys.executable, _SCRIPT, str(out)], env=env, capture_output=True,
-                       text=True, timeout=1200)
-  assert out.exists(), run.stderr[-4000:]
-  return json.loads(out.read_text())
+  def run_checks():
+    out = tmp_path_factory.mktemp("sharded") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, _SCRIPT, str(out)], env=env, capture_output=True,
+                         text=True, timeout=1200)
+    assert out.exists(), run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+  return once_per_run(tmp_path_factory, "sharded_checks", run_checks)
 
 
 def _ok(report, name):

@@ -105,9 +105,16 @@ def _unit_lower_solve(strict: jax.Array, rhs: jax.Array) -> jax.Array:
   return jax.lax.fori_loop(0, rhs.shape[-2], solve_row, jnp.zeros_like(rhs))
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int, capture=None):
   """T tokens, `chunk` at a time: q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta
-  [B, T, Nv] (all float32), state [B, Nv, Hk, Hv] -> (o [B, T, Nv, Hv], state)."""
+  [B, T, Nv] (all float32), state [B, Nv, Hk, Hv] -> (o [B, T, Nv, Hv], state).
+
+  capture [B, Y] int32 column indices (or None): also return the states right
+  after those columns, [B, Y, Nv, Hk, Hv] (zeros where an index is outside
+  [0, T)), for prefix-cache snapshots at page boundaries.  Inside a chunk the
+  state after local column m is exp(G_m) S0 + sum_{i<=m} exp(G_m - G_i) k_i u_i^T,
+  so the main path (outputs, final state) is the same with or without captures.
+  """
   b, t, nv, hk = k.shape
   pad = -t % chunk  # padded columns: beta = g = 0, so the state passes through
   n = (t + pad) // chunk
@@ -134,19 +141,36 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int):
   scores = decay * dot("...th,...ih->...ti", q, k)  # [.., Lc, Lc], diagonal included
   to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k  # exp(G_L - G_i) k_i
 
-  def scan_chunk(state, xs):
-    q_c, values_c, keys_c, scores_c, to_end_c, cum_c = xs
+  rc = 0 if capture is None else capture.shape[1]
+  captured = jnp.zeros((b, nv, rc) + state.shape[-2:], state.dtype)  # [B, Nv, Y, Hk, Hv]
+
+  def scan_chunk(carry, xs):
+    state, captured = carry
+    c, q_c, k_c, values_c, keys_c, scores_c, to_end_c, cum_c = xs
     u = values_c - dot("...th,...hv->...tv", keys_c, state)
     out = jnp.exp(cum_c)[..., None] * dot("...th,...hv->...tv", q_c, state) + dot(
         "...ti,...iv->...tv", scores_c, u)
+    if rc:  # the states after this chunk's captured columns (local m in [0, Lc))
+      local = capture - c * chunk  # [B, Y]
+      inside = (local >= 0) & (local < chunk) & (capture < t)
+      at = jnp.broadcast_to(jnp.clip(local, 0, chunk - 1)[:, None], (b, nv, rc))
+      cum_m = jnp.take_along_axis(cum_c, at, axis=-1)  # G_m [B, Nv, Y]
+      upto = jnp.arange(chunk)[None, None, None, :] <= at[..., None]  # [B, Nv, Y, Lc]
+      weight = jnp.exp(jnp.where(upto, cum_m[..., None] - cum_c[:, :, None, :], -jnp.inf))
+      states = jnp.exp(cum_m)[..., None, None] * state[:, :, None] + jnp.einsum(
+          "bnyi,bnih,bniv->bnyhv", weight, k_c, u, precision=_HIGHEST)
+      captured = jnp.where(inside[:, None, :, None, None], states, captured)
     state = jnp.exp(cum_c[..., -1])[..., None, None] * state + dot(
         "...ih,...iv->...hv", to_end_c, u)
-    return state, out
+    return (state, captured), out
 
-  state, out = jax.lax.scan(scan_chunk, state, (q, values, keys, scores, to_end, cum))
+  (state, captured), out = jax.lax.scan(
+      scan_chunk, (state, captured), (jnp.arange(n), q, k, values, keys, scores, to_end, cum))
   out = jnp.moveaxis(out, 2, 3)  # [Nc, B, Lc, Nv, Hv]
   out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, nv, -1)
-  return out[:, :t], state
+  if capture is None:
+    return out[:, :t], state
+  return out[:, :t], state, jnp.moveaxis(captured, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +192,21 @@ class LinearInputs:
 
 
 def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: jax.Array,
-                    lengths: jax.Array):
+                    lengths: jax.Array, capture=None):
   """Conv, q/k normalization and the gated delta rule from given states.
 
   conv_state [B, Kc - 1, X], delta_state [B, Nv, Hk, Hv] f32, lengths [B] real
   columns -> (o [B, T, Nv, Hv] f32, conv_state, delta_state).  T == 1 runs the
-  one-step recurrence, longer inputs the chunked form.
+  one-step recurrence, longer inputs the chunked form.  capture [B, Y] int32
+  columns (or None): also return the states right after them, (conv
+  [B, Y, Kc - 1, X], delta [B, Y, Nv, Hk, Hv]), zeros for a column outside
+  [0, T) (see delta_rule_chunked).
   """
   x = inputs.qkv
   b, t, _ = x.shape
   nk, hk, nv, hv = (inputs.num_key_heads, inputs.key_head_dim, inputs.num_value_heads,
                     inputs.value_head_dim)
-  mixed, conv_state = causal_conv(x, conv_state, inputs.conv_weight, lengths)
+  mixed, new_conv = causal_conv(x, conv_state, inputs.conv_weight, lengths)
   mixed = mixed.astype(jnp.float32)
   q = mixed[..., :nk * hk].reshape(b, t, nk, hk)
   k = mixed[..., nk * hk:2 * nk * hk].reshape(b, t, nk, hk)
@@ -191,8 +218,23 @@ def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: ja
   g = jnp.where(valid, inputs.g, 0.0)
   beta = jnp.where(valid, inputs.beta, 0.0)
   if t == 1:
-    out, delta_state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                       delta_state)
-    return out[:, None], conv_state, delta_state
-  out, delta_state = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk)
-  return out, conv_state, delta_state
+    out, new_delta = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                     delta_state)
+    out = out[:, None]
+    if capture is not None:
+      delta_at = jnp.broadcast_to(new_delta[:, None], (b, capture.shape[1]) + new_delta.shape[1:])
+  elif capture is None:
+    out, new_delta = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk)
+  else:
+    out, new_delta, delta_at = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk,
+                                                  capture)
+  if capture is None:
+    return out, new_conv, new_delta
+  inside = (capture >= 0) & (capture < t)  # [B, Y]
+  # The conv state after column c: the Kc - 1 inputs ending at c, in [old state; x].
+  history = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, Kc - 1 + T, X]
+  window = jnp.clip(capture, -1, t - 1)[:, :, None] + 1 + jnp.arange(conv_state.shape[1])
+  conv_at = jnp.take_along_axis(history[:, None], window[..., None], axis=2)  # [B, Y, Kc-1, X]
+  conv_at = jnp.where(inside[..., None, None], conv_at, 0).astype(conv_state.dtype)
+  delta_at = jnp.where(inside[..., None, None, None], delta_at, 0)
+  return out, new_conv, new_delta, (conv_at, delta_at)

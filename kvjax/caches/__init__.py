@@ -76,23 +76,25 @@ def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
 
 def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
                        num_pages: int, page_size: int, dtype, *, with_mtp: bool = False,
-                       mesh: Optional[Mesh] = None):
+                       mesh: Optional[Mesh] = None, num_snapshots: int = 0):
   """Empty pages for cfg's attention and kv_dtype (None: `dtype`).
 
   The MTP modules' KV layers are allocated only `with_mtp` (speculative
   drafting): a plain decoder never writes them (claim C11's memory cost).
-  `num_slots` rows of per-slot state (int4's residual) sit beside the pages.
+  `num_slots` rows of per-slot state (int4's residual) sit beside the pages,
+  and a hybrid's `num_snapshots` prefix-cache state snapshots.
   On a `mesh` each device allocates only its kv heads (kvjax/sharding.py).
   """
   build = functools.partial(_create_paged_cache, cfg, kv_dtype, num_slots, num_pages,
-                            page_size, dtype, with_mtp=with_mtp)
+                            page_size, dtype, with_mtp=with_mtp, num_snapshots=num_snapshots)
   if mesh is None:
     return build()
   return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh))()
 
 
 def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
-                        num_pages: int, page_size: int, dtype, *, with_mtp: bool):
+                        num_pages: int, page_size: int, dtype, *, with_mtp: bool,
+                        num_snapshots: int):
   kv_dtype = short_dtype_name(kv_dtype)
   if cfg.attention_type == "mla":
     return MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)
@@ -101,7 +103,9 @@ def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: in
     return KIVIPagedKVCache.create(*args, num_slots=num_slots, residual_dtype=dtype)
   store = {None: dtype, "int8": jnp.int8, **_FLOATS}[kv_dtype]
   pages = PagedKVCache.create(*args, store)
-  return with_recurrent_state(pages, cfg, num_slots, dtype) if cfg.is_hybrid else pages
+  if not cfg.is_hybrid:
+    return pages
+  return with_recurrent_state(pages, cfg, num_slots, dtype, num_snapshots)
 
 
 def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,

@@ -42,12 +42,14 @@ def token_slots(batch: StepBatch, page_size: int) -> tuple[jax.Array, jax.Array]
 
 class PagedLayout:
   """What every paged cache shares: its per-page arrays `PAGE_ARRAYS`, the first of
-  which holds pages along `PAGE_AXIS` with the page's tokens on the next axis, and
-  its per-slot arrays `SLOT_ARRAYS` (slots along axis 1, after the layer axis)."""
+  which holds pages along `PAGE_AXIS` with the page's tokens on the next axis, its
+  per-slot arrays `SLOT_ARRAYS` (slots along axis 1, after the layer axis), and a
+  hybrid's prefix-cache state snapshots `SNAPSHOT_ARRAYS` (snapshots along axis 1)."""
 
   PAGE_ARRAYS: tuple = ()
   PAGE_AXIS: int = 0
   SLOT_ARRAYS: tuple = ()
+  SNAPSHOT_ARRAYS: tuple = ()
 
   @property
   def num_pages(self) -> int:

@@ -20,14 +20,19 @@ held.  Padding columns and rows leave the states as they were.  The states are
 `SLOT_ARRAYS` (slots on axis 1, after the layer axis), so a failed request's
 slot is cleared like an int4 residual (kvjax/caches/paged.py clear_cache_pages).
 
-What a state cannot do: resume mid-sequence from anything but its own last
-step.  A prefix-cache hit (KV pages computed by another request) or a
-rejected speculative draft (state already advanced past it) would need state
-snapshots or rollback, which are not kept; `check_hybrid_engine` refuses those
-engine options for hybrid models.
+Prefix caching (kvjax/state_snapshots.py): a state cannot be rebuilt from KV
+pages, so the paged twin also keeps Q snapshots, the states right after
+page boundaries.  A step's `snapshot_tables` [B, W] names, per logical page,
+the snapshot to write when a row's real columns reach that page's last
+position (-1: none); `restore_snapshots` [B] names the snapshot a row starts
+from instead of its slot's state (-1: none), e.g. the first chunk after a
+prefix hit.  Both are None when nothing is captured or restored.
 
-  Ll linear layers, M slots, Kc conv width, X conv channels, Nv value heads,
-  Hk / Hv key / value head dims.
+What a state cannot do yet: roll back a rejected speculative draft (it has
+already advanced past it); `check_hybrid_engine` refuses speculation.
+
+  Ll linear layers, M slots, Q snapshots, Y captures per row, Kc conv width,
+  X conv channels, Nv value heads, Hk / Hv key / value head dims.
 """
 from __future__ import annotations
 
@@ -72,18 +77,54 @@ class RecurrentState:
   def linear_attend(self, layer: int, inputs: LinearInputs, batch: StepBatch):
     """Run linear layer `layer` on the rows' slot states -> (cache, out [B, T, Nv, Hv] f32)."""
     slots = batch.slot_ids
+    conv, delta = self.conv_state[layer, slots], self.delta_state[layer, slots]
+    if batch.restore_snapshots is not None:
+      restore = batch.restore_snapshots >= 0  # [B]
+      source = jnp.maximum(batch.restore_snapshots, 0)
+      conv = jnp.where(restore[:, None, None], self.snapshot_conv[layer, source], conv)
+      delta = jnp.where(restore[:, None, None, None], self.snapshot_delta[layer, source], delta)
     fresh = (batch.starts == 0) & (batch.q_lens > 0)  # [B] a request's first step
-    conv = jnp.where(fresh[:, None, None], 0, self.conv_state[layer, slots])
-    delta = jnp.where(fresh[:, None, None, None], 0, self.delta_state[layer, slots])
-    out, conv, delta = gated_delta_mix(inputs, conv, delta, batch.q_lens)
+    conv = jnp.where(fresh[:, None, None], 0, conv)
+    delta = jnp.where(fresh[:, None, None, None], 0, delta)
+    if batch.snapshot_tables is None:
+      out, conv, delta = gated_delta_mix(inputs, conv, delta, batch.q_lens)
+      snapshots = {}
+    else:
+      columns, targets = self._captures(batch)
+      out, conv, delta, (conv_at, delta_at) = gated_delta_mix(inputs, conv, delta,
+                                                              batch.q_lens, columns)
+      snapshots = dict(
+          snapshot_conv=self.snapshot_conv.at[layer, targets].set(conv_at, mode="drop"),
+          snapshot_delta=self.snapshot_delta.at[layer, targets].set(delta_at, mode="drop"))
     return self.replace(conv_state=self.conv_state.at[layer, slots].set(conv),
-                        delta_state=self.delta_state.at[layer, slots].set(delta)), out
+                        delta_state=self.delta_state.at[layer, slots].set(delta),
+                        **snapshots), out
+
+  def _captures(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """(columns [B, Y], snapshots [B, Y]) of the page boundaries the rows' real columns
+    reach: column t ends logical page (start + t + 1) / page_size - 1 when that is
+    whole.  A boundary without a snapshot (or past q_lens) gets column -1 and target Q,
+    which `.at[].set(mode="drop")` skips."""
+    g = self.page_size
+    t = batch.positions.shape[1]
+    first = (-batch.starts - 1) % g  # [B] the first column ending a page
+    columns = first[:, None] + g * jnp.arange(-(-t // g))[None, :]  # [B, Y]
+    page = (batch.starts[:, None] + columns + 1) // g - 1
+    targets = jnp.take_along_axis(batch.snapshot_tables,
+                                  jnp.clip(page, 0, batch.snapshot_tables.shape[1] - 1), axis=1)
+    keep = (columns < batch.q_lens[:, None]) & (targets >= 0)
+    num_snapshots = self.snapshot_delta.shape[1]
+    return jnp.where(keep, columns, -1), jnp.where(keep, targets, num_snapshots)
 
 
 @struct.dataclass
 class HybridPagedCache(RecurrentState, PagedKVCache):
+  SNAPSHOT_ARRAYS = ("snapshot_conv", "snapshot_delta")
+
   conv_state: jax.Array = None  # [Ll, M, Kc - 1, X] model dtype
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
+  snapshot_conv: jax.Array = None  # [Ll, Q, Kc - 1, X] model dtype, prefix-cache snapshots
+  snapshot_delta: jax.Array = None  # [Ll, Q, Nv, Hk, Hv] f32
 
 
 @struct.dataclass
@@ -92,31 +133,31 @@ class HybridContiguousCache(RecurrentState, ContiguousKVCache):
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
 
 
-def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype):
-  """A dense KV cache `kv` (paged or contiguous) -> its hybrid twin with zero states."""
+def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype, num_snapshots: int = 0):
+  """A dense KV cache `kv` (paged or contiguous) -> its hybrid twin with zero states
+  (and, paged, `num_snapshots` zero prefix-cache snapshots)."""
   hybrid = {PagedKVCache: HybridPagedCache, ContiguousKVCache: HybridContiguousCache}[type(kv)]
   conv_shape, delta_shape = state_shapes(cfg, num_slots)
   fields = {name: getattr(kv, name) for name in kv.__dataclass_fields__}
+  if hybrid is HybridPagedCache:
+    conv_snap, delta_snap = state_shapes(cfg, num_snapshots)
+    fields.update(snapshot_conv=jnp.zeros(conv_snap, dtype),
+                  snapshot_delta=jnp.zeros(delta_snap, STATE_DTYPE))
+  elif num_snapshots:
+    raise ValueError("prefix-cache snapshots need a paged cache")
   return hybrid(**fields, conv_state=jnp.zeros(conv_shape, dtype),
                 delta_state=jnp.zeros(delta_shape, STATE_DTYPE))
 
 
-def check_hybrid_engine(cfg: ModelConfig, *, speculative, prefix_cache: bool) -> None:
+def check_hybrid_engine(cfg: ModelConfig, *, speculative) -> None:
   """ValueError naming the option an engine cannot yet combine with a hybrid model."""
   draft = getattr(speculative, "config", None)
   if draft is not None and draft.is_hybrid:
     raise ValueError(f"speculative: draft model {draft.name!r} is a hybrid; draft models "
                      "must be dense (their cache is plain KV pages)")
-  if not cfg.is_hybrid:
-    return
-  if speculative is not None:
+  if cfg.is_hybrid and speculative is not None:
     drafter = speculative if isinstance(speculative, str) else "a draft model"
     raise ValueError(
         f"speculative={drafter!r} is not supported for hybrid model {cfg.name!r}: a rejected "
         "draft would leave its linear layers' recurrent state advanced past the accepted "
         "tokens (no state rollback yet); use speculative=None")
-  if prefix_cache:
-    raise ValueError(
-        f"prefix_cache=True is not supported for hybrid model {cfg.name!r}: a prefix hit "
-        "reuses KV pages but its linear layers would need the recurrent state at the hit "
-        "boundary (no state snapshots yet); use prefix_cache=False")
