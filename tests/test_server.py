@@ -24,7 +24,9 @@ import openai
 import pytest
 
 import kvjax
+from kvjax.serve_steps import num_compiled
 from kvjax.server import serve_in_thread
+from kvjax.server.handle import _warm_up
 from kvjax.server.protocol import Limits, OpenAIError, engine_error_param, parse_completion
 from kvjax.server.text import TextStream
 from tests.server_helpers import (CONFIG, NAME, PROMPTS, chat_ids, expected, ids_of, scrape,
@@ -88,6 +90,20 @@ def test_text_stream_cuts_before_stop_and_never_splits_a_character(tok):
   assert all("\ufffd" not in d for d, _ in deltas)
   assert [r for _, r in deltas if r] == ["stop"]
   assert stream.num_tokens == len("x€ab".encode())  # up to the token completing "ab"
+
+
+def test_warm_up_compiles_what_two_concurrent_short_requests_run(model):
+  """After the server's warm-up, one request decoding while another prefills compiles
+  nothing (the single-step decode program; 3 rows: shapes no other test compiles)."""
+  engine = kvjax.Engine(model, CONFIG, max_num_seqs=3)
+  _warm_up(engine)
+  before = num_compiled()
+  engine.add_request([5, 6, 7, 8], 3)
+  engine.step()
+  engine.add_request([9, 10], 3)
+  while engine.has_unfinished:
+    engine.step()
+  assert num_compiled() == before
 
 
 def test_engine_refusals_and_tokenizerless_text_name_the_field(model):

@@ -1,9 +1,9 @@
 """`serve_in_thread`: a live server (engine thread + uvicorn thread) and its handle.
 
-Builds the Engine, warms it up (one short request compiles the step programs,
-so the first client does not pay XLA compilation), starts the engine thread
-and uvicorn, and returns once the socket listens.  Port 0 picks a free port;
-`handle.port` is the real one.
+Builds the Engine, warms it up (two short requests compile the prefill, decode
+and multi-step programs of short contexts, so the first clients do not pay XLA
+compilation), starts the engine thread and uvicorn, and returns once the socket
+listens.  Port 0 picks a free port; `handle.port` is the real one.
 """
 from __future__ import annotations
 
@@ -95,5 +95,15 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
 
 
 def _warm_up(engine: Engine) -> None:
-  """Compile the prefill, decode and multi-step programs with one short request."""
-  engine.generate([[0] * _WARMUP_PROMPT_LEN], 4)
+  """Compile the prefill, decode and multi-step programs with two short requests.
+
+  The second joins once the first has its first token, so one step decodes beside a
+  prefill: the single-step decode program, which concurrent traffic meets at once
+  (alone, a request's decode steps all run as multi-step bursts).  Longer contexts
+  (wider block tables) and other row buckets still compile when they first come.
+  """
+  engine.add_request([0] * _WARMUP_PROMPT_LEN, 4)
+  engine.step()
+  engine.add_request([1] * _WARMUP_PROMPT_LEN, 4)
+  while engine.has_unfinished:
+    engine.step()
