@@ -122,7 +122,8 @@ class Engine:
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
                                model.dtype, with_mtp=config.speculative == "mtp",
-                               mesh=config.backend.mesh, num_snapshots=config.prefix_snapshots)
+                               mesh=config.backend.mesh, num_snapshots=config.prefix_snapshots,
+                               num_verify_states=self.num_draft + 1 if self.num_draft else 0)
     # A hybrid's prefix hits also need its recurrent state there (kvjax/state_snapshots.py).
     self.snapshots = SnapshotPool(self.scheduler.prefix_cache, config.prefix_snapshots,
                                   config.num_pages) if config.prefix_snapshots else None

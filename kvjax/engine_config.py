@@ -97,7 +97,7 @@ class EngineConfig:
     cfg: ModelConfig = model.config
     backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
     check_cache_support(self.kv_dtype, cfg, "paged", backend)
-    check_hybrid_engine(cfg, speculative=self.speculative)
+    check_hybrid_engine(speculative=self.speculative)
     if not isinstance(self.prefix_cache, bool):
       raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
     config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))

@@ -99,6 +99,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   logits = spec.target_logits_for_accept(raw, batch.sampling, use_filter)  # [B, J+1, V]
   emitted, accepted = spec.accept(logits, pending, state.draft_probs[batch.slot_ids, :num_draft],
                                   batch.num_draft, batch.sampling, first, backend)
+  cache = cache.keep_accepted(batch, accepted)  # a recurrent state forgets rejected drafts
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)

@@ -27,7 +27,7 @@ CONFIG = kvjax.ModelConfig(
     layer_types=("linear_attention", "linear_attention", "full_attention") * 2,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
     linear_value_head_dim=8, linear_chunk_size=8, attn_output_gate=True,
-    partial_rotary_factor=0.5)
+    partial_rotary_factor=0.5, mtp_num_hidden_layers=2)  # MTP: used only when drafting
 ENGINE = dict(page_size=16, max_num_seqs=4, max_model_len=64)
 
 
@@ -82,6 +82,10 @@ SCENARIOS = {
     "chunk_64_no_prefix_cache": (dict(max_num_batched_tokens=64, prefix_cache=False), False),
     # A preempted request recomputes from its own cached blocks: restored state snapshots.
     "preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=5), True),
+    # Speculation: every verify row's state rolls back past its rejected drafts.
+    "mtp_chunk_7": (dict(max_num_batched_tokens=7, speculative="mtp"), False),
+    "mtp_preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=5,
+                                   speculative="mtp"), True),
 }
 
 
@@ -175,8 +179,65 @@ def test_multi_turn_hit_resumes_inside_generated_tokens_and_snapshots_stay_bound
   assert_no_cache_logprobs([turn1, turn2], [answer, out], [logprobs1, logprobs2])
 
 
+def test_injected_drafts_roll_the_state_back_to_the_last_accepted_column():
+  """Verify steps accepting 2, 1 and 0 of 2 drafts (drafts set to the true next tokens
+  or off by one): each leaves the recurrent state right after its last accepted
+  column, so every later token and log-probability is the no-cache forward's."""
+  prompt = _prompts(1, seed=9)[0]
+  eng = kvjax.Engine(model(), **ENGINE, speculative="mtp", num_draft=2, num_scheduler_steps=1)
+  truth = kvjax.Engine(model(), **ENGINE).generate([prompt], MAX_NEW).tokens[0]
+  rid = eng.add_request(prompt, MAX_NEW, logprobs=0)
+  outputs = []
+  while not outputs:
+    outputs = eng.step()
+  emitted, logprobs = list(outputs[0].new_token_ids), [t.logprob for t in outputs[0].new_logprobs]
+  slot = eng.scheduler.requests[rid].slot
+  for ok1, ok2, count in ((True, True, 3), (True, False, 2), (False, True, 1)):
+    n = len(emitted)
+    drafts = [truth[n] if ok1 else (truth[n] + 1) % 128,
+              truth[n + 1] if ok2 else (truth[n + 1] + 1) % 128]
+    eng.state = eng.state.replace(drafts=eng.state.drafts.at[slot].set(jnp.array(drafts)))
+    out, = eng.step()
+    assert len(out.new_token_ids) == count, (ok1, ok2)
+    emitted += out.new_token_ids
+    logprobs += [t.logprob for t in out.new_logprobs]
+  while eng.has_unfinished:
+    for out in eng.step():
+      emitted += out.new_token_ids
+      logprobs += [t.logprob for t in out.new_logprobs]
+  assert emitted == truth
+  assert_no_cache_logprobs([prompt], [emitted], [logprobs])
+
+
+def test_sampled_speculation_keeps_the_target_distribution():
+  """x0 (prefill), x1 and x2 at temperature 1 over 600 seeds, against exact marginals
+  from full forwards (P(x2) sums p(a) p(b | a) p(c | a, b)), within 6 sigma; x2 follows
+  a verify step that rejected or accepted drafts, so its state was rolled back."""
+  prompt, n, vocab = [17, 4, 100, 61, 9], 600, CONFIG.vocab_size
+  eng = kvjax.Engine(model(), **ENGINE, speculative="mtp", num_draft=2)
+  ids = [eng.add_request(prompt, 3, temperature=1.0, seed=s) for s in range(n)]
+  finals = {}
+  while eng.has_unfinished:
+    finals.update({out.request_id: out for out in eng.step() if out.finished})
+  first = np.array([finals[rid].output_ids for rid in ids])  # [n, 3]
+  softmax = lambda rows: np.asarray(jax.nn.softmax(kvjax.forward(model(), rows)[:, -1]),
+                                    np.float64)
+  p0 = softmax(np.array([prompt]))[0]
+  grid = np.arange(vocab)
+  p1_given = softmax(np.concatenate([np.tile(prompt, (vocab, 1)), grid[:, None]], 1))  # [a, b]
+  pairs = np.stack(np.meshgrid(grid, grid, indexing="ij"), -1).reshape(-1, 2)  # (a, b)
+  p2_given = softmax(np.concatenate([np.tile(prompt, (len(pairs), 1)), pairs], 1))  # [ab, c]
+  p1 = p0 @ p1_given
+  p2 = (p0[:, None] * p1_given).reshape(-1) @ p2_given
+  for k, probs in enumerate((p0, p1, p2)):
+    counts = np.bincount(first[:, k], minlength=vocab)
+    assert np.all(np.abs(counts - n * probs) <= 6 * np.sqrt(n * probs * (1 - probs)) + 5), k
+  proposed = sum(sum(out.metrics.proposed) for out in finals.values())
+  accepted = sum(sum(out.metrics.accepted) for out in finals.values())
+  assert 0 < accepted < proposed  # both ways
+
+
 @pytest.mark.parametrize("options, match", [
-    (dict(speculative="mtp"), r"speculative='mtp' is not supported for hybrid model 'tiny-hybrid'"),
     (dict(kv_dtype="int4"), r"kv_dtype 'int4' is not supported for hybrid model 'tiny-hybrid'"),
     (dict(prefix_snapshots=-1), r"prefix_snapshots must be an int >= 0 or None, got -1"),
 ])

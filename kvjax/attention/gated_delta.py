@@ -141,36 +141,34 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int, capture=None):
   scores = decay * dot("...th,...ih->...ti", q, k)  # [.., Lc, Lc], diagonal included
   to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k  # exp(G_L - G_i) k_i
 
-  rc = 0 if capture is None else capture.shape[1]
-  captured = jnp.zeros((b, nv, rc) + state.shape[-2:], state.dtype)  # [B, Nv, Y, Hk, Hv]
-
-  def scan_chunk(carry, xs):
-    state, captured = carry
-    c, q_c, k_c, values_c, keys_c, scores_c, to_end_c, cum_c = xs
+  def scan_chunk(state, xs):
+    q_c, values_c, keys_c, scores_c, to_end_c, cum_c = xs
     u = values_c - dot("...th,...hv->...tv", keys_c, state)
     out = jnp.exp(cum_c)[..., None] * dot("...th,...hv->...tv", q_c, state) + dot(
         "...ti,...iv->...tv", scores_c, u)
-    if rc:  # the states after this chunk's captured columns (local m in [0, Lc))
-      local = capture - c * chunk  # [B, Y]
-      inside = (local >= 0) & (local < chunk) & (capture < t)
-      at = jnp.broadcast_to(jnp.clip(local, 0, chunk - 1)[:, None], (b, nv, rc))
-      cum_m = jnp.take_along_axis(cum_c, at, axis=-1)  # G_m [B, Nv, Y]
-      upto = jnp.arange(chunk)[None, None, None, :] <= at[..., None]  # [B, Nv, Y, Lc]
-      weight = jnp.exp(jnp.where(upto, cum_m[..., None] - cum_c[:, :, None, :], -jnp.inf))
-      states = jnp.exp(cum_m)[..., None, None] * state[:, :, None] + jnp.einsum(
-          "bnyi,bnih,bniv->bnyhv", weight, k_c, u, precision=_HIGHEST)
-      captured = jnp.where(inside[:, None, :, None, None], states, captured)
-    state = jnp.exp(cum_c[..., -1])[..., None, None] * state + dot(
+    new_state = jnp.exp(cum_c[..., -1])[..., None, None] * state + dot(
         "...ih,...iv->...hv", to_end_c, u)
-    return (state, captured), out
+    return new_state, (out, state, u)
 
-  (state, captured), out = jax.lax.scan(
-      scan_chunk, (state, captured), (jnp.arange(n), q, k, values, keys, scores, to_end, cum))
+  state, (out, entering, u) = jax.lax.scan(scan_chunk, state,
+                                           (q, values, keys, scores, to_end, cum))
   out = jnp.moveaxis(out, 2, 3)  # [Nc, B, Lc, Nv, Hv]
   out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, nv, -1)
   if capture is None:
     return out[:, :t], state
-  return out[:, :t], state, jnp.moveaxis(captured, 2, 1)
+  # The state after column c (local m = c mod Lc of chunk c // Lc, entered with S0):
+  # exp(G_m) S0 + sum_{i<=m} exp(G_m - G_i) k_i u_i^T.
+  at_chunk = jnp.clip(capture // chunk, 0, n - 1)  # [B, Y]
+  local = jnp.clip(capture - at_chunk * chunk, 0, chunk - 1)
+  rows = jnp.arange(b)[:, None]
+  s0, k_y, u_y, cum_y = (x[at_chunk, rows] for x in (entering, k, u, cum))  # [B, Y, Nv, ...]
+  cum_m = jnp.take_along_axis(cum_y, local[:, :, None, None], axis=-1)  # G_m [B, Y, Nv, 1]
+  upto = jnp.arange(chunk)[None, None, None, :] <= local[:, :, None, None]  # [B, Y, 1, Lc]
+  weight = jnp.exp(jnp.where(upto, cum_m - cum_y, -jnp.inf))  # [B, Y, Nv, Lc]
+  captured = jnp.exp(cum_m)[..., None] * s0 + jnp.einsum(
+      "byni,bynih,byniv->bynhv", weight, k_y, u_y, precision=_HIGHEST)
+  inside = (capture >= 0) & (capture < t)
+  return out[:, :t], state, jnp.where(inside[..., None, None, None], captured, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,17 +76,20 @@ def check_cache_support(kv_dtype: Optional[str], cfg: ModelConfig, cache: str,
 
 def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
                        num_pages: int, page_size: int, dtype, *, with_mtp: bool = False,
-                       mesh: Optional[Mesh] = None, num_snapshots: int = 0):
+                       mesh: Optional[Mesh] = None, num_snapshots: int = 0,
+                       num_verify_states: int = 0):
   """Empty pages for cfg's attention and kv_dtype (None: `dtype`).
 
   The MTP modules' KV layers are allocated only `with_mtp` (speculative
   drafting): a plain decoder never writes them (claim C11's memory cost).
   `num_slots` rows of per-slot state (int4's residual) sit beside the pages,
-  and a hybrid's `num_snapshots` prefix-cache state snapshots.
+  and a hybrid's `num_snapshots` prefix-cache state snapshots and, with
+  speculation, `num_verify_states` (J + 1) states per slot for rollback.
   On a `mesh` each device allocates only its kv heads (kvjax/sharding.py).
   """
   build = functools.partial(_create_paged_cache, cfg, kv_dtype, num_slots, num_pages,
-                            page_size, dtype, with_mtp=with_mtp, num_snapshots=num_snapshots)
+                            page_size, dtype, with_mtp=with_mtp, num_snapshots=num_snapshots,
+                            num_verify_states=num_verify_states)
   if mesh is None:
     return build()
   return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh))()
@@ -94,7 +97,7 @@ def create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int
 
 def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: int,
                         num_pages: int, page_size: int, dtype, *, with_mtp: bool,
-                        num_snapshots: int):
+                        num_snapshots: int, num_verify_states: int):
   kv_dtype = short_dtype_name(kv_dtype)
   if cfg.attention_type == "mla":
     return MLAPagedCache.create(cfg, num_pages, page_size, dtype, with_mtp=with_mtp)
@@ -105,7 +108,7 @@ def _create_paged_cache(cfg: ModelConfig, kv_dtype: Optional[str], num_slots: in
   pages = PagedKVCache.create(*args, store)
   if not cfg.is_hybrid:
     return pages
-  return with_recurrent_state(pages, cfg, num_slots, dtype, num_snapshots)
+  return with_recurrent_state(pages, cfg, num_slots, dtype, num_snapshots, num_verify_states)
 
 
 def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,

@@ -55,6 +55,11 @@ class PagedLayout:
   def num_pages(self) -> int:
     return getattr(self, self.PAGE_ARRAYS[0]).shape[self.PAGE_AXIS]
 
+  def keep_accepted(self, batch: StepBatch, accepted: jax.Array):
+    """After verifying drafts (accepted [B] kept per row): KV pages need nothing, since
+    the host's lengths drop the rejected positions (a recurrent state does need it)."""
+    return self
+
   @property
   def page_size(self) -> int:
     return getattr(self, self.PAGE_ARRAYS[0]).shape[self.PAGE_AXIS + 1]

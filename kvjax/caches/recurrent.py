@@ -28,8 +28,12 @@ position (-1: none); `restore_snapshots` [B] names the snapshot a row starts
 from instead of its slot's state (-1: none), e.g. the first chunk after a
 prefix hit.  Both are None when nothing is captured or restored.
 
-What a state cannot do yet: roll back a rejected speculative draft (it has
-already advanced past it); `check_hybrid_engine` refuses speculation.
+Speculative decoding: a verify row's state runs through its drafts before
+anyone knows which are accepted, so with speculation on the paged twin also
+keeps, per slot, the J + 1 states after each verify column (`verify_conv`,
+`verify_delta`), and `keep_accepted` (after acceptance, in the same step)
+sets each verify row's state to the one after its last accepted column: as if
+the rejected drafts had never run.
 
   Ll linear layers, M slots, Q snapshots, Y captures per row, Kc conv width,
   X conv channels, Nv value heads, Hk / Hv key / value head dims.
@@ -67,6 +71,7 @@ class RecurrentState:
   declares `conv_state` and `delta_state` fields)."""
 
   SLOT_ARRAYS = ("conv_state", "delta_state")
+  num_verify_states = 0  # J + 1 where speculation keeps a state per verify column
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, **attention):
     """Attention layers: the KV cache's attend; linear layers (q a LinearInputs): the rule."""
@@ -86,19 +91,48 @@ class RecurrentState:
     fresh = (batch.starts == 0) & (batch.q_lens > 0)  # [B] a request's first step
     conv = jnp.where(fresh[:, None, None], 0, conv)
     delta = jnp.where(fresh[:, None, None, None], 0, delta)
-    if batch.snapshot_tables is None:
+    snapshot = batch.snapshot_tables is not None
+    verify = self.num_verify_states > 0
+    if not (snapshot or verify):
       out, conv, delta = gated_delta_mix(inputs, conv, delta, batch.q_lens)
-      snapshots = {}
-    else:
-      columns, targets = self._captures(batch)
-      out, conv, delta, (conv_at, delta_at) = gated_delta_mix(inputs, conv, delta,
-                                                              batch.q_lens, columns)
-      snapshots = dict(
+      return self.replace(conv_state=self.conv_state.at[layer, slots].set(conv),
+                          delta_state=self.delta_state.at[layer, slots].set(delta)), out
+    columns, targets = self._captures(batch) if snapshot else (None, None)
+    if verify:  # the states after a verify row's J + 1 columns (none for other rows)
+      base = batch.q_lens - 1 - batch.num_draft  # [B] the column of the last known token
+      after = base[:, None] + jnp.arange(self.num_verify_states)[None, :]  # [B, J + 1]
+      after = jnp.where((batch.num_draft > 0)[:, None] & (after < batch.q_lens[:, None]),
+                        after, -1)
+      columns = after if columns is None else jnp.concatenate([columns, after], axis=1)
+    out, conv, delta, (conv_at, delta_at) = gated_delta_mix(inputs, conv, delta, batch.q_lens,
+                                                            columns)
+    new = dict(conv_state=self.conv_state.at[layer, slots].set(conv),
+               delta_state=self.delta_state.at[layer, slots].set(delta))
+    if verify:
+      j1 = self.num_verify_states
+      new.update(verify_conv=self.verify_conv.at[layer, slots].set(conv_at[:, -j1:]),
+                 verify_delta=self.verify_delta.at[layer, slots].set(delta_at[:, -j1:]))
+      conv_at, delta_at = conv_at[:, :-j1], delta_at[:, :-j1]
+    if snapshot:
+      new.update(
           snapshot_conv=self.snapshot_conv.at[layer, targets].set(conv_at, mode="drop"),
           snapshot_delta=self.snapshot_delta.at[layer, targets].set(delta_at, mode="drop"))
-    return self.replace(conv_state=self.conv_state.at[layer, slots].set(conv),
-                        delta_state=self.delta_state.at[layer, slots].set(delta),
-                        **snapshots), out
+    return self.replace(**new), out
+
+  def keep_accepted(self, batch: StepBatch, accepted: jax.Array):
+    """After verification: each verify row's slot state becomes the state after its last
+    accepted column (accepted [B] drafts kept), dropping what its rejected drafts wrote."""
+    if not self.num_verify_states:
+      return self
+    slots = batch.slot_ids
+    keep = (batch.num_draft > 0)[None, :]  # [1, B]
+    conv = self.verify_conv[:, slots, accepted]  # [Ll, B, Kc - 1, X]: after column base + a
+    delta = self.verify_delta[:, slots, accepted]  # [Ll, B, Nv, Hk, Hv]
+    return self.replace(
+        conv_state=self.conv_state.at[:, slots].set(
+            jnp.where(keep[..., None, None], conv, self.conv_state[:, slots])),
+        delta_state=self.delta_state.at[:, slots].set(
+            jnp.where(keep[..., None, None, None], delta, self.delta_state[:, slots])))
 
   def _captures(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """(columns [B, Y], snapshots [B, Y]) of the page boundaries the rows' real columns
@@ -125,6 +159,12 @@ class HybridPagedCache(RecurrentState, PagedKVCache):
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
   snapshot_conv: jax.Array = None  # [Ll, Q, Kc - 1, X] model dtype, prefix-cache snapshots
   snapshot_delta: jax.Array = None  # [Ll, Q, Nv, Hk, Hv] f32
+  verify_conv: jax.Array = None  # [Ll, M, J + 1, Kc - 1, X] states after each verify column
+  verify_delta: jax.Array = None  # [Ll, M, J + 1, Nv, Hk, Hv] f32 (speculation only)
+
+  @property
+  def num_verify_states(self) -> int:
+    return 0 if self.verify_delta is None else self.verify_delta.shape[2]
 
 
 @struct.dataclass
@@ -133,9 +173,11 @@ class HybridContiguousCache(RecurrentState, ContiguousKVCache):
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
 
 
-def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype, num_snapshots: int = 0):
+def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype, num_snapshots: int = 0,
+                         num_verify_states: int = 0):
   """A dense KV cache `kv` (paged or contiguous) -> its hybrid twin with zero states
-  (and, paged, `num_snapshots` zero prefix-cache snapshots)."""
+  (and, paged, `num_snapshots` prefix-cache snapshots and `num_verify_states` = J + 1
+  states per slot for speculation)."""
   hybrid = {PagedKVCache: HybridPagedCache, ContiguousKVCache: HybridContiguousCache}[type(kv)]
   conv_shape, delta_shape = state_shapes(cfg, num_slots)
   fields = {name: getattr(kv, name) for name in kv.__dataclass_fields__}
@@ -143,21 +185,19 @@ def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype, num_snapsh
     conv_snap, delta_snap = state_shapes(cfg, num_snapshots)
     fields.update(snapshot_conv=jnp.zeros(conv_snap, dtype),
                   snapshot_delta=jnp.zeros(delta_snap, STATE_DTYPE))
-  elif num_snapshots:
-    raise ValueError("prefix-cache snapshots need a paged cache")
+    if num_verify_states:
+      verify = lambda shape: shape[:2] + (num_verify_states,) + shape[2:]
+      fields.update(verify_conv=jnp.zeros(verify(conv_shape), dtype),
+                    verify_delta=jnp.zeros(verify(delta_shape), STATE_DTYPE))
+  elif num_snapshots or num_verify_states:
+    raise ValueError("prefix-cache snapshots and verify states need a paged cache")
   return hybrid(**fields, conv_state=jnp.zeros(conv_shape, dtype),
                 delta_state=jnp.zeros(delta_shape, STATE_DTYPE))
 
 
-def check_hybrid_engine(cfg: ModelConfig, *, speculative) -> None:
-  """ValueError naming the option an engine cannot yet combine with a hybrid model."""
+def check_hybrid_engine(*, speculative) -> None:
+  """ValueError unless a draft model is dense (its cache is plain KV pages)."""
   draft = getattr(speculative, "config", None)
   if draft is not None and draft.is_hybrid:
     raise ValueError(f"speculative: draft model {draft.name!r} is a hybrid; draft models "
                      "must be dense (their cache is plain KV pages)")
-  if cfg.is_hybrid and speculative is not None:
-    drafter = speculative if isinstance(speculative, str) else "a draft model"
-    raise ValueError(
-        f"speculative={drafter!r} is not supported for hybrid model {cfg.name!r}: a rejected "
-        "draft would leave its linear layers' recurrent state advanced past the accepted "
-        "tokens (no state rollback yet); use speculative=None")
