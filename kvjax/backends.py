@@ -11,6 +11,11 @@ step call through it and never compare functions by identity:
   mla_attention(q [B, T, N, R + Hr], pages [P, Z, R + Hr], batch, *, value_dim,
                 sm_scale, sliding_window) -> [B, T, N, R], or None: cannot read
                 MLA's latent pages
+  delta_rule(q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta [B, T, Nv], state
+             [B, Nv, Hk, Hv], chunk, capture [B, Y] or None) -> (o [B, T, Nv, Hv],
+             state, states after the captured columns [B, Y, Nv, Hk, Hv] or None)
+      a hybrid's Gated DeltaNet rule, float32 (every built-in: the jnp reference,
+      kvjax/attention/gated_delta.py; a Pallas kernel would go here)
   kv_dtypes: the `kv_dtype` page stores it serves (None, the model dtype, always).
 int4 (KIVI) pages are dequantized by their cache and attended densely, so
 "int4" in kv_dtypes means the backend accepts that path.
@@ -40,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from kvjax.attention.gated_delta import delta_rule
 from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import paged_attention
 from kvjax.sharding import MODEL
@@ -54,6 +60,7 @@ class Backend:
   verify: Callable
   kv_dtypes: tuple = ("fp32", "bf16", "fp16", "int8")
   mla_attention: Optional[Callable] = None
+  delta_rule: Callable = delta_rule
   mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
 
   def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:

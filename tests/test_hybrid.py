@@ -274,3 +274,24 @@ def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
   assert allocated_pool(cfg, "bf16", "bf16", include_mtp=True)["kv_bytes_per_token"] == 9 * 4096
   tree = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
   assert ledger.param_count(cfg) == count_params(tree)
+
+
+def test_a_backend_record_supplies_the_delta_rule():
+  """Backend.delta_rule is where a kernel for the linear layers plugs in: the paged
+  path calls the record's rule (here the reference, wrapped to record its shapes)."""
+  import dataclasses
+
+  from kvjax.attention.gated_delta import delta_rule
+  from kvjax.backends import get_backend
+
+  seen = []
+
+  def spy(q, *args):
+    seen.append(q.shape[1])
+    return delta_rule(q, *args)
+
+  backend = dataclasses.replace(get_backend("reference"), name="reference+spy", delta_rule=spy)
+  prompts = _prompts(2, seed=4)
+  out = kvjax.generate(model(), prompts, 3, cache="paged", backend=backend).tokens
+  assert out == kvjax.generate(model(), prompts, 3, cache="paged").tokens
+  assert seen and set(seen) >= {1}  # traced for the decode step (and the prefill)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["LinearInputs", "l2_normalize", "gated_rms_norm", "causal_conv", "delta_rule_step",
-           "delta_rule_chunked", "gated_delta_mix", "L2_NORM_EPS"]
+           "delta_rule_chunked", "delta_rule", "gated_delta_mix", "L2_NORM_EPS"]
 
 L2_NORM_EPS = 1e-6  # the FLA kernels' (and HF's) eps of the q/k L2 normalization
 _HIGHEST = jax.lax.Precision.HIGHEST  # the state accumulates: no reduced-precision dots
@@ -189,16 +189,32 @@ class LinearInputs:
   chunk: int  # static chunk length of the chunked form
 
 
+def delta_rule(q, k, v, g, beta, state, chunk: int, capture):
+  """The rule over any T, the reference of the backend slot `Backend.delta_rule`:
+  q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta [B, T, Nv] f32, state [B, Nv, Hk, Hv],
+  capture [B, Y] int32 columns or None -> (o [B, T, Nv, Hv], state, states after the
+  captured columns [B, Y, Nv, Hk, Hv] or None).  T == 1 runs the one-step
+  recurrence, longer inputs the chunked form (chunk = Lc)."""
+  if q.shape[1] > 1:
+    if capture is None:
+      return delta_rule_chunked(q, k, v, g, beta, state, chunk) + (None,)
+    return delta_rule_chunked(q, k, v, g, beta, state, chunk, capture)
+  out, state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+  captured = None if capture is None else jnp.where(
+      (capture == 0)[..., None, None, None], state[:, None], 0)
+  return out[:, None], state, captured
+
+
 def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: jax.Array,
-                    lengths: jax.Array, capture=None):
+                    lengths: jax.Array, capture=None, rule=delta_rule):
   """Conv, q/k normalization and the gated delta rule from given states.
 
   conv_state [B, Kc - 1, X], delta_state [B, Nv, Hk, Hv] f32, lengths [B] real
-  columns -> (o [B, T, Nv, Hv] f32, conv_state, delta_state).  T == 1 runs the
-  one-step recurrence, longer inputs the chunked form.  capture [B, Y] int32
-  columns (or None): also return the states right after them, (conv
+  columns -> (o [B, T, Nv, Hv] f32, conv_state, delta_state).  capture [B, Y]
+  int32 columns (or None): also return the states right after them, (conv
   [B, Y, Kc - 1, X], delta [B, Y, Nv, Hk, Hv]), zeros for a column outside
-  [0, T) (see delta_rule_chunked).
+  [0, T) (see delta_rule_chunked).  `rule`: the backend's delta rule
+  (`delta_rule`'s contract).
   """
   x = inputs.qkv
   b, t, _ = x.shape
@@ -215,17 +231,7 @@ def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: ja
   valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
   g = jnp.where(valid, inputs.g, 0.0)
   beta = jnp.where(valid, inputs.beta, 0.0)
-  if t == 1:
-    out, new_delta = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     delta_state)
-    out = out[:, None]
-    if capture is not None:
-      delta_at = jnp.broadcast_to(new_delta[:, None], (b, capture.shape[1]) + new_delta.shape[1:])
-  elif capture is None:
-    out, new_delta = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk)
-  else:
-    out, new_delta, delta_at = delta_rule_chunked(q, k, v, g, beta, delta_state, inputs.chunk,
-                                                  capture)
+  out, new_delta, delta_at = rule(q, k, v, g, beta, delta_state, inputs.chunk, capture)
   if capture is None:
     return out, new_conv, new_delta
   inside = (capture >= 0) & (capture < t)  # [B, Y]
@@ -234,5 +240,4 @@ def gated_delta_mix(inputs: LinearInputs, conv_state: jax.Array, delta_state: ja
   window = jnp.clip(capture, -1, t - 1)[:, :, None] + 1 + jnp.arange(conv_state.shape[1])
   conv_at = jnp.take_along_axis(history[:, None], window[..., None], axis=2)  # [B, Y, Kc-1, X]
   conv_at = jnp.where(inside[..., None, None], conv_at, 0).astype(conv_state.dtype)
-  delta_at = jnp.where(inside[..., None, None, None], delta_at, 0)
   return out, new_conv, new_delta, (conv_at, delta_at)

@@ -40,6 +40,8 @@ the rejected drafts had never run.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -76,11 +78,13 @@ class RecurrentState:
   def attend(self, layer: int, q, k, v, batch: StepBatch, **attention):
     """Attention layers: the KV cache's attend; linear layers (q a LinearInputs): the rule."""
     if isinstance(q, LinearInputs):
-      return self.linear_attend(layer, q, batch)
+      return self.linear_attend(layer, q, batch, attention["backend"])
     return super().attend(layer, q, k, v, batch, **attention)
 
-  def linear_attend(self, layer: int, inputs: LinearInputs, batch: StepBatch):
-    """Run linear layer `layer` on the rows' slot states -> (cache, out [B, T, Nv, Hv] f32)."""
+  def linear_attend(self, layer: int, inputs: LinearInputs, batch: StepBatch, backend):
+    """Run linear layer `layer` on the rows' slot states with the backend's delta rule
+    -> (cache, out [B, T, Nv, Hv] f32)."""
+    mix = functools.partial(gated_delta_mix, rule=backend.delta_rule)
     slots = batch.slot_ids
     conv, delta = self.conv_state[layer, slots], self.delta_state[layer, slots]
     if batch.restore_snapshots is not None:
@@ -94,7 +98,7 @@ class RecurrentState:
     snapshot = batch.snapshot_tables is not None
     verify = self.num_verify_states > 0
     if not (snapshot or verify):
-      out, conv, delta = gated_delta_mix(inputs, conv, delta, batch.q_lens)
+      out, conv, delta = mix(inputs, conv, delta, batch.q_lens)
       return self.replace(conv_state=self.conv_state.at[layer, slots].set(conv),
                           delta_state=self.delta_state.at[layer, slots].set(delta)), out
     columns, targets = self._captures(batch) if snapshot else (None, None)
@@ -104,8 +108,7 @@ class RecurrentState:
       after = jnp.where((batch.num_draft > 0)[:, None] & (after < batch.q_lens[:, None]),
                         after, -1)
       columns = after if columns is None else jnp.concatenate([columns, after], axis=1)
-    out, conv, delta, (conv_at, delta_at) = gated_delta_mix(inputs, conv, delta, batch.q_lens,
-                                                            columns)
+    out, conv, delta, (conv_at, delta_at) = mix(inputs, conv, delta, batch.q_lens, columns)
     new = dict(conv_state=self.conv_state.at[layer, slots].set(conv),
                delta_state=self.delta_state.at[layer, slots].set(delta))
     if verify:
