@@ -6,6 +6,7 @@ Each sub-command registers itself with `add_parser(subparsers)` and runs with
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import re
@@ -59,17 +60,15 @@ def _add_generate(subparsers) -> None:
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--no-warmup", action="store_true",
                  help="time the first call (XLA compilation included in TTFT)")
-  distributed.add_parallel_flags(p)
+  distributed.add_parallel_flags(p, router=False)  # --dp: one sample per replica
   p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
   import kvjax
 
-  if args.dp != 1:
-    raise ValueError(f"--dp {args.dp}: generate runs one prompt on one replica; replicas "
-                     "serve many requests (kvjax bench --dp, kvjax.Router)")
-  model, = distributed.load_replicas(args, args.checkpoint, args.dtype)
+  models = distributed.load_replicas(args, args.checkpoint, args.dtype)
+  model = models[0]
   tokenizer = model.tokenizer
   if args.prompt_ids is not None:
     prompt = args.prompt_ids
@@ -84,34 +83,44 @@ def _run_generate(args: argparse.Namespace) -> int:
   else:
     text = "def fibonacci(n):" if args.prompt is None else args.prompt
     prompt = tokenizer.encode(text, add_special_tokens=True)  # BOS as the model was trained
-  run = functools.partial(kvjax.generate, model, [prompt], args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, cache=args.cache, page_size=args.page_size,
-                          backend=args.backend, kv_dtype=args.kv_dtype)
+  # --dp M: the prompt on every replica at once, replica i with seed + i (M samples).
+  runs = [functools.partial(kvjax.generate, replica, [prompt], args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed + i, cache=args.cache, page_size=args.page_size,
+                            backend=args.backend, kv_dtype=args.kv_dtype)
+          for i, replica in enumerate(models)]
+
+  def in_parallel():  # each replica's devices work while the others' do
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+      return list(pool.map(lambda run: run(), runs))
+
   warmup_s = None
   if not args.no_warmup:  # compiles every shape, so the timed run measures serving
     start = time.perf_counter()
-    run()
+    in_parallel()
     warmup_s = time.perf_counter() - start
-  result = run()
-  result.stats["warmup_s"] = warmup_s
+  for replica, result in enumerate(in_parallel()):
+    result.stats["warmup_s"] = warmup_s
+    _print_generated(args, prompt, tokenizer, result, replica if len(runs) > 1 else None)
+  return 0
+
+
+def _print_generated(args, prompt, tokenizer, result, replica) -> None:
   tokens = result.tokens[0]
   text = None if tokenizer is None else tokenizer.decode(tokens)
   if args.json:
     print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text,
-                      "stats": result.stats}))
-  else:
-    if tokenizer is None:
-      print(" ".join(map(str, tokens)))
-    else:
-      print(tokenizer.decode(prompt) + text)
-    stats = result.stats
-    print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
-          f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "
-          f"{stats['kv_pages_used']} KV pages"
-          + ("]" if warmup_s is None else f" | warm-up (compile) {warmup_s:.1f} s]"),
-          file=sys.stderr)
-  return 0
+                      "stats": result.stats} | ({} if replica is None else {"replica": replica})))
+    return
+  if replica is not None:
+    print(f"--- replica {replica} (seed {args.seed + replica})")
+  print(" ".join(map(str, tokens)) if tokenizer is None else tokenizer.decode(prompt) + text)
+  stats, warmup_s = result.stats, result.stats["warmup_s"]
+  print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
+        f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "
+        f"{stats['kv_pages_used']} KV pages"
+        + ("]" if warmup_s is None else f" | warm-up (compile) {warmup_s:.1f} s]"),
+        file=sys.stderr)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

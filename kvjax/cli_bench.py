@@ -100,7 +100,8 @@ def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: i
 
 def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str] = None,
                  **sampling) -> dict:
-  """Serve every session to completion -> metrics summary plus per-turn TTFTs.
+  """Serve every session to completion through `engine` (an Engine, or a kvjax.Router of
+  replicas) -> metrics summary plus per-turn TTFTs.
 
   Returns kvjax.metrics.summarize's dict with "turn_ttft_s" (mean TTFT per
   turn index) and "outputs" (per session, per turn output ids).  `progress`:
@@ -252,12 +253,12 @@ def _plot(summary: dict, path: str, title: str) -> None:
   plt.close(fig)
 
 
-def _engine(model, args: argparse.Namespace, max_model_len: int):
-  from kvjax.engine import Engine
+def _engine(models: list, args: argparse.Namespace, max_model_len: int):
+  """An Engine (or, --dp > 1, a kvjax.Router over one per replica) for the flags."""
   from kvjax.engine_config import engine_config_from_flags
 
-  return Engine(model, engine_config_from_flags(
-      args, max_model_len=args.max_model_len or max_model_len))
+  config = engine_config_from_flags(args, max_model_len=args.max_model_len or max_model_len)
+  return distributed.serving_engine(models, config, args.router_policy)
 
 
 def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) -> int:
@@ -286,10 +287,8 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
 
 
 def run(args: argparse.Namespace) -> int:
-  if args.dp != 1:
-    raise ValueError(f"--dp {args.dp}: the bench drives one Engine (its step log and "
-                     "metrics); replicas behind kvjax.Router are benchmarked in Python")
-  model, = distributed.load_replicas(args, args.checkpoint, "float32")
+  models = distributed.load_replicas(args, args.checkpoint, "float32")
+  model = models[0]
   sessions = make_workload(args.workload, vocab_size=model.config.vocab_size,
                            num_requests=args.num_requests, input_len=args.input_len,
                            output_len=args.output_len, system_len=args.system_len,
@@ -300,15 +299,16 @@ def run(args: argparse.Namespace) -> int:
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings
-    run_workload(_engine(model, args, max_model_len), sessions,
+    run_workload(_engine(models, args, max_model_len), sessions,
                  progress="warm-up (compiling step programs)",
                  temperature=args.temperature, seed=args.seed)
-  summary = run_workload(_engine(model, args, max_model_len), sessions, progress="bench",
+  summary = run_workload(_engine(models, args, max_model_len), sessions, progress="bench",
                          temperature=args.temperature, seed=args.seed)
   summary.pop("outputs")
   title = (f"{args.workload}: {model.config.name}, {args.num_requests} x {args.input_len}"
            f" -> {args.output_len}, spec={args.speculative}, "
-           f"prefix_cache={args.prefix_cache}")
+           f"prefix_cache={args.prefix_cache}"
+           + (f", dp={args.dp} ({args.router_policy})" if args.dp > 1 else ""))
   print(title)
   print(format_table(summary))
   os.makedirs(args.out_dir, exist_ok=True)

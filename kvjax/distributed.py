@@ -1,9 +1,11 @@
 """Start-up of a multi-device, multi-host run: --tp/--dp and jax.distributed, for the CLIs.
 
-`add_parallel_flags(parser)` adds --tp, --dp and the multi-host flags;
-`load_replicas(args, checkpoint, dtype)` joins the run (`initialize`), lays the
-(dp, tp) mesh over every process's devices (kvjax.make_mesh) and loads one
-Model per data row (kvjax/sharding.py `submeshes`).
+`add_parallel_flags(parser)` adds --tp, --dp, --router-policy and the
+multi-host flags; `load_replicas(args, checkpoint, dtype)` joins the run
+(`initialize`), lays the (dp, tp) mesh over every process's devices
+(kvjax.make_mesh) and loads one Model per data row (kvjax/sharding.py
+`submeshes`); `serving_engine(models, config, policy)` is one Engine, or a
+kvjax.Router over one Engine per replica.
 
 Multi-host.  Every process runs the same command with its own --process-id;
 `jax.distributed.initialize` connects them through the coordinator, after
@@ -28,16 +30,26 @@ import argparse
 import os
 from typing import Optional
 
-__all__ = ["add_parallel_flags", "initialize", "load_replicas"]
+__all__ = ["add_parallel_flags", "initialize", "load_replicas", "serving_engine"]
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
-def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+def add_parallel_flags(parser: argparse.ArgumentParser, *, router: bool = True) -> None:
+  """--tp, --dp, the multi-host flags and (`router`: the command serves many requests
+  through a kvjax.Router when --dp > 1) --router-policy."""
   parser.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel degree: devices one model is split over")
+  replicas = ("behind a kvjax.Router" if router
+              else "each sampling the prompt once, seed + its index")
   parser.add_argument("--dp", type=int, default=1,
-                      help="data-parallel replicas, each on its own --tp devices")
+                      help=f"data-parallel replicas, each on its own --tp devices, {replicas} "
+                           "(default: %(default)s)")
+  if router:
+    parser.add_argument("--router-policy", default="prefix",
+                        help="where a request goes with --dp > 1: prefix (the replica "
+                             "holding its longest cached prefix) | round_robin | "
+                             "least_loaded (default: %(default)s)")
   parser.add_argument("--coordinator-address", default=None,
                       help="host:port of process 0 for a multi-host run "
                            "(default: $JAX_COORDINATOR_ADDRESS)")
@@ -75,3 +87,12 @@ def load_replicas(args: argparse.Namespace, checkpoint: Optional[str], dtype) ->
     return [load_checkpoint(checkpoint, dtype=dtype)]
   mesh = make_mesh(tp=args.tp, dp=args.dp)
   return [load_checkpoint(checkpoint, dtype=dtype, mesh=row) for row in submeshes(mesh)]
+
+
+def serving_engine(models: list, config, policy: str = "prefix"):
+  """An Engine for one model; a kvjax.Router (`policy`) over one Engine per replica."""
+  from kvjax.engine import Engine
+  from kvjax.router import Router
+
+  engines = [Engine(model, config) for model in models]
+  return engines[0] if len(engines) == 1 else Router(engines, policy)

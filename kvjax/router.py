@@ -22,6 +22,14 @@ of the least loaded one by routing alone.
 `step()` steps every replica that has work, one after another on this thread;
 the replicas' device work is their own (different devices in a real
 deployment), the host loop is shared.  Request ids are the router's own.
+
+What a server loop or a benchmark reads of an Engine, a Router offers over
+its replicas: `scheduler` (running, waiting, requests by router id, one
+allocator's utilization, prefix-cache and preemption totals), `metrics` (by
+router id), `steps` (one StepLog entry per router step), `config` (the
+replicas' options, max_num_seqs summed) and `model_config`.  So
+kvjax/server/ and `kvjax bench` drive a Router where they drive an Engine
+(`--dp`).
 """
 from __future__ import annotations
 
@@ -29,11 +37,13 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from kvjax.engine import Engine, run_until_finished
+from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
-from kvjax.requests import RequestOutput
+from kvjax.metrics import RequestMetrics, StepLog
+from kvjax.requests import Request, RequestOutput
 from kvjax.validation import per_prompt_seeds
 
 __all__ = ["Router", "POLICIES"]
@@ -67,6 +77,19 @@ class Router:
     self.routed = [0] * len(engines)  # requests sent to each replica
     self._pending: list[RequestOutput] = []  # returned by the next step()
     self._lock = threading.RLock()
+    self.scheduler = _Schedulers(self)
+    self.metrics = _ByRouterId(self, lambda engine: engine.metrics)
+    self.steps = StepLog()
+
+  @property
+  def model_config(self):
+    return self.engines[0].model_config
+
+  @property
+  def config(self) -> EngineConfig:
+    """The replicas' options (replica 0's), max_num_seqs summed over the replicas."""
+    return dataclasses.replace(self.engines[0].config,
+                               max_num_seqs=sum(e.config.max_num_seqs for e in self.engines))
 
   # -- routing ----------------------------------------------------------------
 
@@ -128,17 +151,36 @@ class Router:
     """One step of every replica with work -> their outputs, under the router's ids
     (and outputs of other callers' requests that ran while `generate` did)."""
     with self._lock:
+      start = time.perf_counter()
       outputs, self._pending = self._pending, []
+      stepped = []
       for replica, engine in enumerate(self.engines):
         if not engine.has_unfinished:
           continue
+        mark = engine.steps.num_recorded
         for out in engine.step():
           key = (replica, out.request_id)
           request_id = self._router_id[key]
           if out.finished:
             del self._router_id[key], self._where[request_id]
           outputs.append(dataclasses.replace(out, request_id=request_id))
+        stepped.append(engine.steps.since(mark))
+      if stepped:
+        self._record(stepped, time.perf_counter() - start)
       return outputs
+
+  def _record(self, logs: Sequence[StepLog], step_s: float) -> None:
+    """One StepLog entry for a router step from the replica steps it ran."""
+    last = [log for log in logs if log.num_recorded]
+    allocator = self.scheduler.allocator
+    self.steps.record(
+        waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+        utilization=allocator.utilization, pages_used=allocator.num_used,
+        batched_tokens=sum(log.batched_tokens[-1] for log in last), step_s=step_s,
+        decode_only=all(log.decode_only[-1] for log in last),
+        num_steps=max((log.num_steps[-1] for log in last), default=1),
+        row_shapes=[shape for log in last for shape in log.row_shapes[-1]],
+        num_draft=max((log.num_draft[-1] for log in last), default=0))
 
   def stream(self) -> Iterator[RequestOutput]:
     """Step until every request finishes, yielding each step's outputs."""
@@ -178,3 +220,81 @@ class Router:
     """(hit tokens, queried tokens) summed over every replica's prefix cache."""
     caches = [e.scheduler.prefix_cache for e in self.engines if e.scheduler.prefix_cache]
     return sum(c.hit_tokens for c in caches), sum(c.queried_tokens for c in caches)
+
+
+class _ByRouterId(Mapping):
+  """A per-replica mapping keyed by engine ids, seen by router ids (unfinished requests)."""
+
+  def __init__(self, router: Router, of_engine):
+    self._router = router
+    self._of_engine = of_engine
+
+  def _lookup(self, request_id: str):
+    replica, engine_id = self._router._where[request_id]
+    return self._of_engine(self._router.engines[replica]).get(engine_id)
+
+  def __getitem__(self, request_id: str):
+    value = self._lookup(request_id) if request_id in self._router._where else None
+    if value is None:
+      raise KeyError(request_id)
+    return value
+
+  def __iter__(self):
+    return (rid for rid in list(self._router._where) if self._lookup(rid) is not None)
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+  """Totals over replicas, named as one replica's object names them."""
+
+  hit_tokens: int = 0
+  queried_tokens: int = 0
+  num_used: int = 0
+  utilization: float = 0.0
+
+
+class _Schedulers:
+  """The replicas' schedulers as one, read-only: what kvjax/server/ and the bench read."""
+
+  def __init__(self, router: Router):
+    self._router = router
+    self.requests: Mapping[str, Request] = _ByRouterId(router, lambda e: e.scheduler.requests)
+
+  @property
+  def _all(self):
+    return [e.scheduler for e in self._router.engines]
+
+  @property
+  def running(self) -> list:
+    return [req for s in self._all for req in s.running]
+
+  @property
+  def waiting(self) -> list:
+    return [req for s in self._all for req in s.waiting]
+
+  @property
+  def num_preemptions(self) -> int:
+    return sum(s.num_preemptions for s in self._all)
+
+  @property
+  def allocator(self) -> _Counts:
+    """used / usable pages over every replica's pool."""
+    used = sum(s.allocator.num_used for s in self._all)
+    usable = sum(s.allocator.num_usable for s in self._all)
+    return _Counts(num_used=used, utilization=used / usable if usable else 0.0)
+
+  @property
+  def prefix_cache(self) -> Optional[_Counts]:
+    """Hit and queried tokens over the replicas' prefix caches (None: no replica has one)."""
+    caches = [s.prefix_cache for s in self._all if s.prefix_cache]
+    if not caches:
+      return None
+    return _Counts(hit_tokens=sum(c.hit_tokens for c in caches),
+                   queried_tokens=sum(c.queried_tokens for c in caches))
+
+  def check_invariants(self) -> None:
+    for scheduler in self._all:
+      scheduler.check_invariants()

@@ -7,6 +7,11 @@ round robin's, while every output stays the single engine's.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -39,10 +44,8 @@ def run_chats(target):
           outputs[(ids[out.request_id], turn)] = out.output_ids
     for u in range(USERS):
       history[u] += outputs[(u, turn)]
-  engines = target.engines if isinstance(target, Router) else [target]
-  hits = sum(e.scheduler.prefix_cache.hit_tokens for e in engines)
-  queried = sum(e.scheduler.prefix_cache.queried_tokens for e in engines)
-  return outputs, hits / queried
+  cache = target.scheduler.prefix_cache  # a Router's: totals over its replicas
+  return outputs, cache.hit_tokens / cache.queried_tokens
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,15 @@ def test_abort_and_least_loaded(tiny_model):
   first = router.add_request([5, 6, 7], 4)
   second = router.add_request([5, 6, 8], 4)
   assert (router.replica_of(first), router.replica_of(second)) == (0, 1)  # the idle one
+  # What a server loop reads of an Engine, by the router's ids, over both replicas.
+  assert router.config.max_num_seqs == 2 * ENGINE["max_num_seqs"]
+  assert router.metrics[second].prompt_len == 3 and sorted(router.metrics) == [first, second]
+  assert router.scheduler.requests[second].token_ids == [5, 6, 8]
+  assert len(router.scheduler.waiting) == 2 and not router.scheduler.running
+  router.step()
+  assert len(router.scheduler.running) == 2
+  assert router.steps.batched_tokens == [6]  # one router step: 3 prompt tokens per replica
+  assert router.scheduler.allocator.num_used == 2  # one page each
   assert router.abort(first) and not router.abort("no-such-id")
   finals = {out.request_id: out for out in router.stream() if out.finished}
   assert finals[first].finish_reason == "abort"
@@ -93,3 +105,36 @@ def test_abort_and_least_loaded(tiny_model):
   assert not router.has_unfinished
   with pytest.raises(KeyError, match="unknown or finished request"):
     router.replica_of(first)
+
+
+_CLI_DP = r"""
+import argparse, json, sys
+import jax
+from kvjax import cli, distributed
+args = argparse.Namespace(tp=1, dp=2, coordinator_address=None, num_processes=None,
+                          process_id=None)
+models = distributed.load_replicas(args, None, "float32")
+print(json.dumps([sorted(d.id for d in jax.tree.leaves(m.params)[0].devices()) for m in models]))
+sys.exit(cli.main(["generate", "--dp", "2", "--json", "--temperature", "0",
+                   "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--no-warmup"])
+         or cli.main(["bench", "--dp", "2", "--workload", "multi-turn-chat",
+                      "--num-requests", "2", "--num-turns", "2", "--input-len", "20",
+                      "--output-len", "4", "--no-warmup", "--out-dir", sys.argv[1]]))
+"""
+
+
+def test_cli_dp_serves_from_replicas_on_their_own_devices(tmp_path):
+  """`generate --dp 2` samples the prompt once per replica (greedy: the single-device
+  tokens on both); `bench --dp 2` drives a Router over both replicas."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  run = subprocess.run([sys.executable, "-c", _CLI_DP, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  lines = run.stdout.splitlines()
+  assert json.loads(lines[0]) == [[0], [1]]  # one device each
+  samples = [json.loads(line) for line in lines[1:3]]
+  want = kvjax.generate(kvjax.load_checkpoint(), [[1, 2, 3]], 4).tokens[0]
+  assert [(s["replica"], s["tokens"]) for s in samples] == [(0, want), (1, want)]
+  report = json.loads((tmp_path / "bench_multi-turn-chat.json").read_text())
+  assert report["summary"]["num_requests"] == 4 and report["args"]["dp"] == 2
+  assert "dp=2 (prefix)" in run.stdout
