@@ -13,8 +13,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, ledger, metrics, draft_policy        host policy, accounting
-  8  engine_config, engine, router                   the serving engine's request API, and
-                                                    data-parallel replicas behind a router
+  8  engine_config, engine, router, warm_up          the serving engine's request API, its
+                                                    warm-up, data-parallel replicas (router)
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
      chat_template, corpus, train, distributed      training, multi-host start-up
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis

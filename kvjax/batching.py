@@ -6,9 +6,12 @@ chunks, at most _MIN_PREFILL_TOKENS of padding-only rows); prefill chunks from
 16 tokens up to the token budget; decode rows 1 + J wide for the step's J
 (one shape whatever drafts the budget allowed; an adaptive draft policy picks
 J in 0..J_max per step, kvjax/draft_policy.py); block tables from 8 pages up
-to the widest a row can need.  A run then compiles at most (row buckets) x
+to the widest a row can need.  `Packing.shapes` lists every shape a run can
+pack (what Engine.warm_up compiles before serving): at most (row buckets) x
 (chunk buckets + 1) x (table buckets) serve steps, plus a multi-step loop per
-row and table bucket, each times (J_max + 1) with an adaptive draft policy.  The table width matters because the reference backend gathers
+row and table bucket, each times the draft counts an adaptive draft policy may
+pick; fewer, since a long chunk never meets a narrow table and max_model_len
+bounds both.  The table width matters because the reference backend gathers
 every column: a decode row of a 192-token context would otherwise carry the
 pages a 512-token prefill chunk needs.  Padding rows use the scratch slot and
 the null page.  Shapes: docs/DIMENSIONS.md.
@@ -16,7 +19,7 @@ the null page.  Shapes: docs/DIMENSIONS.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -25,7 +28,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.state_snapshots import StepSnapshots
 from kvjax.step_batch import StepBatch, make_step_batch
 
-__all__ = ["bucket", "bucket_sizes", "Packing", "burst_limits"]
+__all__ = ["bucket", "bucket_sizes", "Packing", "StepShape", "burst_limits"]
 
 _MIN_ROWS_BUCKET = 8
 _MIN_PREFILL_BUCKET = 16
@@ -46,6 +49,49 @@ def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
   return sorted({bucket(n, maximum, minimum) for n in range(1, maximum + 1)})
 
 
+class StepShape(NamedTuple):
+  """A packed row group's program shape (Packing.shapes)."""
+
+  kind: str  # "prefill", "decode" (one serve_step) or "burst" (serve_burst's decode loop)
+  rows: int  # B, padding rows included
+  columns: int  # T: a prefill chunk bucket, or 1 + J for decode rows
+  width: int  # W: block-table columns
+
+
+@dataclasses.dataclass
+class _HostRows:
+  """A row group's host arrays; rows not written are padding rows (q_lens 0, the scratch
+  slot, the null page)."""
+
+  tokens: np.ndarray  # [B, T] int32
+  starts: np.ndarray  # [B] int32
+  q_lens: np.ndarray  # [B] int32
+  num_draft: np.ndarray  # [B] int32
+  slot_ids: np.ndarray  # [B] int32
+  next_tokens: np.ndarray  # [B] int32
+  tables: np.ndarray  # [B, W] int32
+  temperature: np.ndarray  # [B] float32
+  top_k: np.ndarray  # [B] int32
+  top_p: np.ndarray  # [B] float32
+  seeds: np.ndarray  # [B] uint32
+
+  @classmethod
+  def padding(cls, b: int, t: int, width: int, scratch_slot: int) -> "_HostRows":
+    return cls(tokens=np.zeros((b, t), np.int32), starts=np.zeros(b, np.int32),
+               q_lens=np.zeros(b, np.int32), num_draft=np.zeros(b, np.int32),
+               slot_ids=np.full(b, scratch_slot, np.int32), next_tokens=np.full(b, -1, np.int32),
+               tables=np.zeros((b, width), np.int32), temperature=np.zeros(b, np.float32),
+               top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+               seeds=np.zeros(b, np.uint32))
+
+  def step_batch(self, snapshot_tables=None, restore=None) -> StepBatch:
+    sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              seeds=self.seeds)
+    return make_step_batch(self.tokens, self.starts, self.q_lens, self.tables, self.slot_ids,
+                           sampling, num_draft=self.num_draft, next_tokens=self.next_tokens,
+                           snapshot_tables=snapshot_tables, restore_snapshots=restore)
+
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
   """The static quantities of an engine's packing, fixed at construction."""
@@ -55,35 +101,51 @@ class Packing:
   page_size: int
   max_table_width: int  # W of the widest row: max_pages_per_seq + pages of a padded chunk
   num_draft: int  # J: decode rows are 1 + J wide
+  max_num_batched_tokens: int  # the token budget of a step
+  max_model_len: int  # prompt + max_new_tokens at most
 
   @classmethod
   def create(cls, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-             max_pages_per_seq: int, num_draft: int) -> "Packing":
+             max_pages_per_seq: int, num_draft: int, max_model_len: int) -> "Packing":
     max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too.
     width = max_pages_per_seq + -(-max_query // page_size)
-    return cls(max_num_seqs, max_query, page_size, width, num_draft)
+    return cls(max_num_seqs, max_query, page_size, width, num_draft, max_num_batched_tokens,
+               max_model_len)
+
+  # -- the bucketing rules (shape, table_width and shapes all use these) ------------------
+
+  def _columns(self, decode: bool, longest: int, num_draft: Optional[int] = None) -> int:
+    """T: decode rows 1 + J wide (J: num_draft, default the engine's); a prefill group's
+    longest chunk bucketed."""
+    if decode:
+      return 1 + (self.num_draft if num_draft is None else num_draft)
+    return bucket(longest, self.max_query, min(_MIN_PREFILL_BUCKET, self.max_query))
+
+  def _rows_bucket(self, num_rows: int, decode: bool, t: int) -> int:
+    """B: long prefill chunks get fewer padding rows (at most _MIN_PREFILL_TOKENS of them)."""
+    least = _MIN_ROWS_BUCKET if decode else max(1, min(_MIN_ROWS_BUCKET, _MIN_PREFILL_TOKENS // t))
+    return bucket(num_rows, self.max_num_seqs, min(least, self.max_num_seqs))
+
+  def _width_bucket(self, pages: int) -> int:
+    return bucket(pages, self.max_table_width, min(_MIN_TABLE_BUCKET, self.max_table_width))
+
+  # -- one row group --------------------------------------------------------------------
 
   def shape(self, rows: Sequence[ScheduledRow], num_draft: Optional[int] = None
             ) -> tuple[int, int]:
     """(B, T) of a row group: decode rows 1 + J wide (J: num_draft, default the
     engine's), prefill chunks bucketed."""
-    min_rows = _MIN_ROWS_BUCKET
-    if rows[0].is_decode:
-      t = 1 + (self.num_draft if num_draft is None else num_draft)
-    else:
-      t = bucket(max(r.num_tokens for r in rows), self.max_query,
-                 min(_MIN_PREFILL_BUCKET, self.max_query))
-      min_rows = max(1, min(min_rows, _MIN_PREFILL_TOKENS // t))
-    return bucket(len(rows), self.max_num_seqs, min(min_rows, self.max_num_seqs)), t
+    decode = rows[0].is_decode
+    t = self._columns(decode, max(r.num_tokens for r in rows), num_draft)
+    return self._rows_bucket(len(rows), decode, t), t
 
   def table_width(self, tables: np.ndarray, rows: Sequence[ScheduledRow], t: int) -> int:
     """Block-table columns W a row group's step reads, bucketed: each row's padded last
     position start + t - 1 (a burst's: every position reserved) and every page it holds."""
     needed = max(-(-(r.start + t) // self.page_size) for r in rows)
     held = np.flatnonzero(tables.any(axis=0))
-    needed = max(needed, int(held[-1]) + 1 if held.size else 0)
-    return bucket(needed, self.max_table_width, min(_MIN_TABLE_BUCKET, self.max_table_width))
+    return self._width_bucket(max(needed, int(held[-1]) + 1 if held.size else 0))
 
   def pack(self, plan: SchedulerOutput, group: Sequence[int],
            verify: Optional[Sequence[int]] = None, num_draft: Optional[int] = None,
@@ -98,40 +160,75 @@ class Packing:
     verify = [r.num_draft for r in rows] if verify is None else verify
     b, t = self.shape(rows, num_draft)
     width = self.table_width(plan.block_tables[group], rows, t)
-    tokens = np.zeros((b, t), np.int32)
-    q_lens, num_draft, starts = (np.zeros(b, np.int32) for _ in range(3))
-    slot_ids = np.full(b, self.max_num_seqs, np.int32)  # padding: the scratch slot
-    next_tokens = np.full(b, -1, np.int32)
-    tables = np.zeros((b, width), np.int32)
+    a = _HostRows.padding(b, t, width, self.max_num_seqs)
     held = plan.block_tables[group][:, :width]
-    tables[:len(rows), :held.shape[1]] = held
-    temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-    top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
+    a.tables[:len(rows), :held.shape[1]] = held
     for j, row in enumerate(rows):
-      tokens[j, :len(row.token_ids)] = row.token_ids
+      a.tokens[j, :len(row.token_ids)] = row.token_ids
       drafts = min(row.num_draft, verify[j])
-      q_lens[j], num_draft[j], slot_ids[j], starts[j] = (
+      a.q_lens[j], a.num_draft[j], a.slot_ids[j], a.starts[j] = (
           len(row.token_ids) + drafts, drafts, row.slot, row.start)
       if not row.sample:
-        next_tokens[j] = row.request.token_ids[row.start + row.num_tokens]
+        a.next_tokens[j] = row.request.token_ids[row.start + row.num_tokens]
       s = row.request.sampling
-      temperature[j], top_k[j], top_p[j], seeds[j] = s.temperature, s.top_k, s.top_p, s.seed
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds)
-    snapshot_tables = restore = None
-    if snapshots is not None:
-      snapshot_tables = snapshots.tables(tables)
-      restore = np.full(b, -1, np.int32)
-      restore[:len(rows)] = [snapshots.restore.get(r.request_id, -1) for r in rows]
-    return make_step_batch(tokens, starts, q_lens, tables, slot_ids, sampling,
-                           num_draft=num_draft, next_tokens=next_tokens,
-                           snapshot_tables=snapshot_tables, restore_snapshots=restore)
+      a.temperature[j], a.top_k[j], a.top_p[j], a.seeds[j] = (s.temperature, s.top_k, s.top_p,
+                                                              s.seed)
+    if snapshots is None:
+      return a.step_batch()
+    restore = np.full(b, -1, np.int32)
+    restore[:len(rows)] = [snapshots.restore.get(r.request_id, -1) for r in rows]
+    return a.step_batch(snapshots.tables(a.tables), restore)
+
+  # -- every row group ------------------------------------------------------------------
+
+  def shapes(self, draft_counts: Optional[Sequence[int]] = None, bursts: bool = False
+             ) -> list[StepShape]:
+    """Every (kind, B, T, W) a run of this packing can pack, from the rules above.
+
+    draft_counts: the J a decode group's program may run (default: the engine's J);
+    prefill groups always run the engine's.  bursts: also the multi-step loop's
+    groups (every running request decoding, 1 + J_max tokens each within the
+    budget).  What bounds them: a fed position is at most max_model_len - 2 (the
+    last generated token is never fed), so a row starts at most there and a chunk
+    is at most max_model_len - 1 tokens; rows take a token of the budget at least.
+    """
+    budget, most_fed = self.max_num_batched_tokens, self.max_model_len - 1
+    shortest = {}  # prefill T -> the shortest longest-chunk that packs to it
+    for n in range(1, min(budget, most_fed) + 1):
+      shortest.setdefault(self._columns(False, n), n)
+    groups = [("prefill", t, budget - n + 1) for t, n in shortest.items()]
+    for j in (self.num_draft,) if draft_counts is None else sorted(set(draft_counts)):
+      t = self._columns(True, 1, j)
+      groups.append(("decode", t, budget))
+      if bursts:
+        groups.append(("burst", t, budget // (1 + self.num_draft)))
+    out = []
+    for kind, t, most_rows in groups:
+      decode = kind != "prefill"
+      row_buckets = {self._rows_bucket(r, decode, t)
+                     for r in range(1, min(most_rows, self.max_num_seqs) + 1)}
+      # Pages read: from a row at start 0 to one at the last fed position.
+      pages = range(-(-t // self.page_size), -(-(most_fed - 1 + t) // self.page_size) + 1)
+      widths = {self._width_bucket(p) for p in pages}
+      out += [StepShape(kind, b, t, w) for b in sorted(row_buckets) for w in sorted(widths)]
+    return out
+
+  def padding(self, shape: StepShape, snapshots: bool = False) -> StepBatch:
+    """A StepBatch of shape's B rows, every one a padding row: what pack() builds
+    around its rows (Engine.warm_up runs the step programs on it, which write only
+    the scratch slot and the null page).  snapshots: with a hybrid engine's snapshot
+    fields (none written, none restored), as its packing always passes them."""
+    a = _HostRows.padding(shape.rows, shape.columns, shape.width, self.max_num_seqs)
+    if not snapshots:
+      return a.step_batch()
+    return a.step_batch(np.full(a.tables.shape, -1, np.int32), np.full(shape.rows, -1, np.int32))
 
 
 def burst_limits(rows: Sequence[ScheduledRow], b: int) -> tuple[np.ndarray, np.ndarray]:
   """A burst's per-row limits: (tokens still allowed [B], stop ids [B, E] -1 padded)."""
   left = np.zeros(b, np.int32)
   stops = [sorted(r.request.stop_token_ids) for r in rows]
-  stop_ids = np.full((b, bucket(max(map(len, stops)))), -1, np.int32)
+  stop_ids = np.full((b, bucket(max(map(len, stops), default=0))), -1, np.int32)
   for j, (row, ids) in enumerate(zip(rows, stops)):
     left[j] = row.request.max_new_tokens - row.request.num_output_tokens
     stop_ids[j, :len(ids)] = ids

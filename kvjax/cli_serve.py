@@ -3,9 +3,12 @@
   python -m kvjax serve --checkpoint ./hf_llama --port 8000 --served-model-name llama \
       --max-waiting 64 --max-num-seqs 16
 
-Loads the model, compiles the step programs with one short request, then
-prints one line, `kvjax serving <name> at http://<host>:<port>/v1` (the real
-port when --port is 0), and serves until SIGINT or SIGTERM.
+Loads the model, compiles every step program the engine can run (--warm-up
+full, with a progress bar on stderr, then a line saying how many and how long;
+--warm-up minimal: only what two short requests run, the rest compiles under the
+first clients), then prints one line, `kvjax serving <name> at
+http://<host>:<port>/v1` (the real port when --port is 0), and serves until
+SIGINT or SIGTERM.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import threading
 
 from kvjax import distributed
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
+from kvjax.warm_up import WARM_UP_MODES
 
 __all__ = ["add_parser", "run"]
 
@@ -35,6 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--max-waiting", type=int, default=256,
                  help="requests that may wait beyond the --max-num-seqs running ones; "
                       "more get 503 (default: %(default)s)")
+  p.add_argument("--warm-up", choices=WARM_UP_MODES, default="full",
+                 help="full: compile every step program before serving, so no request "
+                      "waits on XLA; minimal: only two short requests' programs, a faster "
+                      "start (default: %(default)s)")
   add_engine_flags(p)
   distributed.add_parallel_flags(p)
   p.set_defaults(func=run)
@@ -50,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
   model, = distributed.load_replicas(args, args.checkpoint, args.dtype)
   handle = serve_in_thread(model, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
-                           max_waiting=args.max_waiting)
+                           max_waiting=args.max_waiting, warm_up=args.warm_up)
+  if handle.warm_up is not None:
+    print(f"kvjax warm-up: {handle.warm_up.programs} step programs compiled "
+          f"({handle.warm_up.runs} run) in {handle.warm_up.seconds:.1f} s", flush=True)
   stopped = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopped.set())

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.batching import Packing, burst_limits
+from kvjax.batching import Packing, StepShape, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
@@ -56,6 +56,7 @@ from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
                                serve_step)
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
+from kvjax.warm_up import WarmUp, draft_counts, warm_up
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "run_until_finished"]
 
@@ -118,7 +119,7 @@ class Engine:
     self.packing = Packing.create(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,
-        num_draft=self.num_draft)
+        num_draft=self.num_draft, max_model_len=config.max_model_len)
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
                                model.dtype, with_mtp=config.speculative == "mtp",
@@ -236,11 +237,7 @@ class Engine:
       raise RuntimeError(f"the scheduler admitted none of {waiting} waiting requests into "
                          f"an idle pool of {self.scheduler.allocator.num_usable} pages")
     if plan.copies:
-      # At most one copy per admitted row: pad to max_num_seqs, one shape.
-      src, dst = (np.zeros(self.config.max_num_seqs, np.int32) for _ in range(2))
-      src[:len(plan.copies)] = [cp.src for cp in plan.copies]
-      dst[:len(plan.copies)] = [cp.dst for cp in plan.copies]
-      self.state = copy_pages(self.state, src, dst)
+      self._copy_pages(plan.copies)
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
     # The policy picks the decode rows' J; prefill rows always draft the most (fresh
@@ -330,6 +327,14 @@ class Engine:
 
   __iter__ = stream
 
+  def _copy_pages(self, copies) -> None:
+    """Apply token-mode prefix hits' page copies (none: the null page onto itself)."""
+    # At most one copy per admitted row: pad to max_num_seqs, one shape.
+    src, dst = (np.zeros(self.config.max_num_seqs, np.int32) for _ in range(2))
+    src[:len(copies)] = [cp.src for cp in copies]
+    dst[:len(copies)] = [cp.dst for cp in copies]
+    self.state = copy_pages(self.state, src, dst)
+
   def _clear(self, pages: list[int], slot: int) -> None:
     """Zero a failed request's own pages, the null page and its slot on the device."""
     # One shape for every failure: the widest block table plus the null page.
@@ -358,22 +363,61 @@ class Engine:
     verify = [min(num_draft, self._fresh_drafts.get(plan.rows[i].request_id, 0))
               for i in group]
     batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
-    shape = batch.tokens.shape
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
+    burst = None if plan.num_steps == 1 else (
+        *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
+    return (batch.tokens.shape, *self._run(batch, num_draft, use_filter, logprobs, burst))
+
+  def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None):
+    """Dispatch serve_step, or serve_burst when burst = (left [B], stop ids [B, E], steps)
+    -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
     draft = self.draft_model
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
                   logprobs=logprobs)
-    if plan.num_steps == 1:
+    if burst is None:
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
-      return shape, jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
-    left, stop_ids = burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0])
+      return jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
+    left, stop_ids, num_steps = burst
     self.state, emitted, drafted, steps = serve_burst(
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
-        np.int32(plan.num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
-    return shape, emitted, drafted, steps
+        np.int32(num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
+    return emitted, drafted, steps
+
+  # -- warm-up ----------------------------------------------------------------
+
+  def warm_up(self, *, logprobs: bool = False, filtered: bool = False,
+              progress: Optional[str] = None) -> WarmUp:
+    """Compile every step program this engine can run, before it serves -> WarmUp
+    (programs compiled, programs run, seconds); kvjax/warm_up.py.
+
+    Runs serve_step / serve_burst once per shape its packing can form
+    (Packing.shapes), per draft count its policy may pick and per variant, on
+    padding-only batches, and the page copy / clear programs on the null page, so
+    no request waits on XLA and nothing a request reads changes.  logprobs /
+    filtered: also the programs of requests asking for logprobs / with top-k or
+    top-p (each doubles the count; left out, such a request's first step
+    compiles).  progress: a progress bar's label.
+    """
+    with self._lock:
+      if self.config.prefix_cache and self.config.prefix_match == "token":
+        self._copy_pages([])
+      self._clear([], self.config.max_num_seqs)  # the scratch slot
+      shapes = self.packing.shapes(draft_counts(self.draft_policy, self.num_draft),
+                                   bursts=self.scheduler.num_scheduler_steps > 1)
+      done = warm_up(shapes, self._run_padding, filtered=filtered, logprobs=logprobs,
+                     progress=progress)
+      jax.block_until_ready(self.state)
+      return done
+
+  def _run_padding(self, shape: StepShape, use_filter: bool, logprobs: bool) -> None:
+    """One step program of `shape` on padding rows (a burst's: none runs a step)."""
+    batch = self.packing.padding(shape, snapshots=self.snapshots is not None)
+    num_draft = self.num_draft if shape.kind == "prefill" else shape.columns - 1
+    burst = (*burst_limits([], shape.rows), 1) if shape.kind == "burst" else None
+    self._run(batch, num_draft, use_filter, logprobs, burst)
 
   # -- one-shot ---------------------------------------------------------------
 

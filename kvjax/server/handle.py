@@ -1,9 +1,12 @@
 """`serve_in_thread`: a live server (engine thread + uvicorn thread) and its handle.
 
-Builds the Engine, warms it up (two short requests compile the prefill, decode
-and multi-step programs of short contexts, so the first clients do not pay XLA
-compilation), starts the engine thread and uvicorn, and returns once the socket
-listens.  Port 0 picks a free port; `handle.port` is the real one.
+Builds the Engine, warms it up, starts the engine thread and uvicorn, and
+returns once the socket listens.  Port 0 picks a free port; `handle.port` is the
+real one.  The warm-up decides what the first clients pay in XLA compilation:
+"full" compiles every step program the engine can run (Engine.warm_up,
+kvjax/warm_up.py), so no request waits on a compile; "minimal" runs two short
+requests, which compile the prefill, decode and multi-step programs of short
+contexts only (a quick start for tests and notebooks).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from kvjax.server.engine_loop import EngineLoop
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import Limits
 from kvjax.validation import check_int
+from kvjax.warm_up import WARM_UP_MODES, WarmUp
 
 __all__ = ["ServerHandle", "serve_in_thread"]
 
@@ -29,12 +33,14 @@ _WARMUP_PROMPT_LEN = 3  # shorter than a page: the warm-up leaves no prefix-cach
 
 class ServerHandle:
   """A running server: `.url` (the OpenAI base URL, ending in /v1), `.root` (where
-  /health and /metrics live), `.port`, `.engine` (to inspect, not to drive), `.stop()`.
-  Also a context manager that stops the server on exit."""
+  /health and /metrics live), `.port`, `.engine` (to inspect, not to drive), `.stop()`,
+  `.warm_up` (a full warm-up's kvjax.warm_up.WarmUp: programs compiled, seconds; None
+  after a minimal one).  Also a context manager that stops the server on exit."""
 
   def __init__(self, server: uvicorn.Server, thread: threading.Thread, loop: EngineLoop,
-               state: ServerState, host: str, port: int):
+               state: ServerState, host: str, port: int, warm_up: Optional[WarmUp] = None):
     self._server, self._thread, self._loop, self.state = server, thread, loop, state
+    self.warm_up = warm_up
     self.port = port
     self.root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     self.url = self.root + "/v1"
@@ -58,17 +64,24 @@ class ServerHandle:
 def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
                     host: str = "127.0.0.1", port: int = 0,
                     served_model_name: Optional[str] = None,
-                    max_waiting: int = 256) -> ServerHandle:
+                    max_waiting: int = 256, warm_up: str = "minimal") -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
   max_waiting: requests that may wait beyond the max_num_seqs running ones;
   beyond that the server answers 503 at once.  served_model_name: the `model` field clients
-  send (default: the model config's name).
+  send (default: the model config's name).  warm_up: "full" (every step program, with
+  a progress bar; `python -m kvjax serve`'s default) or "minimal" (see the module doc).
   """
   check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
+  if warm_up not in WARM_UP_MODES:
+    raise ValueError(f"warm_up must be one of {WARM_UP_MODES}, got {warm_up!r}")
   engine = Engine(model, engine_config)
-  _warm_up(engine)
+  warmed = None
+  if warm_up == "full":
+    warmed = engine.warm_up(progress="warm-up (compiling step programs)")
+  else:
+    _warm_up(engine)
   name = served_model_name or model.config.name
   metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
                           max_num_seqs=engine.config.max_num_seqs)
@@ -91,11 +104,11 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
     time.sleep(0.01)
   bound = server.servers[0].sockets[0].getsockname()[1]
   state.ready = True
-  return ServerHandle(server, thread, loop, state, host, bound)
+  return ServerHandle(server, thread, loop, state, host, bound, warmed)
 
 
 def _warm_up(engine: Engine) -> None:
-  """Compile the prefill, decode and multi-step programs with two short requests.
+  """The minimal warm-up: the prefill, decode and multi-step programs of two short requests.
 
   The second joins once the first has its first token, so one step decodes beside a
   prefill: the single-step decode program, which concurrent traffic meets at once
