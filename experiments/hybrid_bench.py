@@ -1,0 +1,340 @@
+"""Hybrid linear-attention models (issue 15): prefix hits at 16-token pages (C8), chunked
+vs recurrent prefill, and what the state snapshots cost (C4).
+
+(1) Multi-turn chats (kvjax/cli_bench.py) on a tiny random-init hybrid of
+    Qwen3.5's layout ((3 Gated DeltaNet + 1 full attention) x groups) through
+    warm Engines, greedy:
+      pages_16   16-token pages, the recurrent state snapshotted at every page
+                 boundary (kvjax/state_snapshots.py; the default),
+      grown      the seed's / vLLM's hybrid allocator: pages grown until one
+                 page's KV is as big as one request's state (the smallest power
+                 of two >= state bytes / KV bytes per token), a state per page,
+      no_cache   prefix_cache=False.
+    Prefix hit rate and mean TTFT of the turns after the first; every round's
+    outputs must equal no_cache's token for token (a hit resumes exactly).
+    Probes: two requests sharing a 30- and a 40-token prefix, the second's hit
+    tokens measured per engine and worked out for qwen3.5-9b's grown block.
+(2) One Gated DeltaNet layer at qwen3.5-9b's dims (Nv value heads, Hk = Hv),
+    batch 1, from a zero state: delta_rule_chunked (chunk = linear_chunk_size)
+    against delta_rule_step scanned over T, both jitted, compile excluded;
+    outputs must agree within prefill_tolerance.
+(3) qwen3.5-9b's per-snapshot bytes in the engine's allocated pool
+    (kvjax/cli_memory.py) and what the default bound costs.
+Timed variants run once untimed (compiles), then in turn `repeats` times
+(common.interleaved); the median is reported, so load from other processes hits
+every variant alike.  Prints claim id, seed value and ours; writes
+results/<name>.json and .png.
+"""
+import functools
+import math
+import os
+import time
+
+from absl import app, logging
+from ml_collections import config_flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from experiments import common
+from kvjax import cli_bench, cli_memory, ledger
+from kvjax.attention.gated_delta import delta_rule_chunked, delta_rule_step
+from kvjax.config import get_preset
+from kvjax.engine import Engine
+from kvjax.engine_config import EngineConfig
+from kvjax.generation import next_pow2
+from kvjax.params import init_params
+
+SECTIONS = ("prefix", "prefill", "snapshots")
+_PROBE_TAIL = 8  # prompt tokens after a probe's shared prefix, different per request
+
+
+def grown_block(cfg: kvjax.ModelConfig, dtype: str) -> dict:
+  """The grown-block design's page: the smallest power of two of tokens whose KV
+  holds at least one request's recurrent state (vLLM's hybrid allocator)."""
+  state = ledger.state_bytes_per_request(cfg, dtype)
+  kv = ledger.kv_bytes_per_token(cfg, dtype)
+  return {"state_bytes_per_request": state, "kv_bytes_per_token": kv,
+          "state_over_kv_tokens": state / kv, "block_tokens": next_pow2(math.ceil(state / kv))}
+
+
+def whole_block_hit(shared: int, block: int) -> int:
+  """Tokens a request sharing `shared` prompt tokens reuses: whole blocks only (C8)."""
+  return shared // block * block
+
+
+# -- (1) prefix caching ---------------------------------------------------------
+
+
+def tiny_hybrid(c) -> kvjax.Model:
+  cfg = kvjax.ModelConfig(
+      name="tiny-hybrid-bench", vocab_size=256, hidden_size=c.hidden_size,
+      intermediate_size=2 * c.hidden_size, num_layers=4 * c.groups, num_heads=c.num_heads,
+      num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=1024,
+      qk_norm=True, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * c.groups,
+      linear_num_key_heads=c.linear_num_key_heads,
+      linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_head_dim,
+      linear_value_head_dim=c.linear_head_dim, linear_chunk_size=c.linear_chunk_size,
+      attn_output_gate=True, partial_rotary_factor=0.5, mtp_num_hidden_layers=2)
+  return kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(c.seed), std=0.2))
+
+
+def _serve(engine, sessions) -> dict:
+  """The sessions on a warm engine, its prefix cache emptied first (a repeat must not hit
+  the run before)."""
+  if engine.scheduler.prefix_cache is not None:
+    engine.scheduler.prefix_cache.reset()
+  return cli_bench.run_workload(engine, sessions)
+
+
+def _shared_prefix_hit(engine, shared: int, rng) -> int:
+  """Hit tokens of a request sharing `shared` prompt tokens with one served before it."""
+  cache = engine.scheduler.prefix_cache
+  if cache is None:
+    return 0
+  cache.reset()
+  prefix = rng.integers(3, engine.model_config.vocab_size, shared).tolist()
+  first, second = (prefix + rng.integers(3, engine.model_config.vocab_size,
+                                         _PROBE_TAIL).tolist()
+                   for _ in range(2))
+  engine.generate([first], 1)
+  before = cache.hit_tokens
+  engine.generate([second], 1)
+  return cache.hit_tokens - before
+
+
+def section_prefix(c) -> dict:
+  model = tiny_hybrid(c)
+  grown = grown_block(model.config, "fp32")  # the model's dtype: float32 states and KV
+  logging.info("tiny hybrid: state %d B / KV %d B per token = %.1f tokens -> %d-token blocks",
+               grown["state_bytes_per_request"], grown["kv_bytes_per_token"],
+               grown["state_over_kv_tokens"], grown["block_tokens"])
+  sessions = cli_bench.make_workload(
+      "multi-turn-chat", vocab_size=model.config.vocab_size, num_requests=c.chat_num_chats,
+      input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
+      seed=c.seed)
+  longest = max(c.chat_num_turns * (c.chat_user_len + c.chat_output_len),
+                max(c.shared_prefix_lens) + _PROBE_TAIL + 1)
+  base = dict(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+              max_model_len=longest)
+  variants = {"pages_16": dict(page_size=c.page_size),
+              "grown": dict(page_size=grown["block_tokens"]),
+              "no_cache": dict(page_size=c.page_size, prefix_cache=False)}
+  engines = {name: Engine(model, EngineConfig(**base, **kw)) for name, kw in variants.items()}
+  logging.info("prefix: %d chats x %d turns on %s", c.chat_num_chats, c.chat_num_turns,
+               list(engines))
+  timings = common.interleaved({name: functools.partial(_serve, e, sessions)
+                                for name, e in engines.items()}, c.repeats)
+  runs = timings.median_results(key=lambda run: run["wall_s"])
+  reference = timings.first_results["no_cache"]["outputs"]
+  rng = np.random.default_rng(c.seed + 1)
+  out = {"model": model.config.name, "grown_block": grown, "variants": {}}
+  for name, run in runs.items():
+    every_round = [timings.first_results[name]] + timings.results[name]
+    out["variants"][name] = {
+        "page_size": engines[name].config.page_size,
+        "prefix_snapshots": engines[name].config.prefix_snapshots,
+        "prefix_hit_rate": run["prefix_hit_rate"], "prefix_hit_tokens": run["prefix_hit_tokens"],
+        "turn_ttft_s": run["turn_ttft_s"], "turn_prompt_tokens": run["turn_prompt_tokens"],
+        "later_turns_ttft_mean_s": float(np.mean(run["turn_ttft_s"][1:])),
+        "tokens_per_s": run["tokens_per_s"], "wall_s": run["wall_s"],
+        "outputs_equal_no_cache": all(r["outputs"] == reference for r in every_round),
+        "shared_prefix_hit_tokens": {str(n): _shared_prefix_hit(engines[name], n, rng)
+                                     for n in c.shared_prefix_lens}}
+  seed_grown = grown_block(get_preset(c.seed_preset), "bf16")
+  out["seed_preset"] = {
+      "preset": c.seed_preset, **seed_grown,
+      "shared_prefix_hit_tokens": {str(n): {
+          "pages_16": whole_block_hit(n, c.page_size),
+          "grown": whole_block_hit(n, seed_grown["block_tokens"])}
+          for n in c.shared_prefix_lens}}
+  return out
+
+
+# -- (2) chunked vs recurrent prefill -------------------------------------------
+
+
+def _layer_inputs(t: int, nv: int, hk: int, hv: int, seed: int):
+  """One layer's rule inputs as the layer hands them over: q, k L2-normalized (q scaled),
+  g <= 0, beta in (0, 1), a zero entering state (a prefill)."""
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(rng.normal(size=(1, t, nv, hk))) * hk ** -0.5
+  k = unit(rng.normal(size=(1, t, nv, hk)))
+  v = rng.normal(size=(1, t, nv, hv))
+  g = -rng.uniform(0.001, 0.2, size=(1, t, nv))
+  beta = rng.uniform(0.05, 0.95, size=(1, t, nv))
+  return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)] + [
+      jnp.zeros((1, nv, hk, hv), jnp.float32)]
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def _chunked(q, k, v, g, beta, state, *, chunk):
+  return delta_rule_chunked(q, k, v, g, beta, state, chunk)
+
+
+@jax.jit
+def _recurrent(q, k, v, g, beta, state):
+  """delta_rule_step token by token: [B, T, ...] inputs -> (o [B, T, Nv, Hv], state)."""
+  def step(state, xs):
+    out, state = delta_rule_step(*xs, state)
+    return state, out
+
+  state, out = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
+  return jnp.moveaxis(out, 0, 1), state
+
+
+def section_prefill(c) -> dict:
+  cfg = get_preset(c.seed_preset)
+  nv, hk, hv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  out = {"preset": c.seed_preset, "num_value_heads": nv, "key_head_dim": hk,
+         "value_head_dim": hv, "chunk": cfg.linear_chunk_size, "by_len": {}}
+  for t in c.prefill_lens:
+    logging.info("prefill: T = %d, chunked (chunk %d) vs recurrent", t, cfg.linear_chunk_size)
+    inputs = _layer_inputs(t, nv, hk, hv, c.seed)
+    timings = common.interleaved({
+        "chunked": lambda: _chunked(*inputs, chunk=cfg.linear_chunk_size),
+        "recurrent": lambda: _recurrent(*inputs)}, c.prefill_repeats,
+        block=jax.block_until_ready)
+    ms = {name: s * 1e3 for name, s in timings.medians().items()}
+    (o_c, s_c), (o_r, s_r) = timings.first_results["chunked"], timings.first_results["recurrent"]
+    out["by_len"][str(t)] = {
+        "ms": ms, "tokens_per_s": {name: t / (m / 1e3) for name, m in ms.items()},
+        "speedup": ms["recurrent"] / ms["chunked"],
+        "first_call_s": timings.first_seconds,
+        "max_abs_diff_outputs": float(jnp.abs(o_c - o_r).max()),
+        "max_abs_diff_state": float(jnp.abs(s_c - s_r).max())}
+    out["by_len"][str(t)]["within_tolerance"] = (
+        out["by_len"][str(t)]["max_abs_diff_outputs"] <= c.prefill_tolerance)
+  return out
+
+
+# -- (3) snapshot memory --------------------------------------------------------
+
+
+def section_snapshots(c) -> dict:
+  cfg = get_preset(c.seed_preset)
+  pool = cli_memory.allocated_pool(cfg, "bf16", "bf16")
+  bound = c.snapshots_per_request * c.snapshot_max_num_seqs
+  total = bound * pool["snapshot_bytes"]
+  return {"preset": c.seed_preset, "allocated_pool": pool,
+          "ledger_state_bytes_per_request": ledger.state_bytes_per_request(cfg, "bf16"),
+          "max_num_seqs": c.snapshot_max_num_seqs, "snapshots": bound,
+          "snapshots_bytes": total, "snapshots_gib": total / ledger.GIB,
+          "slot_states_bytes": c.snapshot_max_num_seqs * pool["state_bytes_per_slot"],
+          "snapshots_as_kv_tokens": total / pool["kv_bytes_per_token"]}
+
+
+# -- results --------------------------------------------------------------------
+
+
+def _table(results: dict, c) -> list:
+  rows = []
+  mib = 2 ** 20
+  if "prefix" in results:
+    p = results["prefix"]
+    v, seed, tiny = p["variants"], p["seed_preset"], p["grown_block"]
+    for n, hit in seed["shared_prefix_hit_tokens"].items():
+      rows.append(("C8", f"{c.seed_preset}: {n}-token shared prefix hits (grown / 16-token pages)",
+                   "0 (blocks > 60 tokens)" if n == "30" else "-",
+                   f"{hit['grown']} / {hit['pages_16']}"))
+    rows.append(("C8", f"{c.seed_preset} grown block (pow2 >= state / KV per token), tokens",
+                 "> 60", f"{seed['block_tokens']:,} ({seed['state_bytes_per_request'] / mib:.1f} "
+                 f"MiB / {seed['kv_bytes_per_token'] / 1024:g} KiB = "
+                 f"{seed['state_over_kv_tokens']:,.0f})"))
+    rows.append(("C8", "tiny hybrid grown block: state / KV per token -> tokens", "-",
+                 f"{tiny['block_tokens']} ({tiny['state_bytes_per_request']:,} B / "
+                 f"{tiny['kv_bytes_per_token']} B = {tiny['state_over_kv_tokens']:.1f})"))
+    for n in c.shared_prefix_lens:
+      rows.append(("C8", f"tiny hybrid engine, {n}-token shared prefix: hit tokens pages_16 / "
+                   f"grown / no_cache (whole pages: {whole_block_hit(n, c.page_size)} / "
+                   f"{whole_block_hit(n, tiny['block_tokens'])} / 0)", "-",
+                   " / ".join(str(v[name]["shared_prefix_hit_tokens"][str(n)])
+                              for name in ("pages_16", "grown", "no_cache"))))
+    for name in v:
+      rows.append(("C8", f"chats, {name} ({v[name]['page_size']}-token pages): hit rate, "
+                   "later-turn TTFT ms", "-", f"{v[name]['prefix_hit_rate']:.1%}, "
+                   f"{v[name]['later_turns_ttft_mean_s'] * 1e3:.1f}"))
+    rows.append(("issue", "greedy outputs pages_16 == grown == no_cache, every round", "yes",
+                 "yes" if v["pages_16"]["outputs_equal_no_cache"] and
+                 v["grown"]["outputs_equal_no_cache"] else "NO"))
+  if "prefill" in results:
+    p = results["prefill"]
+    for t, r in p["by_len"].items():
+      rows.append(("issue", f"{c.seed_preset} DeltaNet layer prefill T={t}: chunked / "
+                   "recurrent ms (tok/s), speedup", "-",
+                   f"{r['ms']['chunked']:.1f} / {r['ms']['recurrent']:.1f} ms "
+                   f"({r['tokens_per_s']['chunked']:,.0f} / "
+                   f"{r['tokens_per_s']['recurrent']:,.0f}), {r['speedup']:.1f}x"))
+      rows.append(("issue", f"T={t}: max |chunked - recurrent| outputs",
+                   f"<= {c.prefill_tolerance}", f"{r['max_abs_diff_outputs']:.1e}"))
+  if "snapshots" in results:
+    s = results["snapshots"]
+    pool = s["allocated_pool"]
+    rows.append(("C4", f"{c.seed_preset}: KV bytes per token (allocated pool)", "32.3 KB measured",
+                 f"{pool['kv_bytes_per_token']:,.0f} B"))
+    rows.append(("C4", f"{c.seed_preset}: state per request / per snapshot (allocated)", "-",
+                 f"{pool['state_bytes_per_slot'] / mib:.1f} / "
+                 f"{pool['snapshot_bytes'] / mib:.1f} MiB"))
+    rows.append(("issue", f"default snapshot bound at max_num_seqs={s['max_num_seqs']}: "
+                 f"{s['snapshots']} snapshots", "-",
+                 f"{s['snapshots_gib']:.2f} GiB (= {s['snapshots_as_kv_tokens']:,.0f} KV tokens)"))
+  return common.claim_rows(rows)
+
+
+def _plot(results, path):
+  panels = [name for name in ("prefix", "prefill") if name in results]
+  with common.figure(path, 1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 4),
+                     squeeze=False) as (_, axes):
+    for ax, name in zip(axes[0], panels):
+      if name == "prefix":
+        for variant, r in results["prefix"]["variants"].items():
+          turns = np.arange(1, len(r["turn_ttft_s"]) + 1)
+          ax.plot(turns, np.asarray(r["turn_ttft_s"]) * 1e3, "o-",
+                  label=f"{variant} ({r['page_size']}-token pages, hit "
+                        f"{r['prefix_hit_rate']:.0%})")
+        ax.set(xlabel="turn", ylabel="mean TTFT (ms)", title="(1) C8: chats on a tiny hybrid")
+      else:
+        by_len = results["prefill"]["by_len"]
+        lens = list(by_len)
+        x = np.arange(len(lens))
+        for offset, key in ((-0.2, "chunked"), (0.2, "recurrent")):
+          ax.bar(x + offset, [by_len[t]["tokens_per_s"][key] for t in lens], 0.4, label=key)
+        ax.set_xticks(x, [f"T={t}\n{by_len[t]['speedup']:.1f}x" for t in lens])
+        ax.set(ylabel="prefill tokens/s (one layer)", yscale="log",
+               title=f"(2) {results['prefill']['preset']} Gated DeltaNet layer")
+      ax.legend()
+
+
+def run(c) -> dict:
+  """Every section, the claim table printed; writes <out_dir>/<name>.json and .png."""
+  device = common.describe_device()
+  results = {"device": common.device_label(device), "machine": device["os"],
+             "jax": device["jax"], "config": c.to_dict(), "seconds": {}, "loadavg": {}}
+  sections = {"prefix": section_prefix, "prefill": section_prefill,
+              "snapshots": section_snapshots}
+  for name in SECTIONS:
+    logging.info("section %s", name)
+    start, load = time.perf_counter(), os.getloadavg()
+    results[name] = sections[name](c)
+    results["seconds"][name] = time.perf_counter() - start
+    results["loadavg"][name] = {"start": load, "end": os.getloadavg()}
+  results["table"] = _table(results, c)
+  print(f"hybrid_bench on {results['device']}, loadavg {os.getloadavg()}")
+  common.print_claims(results["table"], "{claim:<6} {what:<100} {seed:<24} {ours}")
+  common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
+  return results
+
+
+def main(argv):
+  del argv
+  run(_CONFIG.value)
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: tests import this module beside other launchers,
+  # and absl allows one --config per process.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/hybrid_bench.py", "experiment config", lock_config=True)
+  app.run(main)
