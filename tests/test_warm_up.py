@@ -1,0 +1,239 @@
+"""Engine.warm_up: every step program compiled before serving, nothing a request reads changed.
+
+Oracles: kvjax.serve_steps.num_compiled (a step that meets a new program raises
+it), an engine that never warmed up (its tokens), the pages a fresh pool holds
+(zeros), random row groups within the scheduler's limits (every one packs to
+a listed shape), and shape counts worked out by hand from the bucketing rules.
+"""
+from __future__ import annotations
+
+import types
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.batching import Packing, StepShape
+from kvjax.serve_steps import num_compiled
+from kvjax.server import serve_in_thread
+from kvjax.params import init_params
+from tests.test_hybrid import CONFIG as HYBRID
+
+# 4 rows, 16- and 32-token chunks, tables of 8 or 12 pages: 6 programs with bursts.
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, page_size=8)
+
+
+@pytest.fixture(scope="module")
+def warmed(tiny_model):
+  engine = kvjax.Engine(tiny_model, **SMALL)
+  return engine, engine.warm_up()
+
+
+def _prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
+  """n prompts of 1..44 ids (the first `shared` ids common to all: prefix hits)."""
+  rng = np.random.default_rng(seed)
+  prefix = rng.integers(3, 120, shared).tolist()
+  return [prefix + rng.integers(3, 120, int(k)).tolist() for k in rng.integers(1, 45 - shared, n)]
+
+
+# -- the shapes ----------------------------------------------------------------------------
+
+def _packing(*, max_num_seqs, max_num_batched_tokens, page_size, max_model_len, num_draft):
+  return Packing.create(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        page_size=page_size, max_pages_per_seq=-(-max_model_len // page_size),
+                        num_draft=num_draft, max_model_len=max_model_len)
+
+
+def _random_group(packing: Packing, kind: str, rng) -> tuple[list, np.ndarray]:
+  """A row group the scheduler could plan -> (rows, block tables [rows, pages]), rows ducks
+  of ScheduledRow: at most max_num_seqs rows within the token budget (a burst: 1 + J_max
+  each), every fed or reserved position at most max_model_len - 2."""
+  budget, last_fed, z = packing.max_num_batched_tokens, packing.max_model_len - 2, packing.page_size
+  most_rows = budget // (1 + packing.num_draft) if kind == "burst" else budget
+  rows, used = [], 0
+  for _ in range(rng.integers(1, min(most_rows, packing.max_num_seqs) + 1)):
+    if kind == "prefill":  # mostly short chunks, now and then one as long as allowed
+      longest = min(budget - used, last_fed + 1) if rng.random() < 0.3 else 3
+      n = int(rng.integers(1, max(1, min(longest, budget - used)) + 1))
+    else:  # a decode row writes 1 + its drafts
+      n = 1 + int(rng.integers(0, packing.num_draft + 1))
+    if used + n > budget:
+      break
+    used += n
+    start = int(rng.integers(0, last_fed + 2 - n))
+    # Pages held: every position written; a burst's, every step's it reserved.
+    written = int(rng.integers(n, last_fed + 2 - start)) if kind == "burst" else n
+    rows.append(types.SimpleNamespace(is_decode=kind != "prefill", num_tokens=n, start=start,
+                                      pages=-(-(start + written) // z)))
+  tables = np.zeros((len(rows), -(-packing.max_model_len // z)), np.int32)
+  for i, row in enumerate(rows):
+    tables[i, :row.pages] = 7
+  return rows, tables
+
+
+PACKINGS = {
+    "serve_http": dict(max_num_seqs=8, max_num_batched_tokens=512, page_size=16,
+                       max_model_len=193, num_draft=0),
+    "mtp, small pages": dict(max_num_seqs=12, max_num_batched_tokens=96, page_size=4,
+                             max_model_len=100, num_draft=2),
+    "tight budget": dict(max_num_seqs=4, max_num_batched_tokens=20, page_size=8,
+                         max_model_len=64, num_draft=3),
+}
+
+
+@pytest.mark.parametrize("name", PACKINGS)
+def test_every_group_the_scheduler_can_plan_packs_to_a_listed_shape(name):
+  packing = _packing(**PACKINGS[name])
+  counts = range(packing.num_draft + 1)
+  listed = set(packing.shapes(counts, bursts=True))
+  assert len(listed) == len(packing.shapes(counts, bursts=True))  # no shape twice
+  rng = np.random.default_rng(0)
+  for _ in range(3000):
+    kind = ("prefill", "decode", "burst")[rng.integers(3)]
+    j = packing.num_draft if kind == "prefill" else int(rng.integers(0, packing.num_draft + 1))
+    rows, tables = _random_group(packing, kind, rng)
+    b, t = packing.shape(rows, j)
+    shape = StepShape(kind, b, t, packing.table_width(tables, rows, t))
+    assert shape in listed, (shape, [(r.start, r.num_tokens, r.pages) for r in rows])
+
+
+def test_shapes_of_the_serve_http_engine_by_hand():
+  # Chunks T 16 (rows bucket 8), 32 (4, 8), 64 (2, 4, 8), 128 and 256 (1, 2, 4, 8); a
+  # chunk of T 512 is over 256 tokens, more than 192 fed positions: none.  Tables: a row
+  # reads ceil((start + T) / 16) pages, start + T from T to 191 + T: W in {8, 16} up to
+  # T 64, {8, 16, 32} at 128, {16, 32} at 256.  Decode rows T 1, B 8, W {8, 16}; bursts too.
+  packing = _packing(**PACKINGS["serve_http"])
+  expected = {16: 1 * 2, 32: 2 * 2, 64: 3 * 2, 128: 4 * 3, 256: 4 * 2}
+  shapes = packing.shapes(bursts=True)
+  prefill = [s for s in shapes if s.kind == "prefill"]
+  assert {t: sum(s.columns == t for s in prefill) for t in expected} == expected
+  assert len(prefill) == sum(expected.values())
+  for kind in ("decode", "burst"):
+    assert sorted((s.rows, s.columns, s.width) for s in shapes if s.kind == kind) == [
+        (8, 1, 8), (8, 1, 16)]
+  assert not [s for s in packing.shapes(bursts=False) if s.kind == "burst"]
+  # An adaptive policy's draft counts {0, 2}: decode rows 1 and 3 wide.
+  mtp = _packing(**{**PACKINGS["serve_http"], "num_draft": 2})
+  assert {s.columns for s in mtp.shapes((0, 2)) if s.kind == "decode"} == {1, 3}
+
+
+def _avals(batch):
+  return jax.tree.structure(batch), [(np.shape(x), np.asarray(x).dtype)
+                                     for x in jax.tree.leaves(batch)]
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_padding_batches_have_the_packed_batches_structure(tiny_model, family):
+  """What the jit cache keys on (pytree, shapes, dtypes) is the same for a padding batch
+  as for the batch a real plan packs to: a hybrid's snapshot fields included."""
+  # The packing never reads weights: the hybrid's are shapes only.
+  model = tiny_model if family == "dense" else kvjax.Model(HYBRID, jax.eval_shape(
+      lambda: init_params(HYBRID, jax.random.PRNGKey(0))))
+  engine = kvjax.Engine(model, **SMALL)
+  assert (engine.snapshots is not None) == (family == "hybrid")
+  for prompt in _prompts(1, 3, shared=17):
+    engine.add_request(prompt, 4)
+  scheduler, kinds = engine.scheduler, set()
+  for _ in range(4):
+    plan = scheduler.schedule()
+    snapshots = engine.snapshots and engine.snapshots.plan(plan.rows)
+    for decode in (True, False):
+      group = [i for i, r in enumerate(plan.rows) if r.is_decode == decode]
+      if not group:
+        continue
+      batch = engine.packing.pack(plan, group, None, None, snapshots)
+      kind = "prefill" if not decode else "burst" if plan.num_steps > 1 else "decode"
+      shape = StepShape(kind, *batch.tokens.shape, batch.block_tables.shape[1])
+      assert shape in engine.packing.shapes(bursts=True)
+      assert _avals(batch) == _avals(engine.packing.padding(shape, engine.snapshots is not None))
+      kinds.add(kind)
+    scheduler.update_from_output(plan, {r.request_id: [5] * (1 + r.num_draft) for r in plan.rows
+                                        if r.sample})
+    if engine.snapshots:
+      engine.snapshots.settle()
+  assert kinds == {"prefill", "decode", "burst"}
+
+
+# -- warming up a real engine ----------------------------------------------------------------
+
+def test_warm_up_runs_every_shape_and_writes_no_page_a_request_holds(warmed):
+  engine, done = warmed
+  assert done.runs == len(engine.packing.shapes(bursts=True)) == 6
+  assert 0 <= done.programs <= done.runs and done.seconds > 0
+  cache = engine.state.cache
+  for pages in (cache.k_pages, cache.v_pages):  # [L, K, P, Z, H]: page 0 is the null page
+    assert not np.asarray(pages)[:, :, 1:].any()
+  assert not np.asarray(engine.state.drafts).any()
+  assert not engine.steps.num_recorded and not engine.has_unfinished
+
+
+def test_after_warm_up_generate_compiles_nothing_and_equals_an_unwarmed_engine(warmed,
+                                                                               tiny_model):
+  engine, _ = warmed
+  prompts = _prompts(2, 6, shared=9)
+  before = num_compiled()
+  greedy = engine.generate(prompts, 12).tokens
+  sampled = engine.generate(prompts[:3], 10, temperature=0.9, seed=[4, 5, 6]).tokens
+  assert num_compiled() == before
+  cold = kvjax.Engine(tiny_model, **SMALL)
+  assert cold.generate(prompts, 12).tokens == greedy
+  assert cold.generate(prompts[:3], 10, temperature=0.9, seed=[4, 5, 6]).tokens == sampled
+
+
+def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
+  """Arrivals mid-run (prefill beside decode), chunked long prompts, prefix hits, bursts,
+  an abort, sampled and greedy rows: every step program was compiled by the warm-up."""
+  engine, _ = warmed
+  rng = np.random.default_rng(3)
+  arrivals = {0: 2, 1: 1, 3: 3, 6: 1, 9: 2, 15: 1, 30: 2}
+  before, mark, step, ids = num_compiled(), engine.steps.num_recorded, 0, []
+  hits = engine.scheduler.prefix_cache.hit_tokens
+  while step <= max(arrivals) or engine.has_unfinished:
+    for prompt in _prompts(step, arrivals.get(step, 0), shared=int(rng.integers(0, 20))):
+      ids.append(engine.add_request(prompt, int(rng.integers(1, 64 - len(prompt))),
+                                    temperature=float(rng.choice([0.0, 0.8])),
+                                    seed=int(rng.integers(100))))
+    if step == 4:
+      engine.abort(ids[1])
+    engine.step()
+    step += 1
+  assert num_compiled() == before
+  log = engine.steps.since(mark)  # what the stream ran: all of it, else the test is weak
+  assert {t for groups in log.row_shapes for _, t in groups} == {1, 16, 32}
+  assert any(len(groups) == 2 for groups in log.row_shapes)  # prefill beside decode
+  assert max(log.num_steps) > 1  # a burst
+  assert engine.scheduler.prefix_cache.hit_tokens > hits
+
+
+def test_filtered_and_logprobs_variants_are_opt_in(tiny_model):
+  """filtered / logprobs add the programs of top-k / top-p and logprobs requests."""
+  engine = kvjax.Engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                        page_size=16, num_scheduler_steps=1)  # prefill (4, 16, 5), decode (4, 1, 5)
+  assert engine.warm_up().runs == 2
+  before = num_compiled()
+  engine.generate([[8, 9]], 2, top_k=3)  # a variant the plain warm-up left out
+  assert num_compiled() > before
+  assert engine.warm_up(filtered=True, logprobs=True).runs == 2 * 4
+  before = num_compiled()
+  engine.add_request([5, 6, 7], 4, temperature=0.7, top_p=0.9, logprobs=2)
+  engine.add_request([8, 9], 4, top_k=3)
+  engine.add_request([10], 4, logprobs=0)
+  while engine.has_unfinished:
+    engine.step()
+  assert num_compiled() == before
+
+
+def test_a_full_warm_up_server_serves_without_compiling(tiny_model, warmed):
+  engine, _ = warmed
+  with pytest.raises(ValueError, match="warm_up must be one of"):
+    serve_in_thread(tiny_model, kvjax.EngineConfig(**SMALL), warm_up="some")
+  with serve_in_thread(tiny_model, kvjax.EngineConfig(**SMALL), warm_up="full") as server:
+    assert server.warm_up.runs == len(engine.packing.shapes(bursts=True))
+    before = num_compiled()
+    for prompt in _prompts(4, 3):
+      answer = httpx.post(server.url + "/completions", timeout=60,
+                          json={"model": server.model_name, "prompt": prompt, "max_tokens": 8})
+      assert answer.status_code == 200, answer.text
+    assert num_compiled() == before
