@@ -46,7 +46,6 @@ from kvjax.engine_config import EngineConfig
 from kvjax.generation import next_pow2
 from kvjax.params import init_params
 
-SECTIONS = ("prefix", "prefill", "snapshots")
 _PROBE_TAIL = 8  # prompt tokens after a probe's shared prefix, different per request
 
 
@@ -230,82 +229,68 @@ def section_snapshots(c) -> dict:
 
 
 def _table(results: dict, c) -> list:
-  rows = []
+  """Claim rows; a row worked out from a model's shape alone (no run) carries
+  "arithmetic": True, which experiments/report.py lists under no device."""
   mib = 2 ** 20
-  if "prefix" in results:
-    p = results["prefix"]
-    v, seed, tiny = p["variants"], p["seed_preset"], p["grown_block"]
-    for n, hit in seed["shared_prefix_hit_tokens"].items():
-      rows.append(("C8", f"{c.seed_preset}: {n}-token shared prefix hits (grown / 16-token pages)",
-                   "0 (blocks > 60 tokens)" if n == "30" else "-",
-                   f"{hit['grown']} / {hit['pages_16']}"))
-    rows.append(("C8", f"{c.seed_preset} grown block (pow2 >= state / KV per token), tokens",
-                 "> 60", f"{seed['block_tokens']:,} ({seed['state_bytes_per_request'] / mib:.1f} "
-                 f"MiB / {seed['kv_bytes_per_token'] / 1024:g} KiB = "
-                 f"{seed['state_over_kv_tokens']:,.0f})"))
-    rows.append(("C8", "tiny hybrid grown block: state / KV per token -> tokens", "-",
-                 f"{tiny['block_tokens']} ({tiny['state_bytes_per_request']:,} B / "
-                 f"{tiny['kv_bytes_per_token']} B = {tiny['state_over_kv_tokens']:.1f})"))
-    for n in c.shared_prefix_lens:
-      rows.append(("C8", f"tiny hybrid engine, {n}-token shared prefix: hit tokens pages_16 / "
-                   f"grown / no_cache (whole pages: {whole_block_hit(n, c.page_size)} / "
-                   f"{whole_block_hit(n, tiny['block_tokens'])} / 0)", "-",
-                   " / ".join(str(v[name]["shared_prefix_hit_tokens"][str(n)])
-                              for name in ("pages_16", "grown", "no_cache"))))
-    for name in v:
-      rows.append(("C8", f"chats, {name} ({v[name]['page_size']}-token pages): hit rate, "
-                   "TTFT ms turn 1 / later turns", "-", f"{v[name]['prefix_hit_rate']:.1%}, "
-                   f"{v[name]['turn_ttft_s'][0] * 1e3:.1f} / "
-                   f"{v[name]['later_turns_ttft_mean_s'] * 1e3:.1f}"))
-    rows.append(("issue", "greedy outputs pages_16 == grown == no_cache, every round", "yes",
-                 "yes" if v["pages_16"]["outputs_equal_no_cache"] and
-                 v["grown"]["outputs_equal_no_cache"] else "NO"))
-  if "prefill" in results:
-    p = results["prefill"]
-    for t, r in p["by_len"].items():
-      rows.append(("issue", f"{c.seed_preset} DeltaNet layer prefill T={t}: chunked / "
-                   "recurrent ms (tok/s), speedup", "-",
-                   f"{r['ms']['chunked']:.1f} / {r['ms']['recurrent']:.1f} ms "
-                   f"({r['tokens_per_s']['chunked']:,.0f} / "
-                   f"{r['tokens_per_s']['recurrent']:,.0f}), {r['speedup']:.1f}x"))
-      rows.append(("issue", f"T={t}: max |chunked - recurrent| outputs",
-                   f"<= {c.prefill_tolerance}", f"{r['max_abs_diff_outputs']:.1e}"))
-  if "snapshots" in results:
-    s = results["snapshots"]
-    pool = s["allocated_pool"]
-    rows.append(("C4", f"{c.seed_preset}: KV bytes per token (allocated pool)", "32.3 KB measured",
-                 f"{pool['kv_bytes_per_token']:,.0f} B"))
-    rows.append(("C4", f"{c.seed_preset}: state per request / per snapshot (allocated)", "-",
-                 f"{pool['state_bytes_per_slot'] / mib:.1f} / "
-                 f"{pool['snapshot_bytes'] / mib:.1f} MiB"))
-    rows.append(("issue", f"default snapshot bound at max_num_seqs={s['max_num_seqs']}: "
-                 f"{s['snapshots']} snapshots", "-",
-                 f"{s['snapshots_gib']:.2f} GiB (= {s['snapshots_as_kv_tokens']:,.0f} KV tokens)"))
-  return common.claim_rows(rows)
+  p, prefill, s = results["prefix"], results["prefill"], results["snapshots"]
+  v, seed, tiny, pool = p["variants"], p["seed_preset"], p["grown_block"], s["allocated_pool"]
+  arithmetic = [
+      *(("C8", f"{c.seed_preset}: {n}-token shared prefix hits (grown / 16-token pages)",
+         "0 (blocks > 60 tokens)" if n == "30" else "-", f"{hit['grown']} / {hit['pages_16']}")
+        for n, hit in seed["shared_prefix_hit_tokens"].items()),
+      ("C8", f"{c.seed_preset} grown block (pow2 >= state / KV per token), tokens", "> 60",
+       f"{seed['block_tokens']:,} ({seed['state_bytes_per_request'] / mib:.1f} MiB / "
+       f"{seed['kv_bytes_per_token'] / 1024:g} KiB = {seed['state_over_kv_tokens']:,.0f})"),
+      ("C8", "tiny hybrid grown block: state / KV per token -> tokens", "-",
+       f"{tiny['block_tokens']} ({tiny['state_bytes_per_request']:,} B / "
+       f"{tiny['kv_bytes_per_token']} B = {tiny['state_over_kv_tokens']:.1f})"),
+      ("C4", f"{c.seed_preset}: KV bytes per token (allocated pool)", "32.3 KB measured",
+       f"{pool['kv_bytes_per_token']:,.0f} B"),
+      ("C4", f"{c.seed_preset}: state per request / per snapshot (allocated)", "-",
+       f"{pool['state_bytes_per_slot'] / mib:.1f} / {pool['snapshot_bytes'] / mib:.1f} MiB"),
+      ("issue", f"default snapshot bound at max_num_seqs={s['max_num_seqs']}: "
+       f"{s['snapshots']} snapshots", "-",
+       f"{s['snapshots_gib']:.2f} GiB (= {s['snapshots_as_kv_tokens']:,.0f} KV tokens)")]
+  measured = [
+      *(("C8", f"tiny hybrid engine, {n}-token shared prefix: hit tokens pages_16 / grown / "
+         f"no_cache (whole pages: {whole_block_hit(n, c.page_size)} / "
+         f"{whole_block_hit(n, tiny['block_tokens'])} / 0)", "-",
+         " / ".join(str(v[name]["shared_prefix_hit_tokens"][str(n)]) for name in v))
+        for n in c.shared_prefix_lens),
+      *(("C8", f"chats, {name} ({r['page_size']}-token pages): hit rate, TTFT ms turn 1 / "
+         "later turns", "-", f"{r['prefix_hit_rate']:.1%}, {r['turn_ttft_s'][0] * 1e3:.1f} / "
+         f"{r['later_turns_ttft_mean_s'] * 1e3:.1f}") for name, r in v.items()),
+      ("issue", "greedy outputs pages_16 == grown == no_cache, every round", "yes",
+       "yes" if v["pages_16"]["outputs_equal_no_cache"] and v["grown"]["outputs_equal_no_cache"]
+       else "NO")]
+  for t, r in prefill["by_len"].items():
+    measured += [
+        ("issue", f"{c.seed_preset} DeltaNet layer prefill T={t}: chunked / recurrent ms "
+         "(tok/s), speedup", "-", f"{r['ms']['chunked']:.1f} / {r['ms']['recurrent']:.1f} ms "
+         f"({r['tokens_per_s']['chunked']:,.0f} / {r['tokens_per_s']['recurrent']:,.0f}), "
+         f"{r['speedup']:.1f}x"),
+        ("issue", f"T={t}: max |chunked - recurrent| outputs", f"<= {c.prefill_tolerance}",
+         f"{r['max_abs_diff_outputs']:.1e}")]
+  return ([{**row, "arithmetic": True} for row in common.claim_rows(arithmetic)]
+          + common.claim_rows(measured))
 
 
 def _plot(results, path):
-  panels = [name for name in ("prefix", "prefill") if name in results]
-  with common.figure(path, 1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 4),
-                     squeeze=False) as (_, axes):
-    for ax, name in zip(axes[0], panels):
-      if name == "prefix":
-        for variant, r in results["prefix"]["variants"].items():
-          turns = np.arange(1, len(r["turn_ttft_s"]) + 1)
-          ax.plot(turns, np.asarray(r["turn_ttft_s"]) * 1e3, "o-",
-                  label=f"{variant} ({r['page_size']}-token pages, hit "
-                        f"{r['prefix_hit_rate']:.0%})")
-        ax.set_xticks(turns)
-        ax.set(xlabel="turn", ylabel="mean TTFT (ms)", title="(1) C8: chats on a tiny hybrid")
-      else:
-        by_len = results["prefill"]["by_len"]
-        lens = list(by_len)
-        x = np.arange(len(lens))
-        for offset, key in ((-0.2, "chunked"), (0.2, "recurrent")):
-          ax.bar(x + offset, [by_len[t]["tokens_per_s"][key] for t in lens], 0.4, label=key)
-        ax.set_xticks(x, [f"T={t}\n{by_len[t]['speedup']:.1f}x" for t in lens])
-        ax.set(ylabel="prefill tokens/s (one layer)",
-               title=f"(2) {results['prefill']['preset']} Gated DeltaNet layer")
+  with common.figure(path, 1, 2, figsize=(12, 4)) as (_, (chats, prefill)):
+    for variant, r in results["prefix"]["variants"].items():
+      turns = np.arange(1, len(r["turn_ttft_s"]) + 1)
+      chats.plot(turns, np.asarray(r["turn_ttft_s"]) * 1e3, "o-",
+                 label=f"{variant} ({r['page_size']}-token pages, hit {r['prefix_hit_rate']:.0%})")
+    chats.set_xticks(turns)
+    chats.set(xlabel="turn", ylabel="mean TTFT (ms)", title="(1) C8: chats on a tiny hybrid")
+    by_len = results["prefill"]["by_len"]
+    x = np.arange(len(by_len))
+    for offset, key in ((-0.2, "chunked"), (0.2, "recurrent")):
+      prefill.bar(x + offset, [r["tokens_per_s"][key] for r in by_len.values()], 0.4, label=key)
+    prefill.set_xticks(x, [f"T={t}\n{r['speedup']:.1f}x" for t, r in by_len.items()])
+    prefill.set(ylabel="prefill tokens/s (one layer)",
+                title=f"(2) {results['prefill']['preset']} Gated DeltaNet layer")
+    for ax in (chats, prefill):
       ax.legend()
 
 
@@ -314,12 +299,11 @@ def run(c) -> dict:
   device = common.describe_device()
   results = {"device": common.device_label(device), "machine": device["os"],
              "jax": device["jax"], "config": c.to_dict(), "seconds": {}, "loadavg": {}}
-  sections = {"prefix": section_prefix, "prefill": section_prefill,
-              "snapshots": section_snapshots}
-  for name in SECTIONS:
+  for name, section in (("prefix", section_prefix), ("prefill", section_prefill),
+                        ("snapshots", section_snapshots)):
     logging.info("section %s", name)
     start, load = time.perf_counter(), os.getloadavg()
-    results[name] = sections[name](c)
+    results[name] = section(c)
     results["seconds"][name] = time.perf_counter() - start
     results["loadavg"][name] = {"start": load, "end": os.getloadavg()}
   results["table"] = _table(results, c)

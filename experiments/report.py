@@ -152,8 +152,17 @@ def _serve_bench(data: dict, file: str) -> list:
   return out
 
 
+def _hybrid_bench(data: dict, file: str) -> list:
+  """Its rows worked out from a preset's shape alone carry "arithmetic": true."""
+  measured = _device(data.get("device"))
+  return [entry for row in data["table"]
+          for entry in _from_rows([row], _device(None) if row.get("arithmetic") else measured,
+                                  file)]
+
+
 NORMALIZERS: dict[str, Callable[[dict, str], list]] = {
     "bench_decode": _bench_decode,
+    "hybrid_bench": _hybrid_bench,
     "kernel_bench": _kernel_bench,
     "kernel_bench_default_tiling": _kernel_bench,
     "memory_ledger": _memory_ledger,
