@@ -6,9 +6,9 @@ source named `python-stdlib`) and the `.py` files read straight out of pinned wh
 exact version and checks their sha256s; this module never downloads.  Left out before
 dedup, with counts per reason: a wheel's tests (`tests/`, `test/`, test data dirs,
 `test_*.py`, `*_test.py`, `conftest.py`), paths matching a config glob, empty files,
-files over `max_file_bytes`, files that are not clean UTF-8 text, and generated
-numeric tables (over `max_numeric_fraction` of a 1,000+ word file's words are number
-literals: idna's Unicode tables, ANTLR's lexers, JAX's export test vectors).
+files that are only a license header, files over `max_file_bytes`, files that are not
+clean UTF-8 text, and generated numeric tables (over `max_numeric_fraction` of a
+1,000+ word file's words are number literals: idna's Unicode tables, ANTLR lexers).
 
 Deduplication, before splitting, over all sources together:
   * the text hashed is *normalized*: a leading license header (a comment block, or a
@@ -19,10 +19,10 @@ Deduplication, before splitting, over all sources together:
     (tokens: identifiers, numbers, single punctuation marks).  Each file gets a
     128-permutation MinHash; every pair whose signatures agree on at least
     `near_threshold - 0.15` of the permutations has its exact Jaccard computed.  With
-    ~10^4 files the all-pairs signature comparison takes seconds, so no LSH banding.
-    Near pairs are joined into clusters (union-find); this catches generated tables
-    (the stdlib's cp*.py / mac_*.py codecs), vendored copies (pip/_vendor/rich vs
-    rich) and copied model files (transformers' modular_*.py vs modeling_*.py).
+    ~10^4 files the all-pairs signature comparison costs less than the hashing, so
+    no LSH banding.  Near pairs are joined into clusters (union-find); this catches
+    generated tables (the stdlib's cp*.py / mac_*.py codecs), vendored copies
+    (pip/_vendor/rich vs rich) and copied model files (transformers' sibling models).
   * one file per cluster is kept: a copy outside a vendoring directory first, then the
     earlier source (the stdlib, then the pinned list's order), then the path.
 
@@ -32,9 +32,10 @@ first 8 hex digits of sha256(name), as a fraction of 2**32, fall below
 `heldout_fraction`.  Because dedup ran first, no held-out text has a near copy in
 train.
 
-Pack: the kept files in one zip (`<package>/<path>`, stored deterministically), the
-only thing training reads; `split_tokens` checks each file against the manifest's
-sha256.  Token stream of a split: BOS, bytes, EOS per file in manifest order.
+Pack: the kept files in one zip (`<package>/<path>`, fixed timestamps, so the same
+bytes on every build), the only thing training reads; `split_tokens` checks each file
+against the manifest's sha256.  Token stream of a split: BOS, bytes, EOS per file in
+manifest order.
 """
 from __future__ import annotations
 
@@ -136,7 +137,10 @@ def _skip_reason(data: bytes, max_file_bytes: int, max_numeric_fraction: float):
     return "too_large"
   if not stdlib_corpus._is_source_text(data):  # the stdlib listing's rule, for every source
     return "not_text"
-  if _numeric_fraction(data.decode("utf-8")) > max_numeric_fraction:
+  text = data.decode("utf-8")
+  if not normalize(text):
+    return "license_only"  # e.g. an __init__.py holding just a license header
+  if _numeric_fraction(text) > max_numeric_fraction:
     return "numeric_table"  # a generated table with no near copy (idna's, ANTLR's)
   return None
 
@@ -368,6 +372,10 @@ def manifest(corpus: CodeCorpus, packages: Sequence[dict], config: dict) -> dict
     files = corpus.split_files(split)
     splits[split] = {"packages": sorted({f.package for f in files}), "files": len(files),
                      "bytes": sum(f.num_bytes for f in files)}
+  skipped = {}
+  for counts in corpus.skipped.values():
+    for reason, n in counts.items():
+      skipped[reason] = skipped.get(reason, 0) + n
   listing = "".join(f"{f.sha256}  {f.package}/{f.path}\n" for f in corpus.files)
   return {
       "format": 1,
@@ -380,6 +388,7 @@ def manifest(corpus: CodeCorpus, packages: Sequence[dict], config: dict) -> dict
           "exact": sum(r.kind == "exact" for r in corpus.removed),
           "near": sum(r.kind == "near" for r in corpus.removed),
           "kept": len(corpus.files)},
+      "skipped": dict(sorted(skipped.items())),  # left out before dedup, by reason
       "packages": rows,
       "files": per_package,
       "removed": [[f"{r.package}/{r.path}", r.kind, r.kept_as, r.jaccard]

@@ -45,7 +45,7 @@ BASE = "\n\n".join(_functions(0, 40)) + "\n"
 NEAR = "\n\n".join(_functions(0, 38) + _functions(1, 2)) + "\n"  # 2 of 40 replaced
 HALF = "\n\n".join(_functions(0, 20) + _functions(2, 20)) + "\n"  # below the threshold
 OWN_DELTA = "\n\n".join(_functions(3, 30)) + "\n"
-TABLE = "TABLE = (\n" + "".join(f"    ({i}, {i * 7 % 256}, {i * 13}),\n" for i in range(600)) + ")\n"
+TABLE = "T = (\n" + "".join(f"    ({i}, {i * 7 % 256}, {i * 13}),\n" for i in range(600)) + ")\n"
 
 # package -> {path: bytes}; listed so that beta (vendoring alpha) comes before alpha.
 WHEELS = {
@@ -62,6 +62,7 @@ WHEELS = {
         "alpha/table.py": TABLE.encode(),  # numeric_table
         "alpha/bad.py": b"x = '\xff\xfe'\n",  # not UTF-8
         "alpha/empty.py": b"\n",
+        "alpha/sub/__init__.py": APACHE.encode(),  # license_only
         "alpha/tests/test_core.py": b"def test_x():\n    assert True\n",
         "alpha/test_util.py": b"def test_y():\n    assert True\n",
     },
@@ -119,7 +120,8 @@ def corpus(sources):
 def test_wheel_listing_skips_tests_tables_and_bad_text(sources):
   alpha = next(s for s in sources if s.name == "alpha")
   assert [p for p, _ in alpha.files] == ["alpha/__init__.py", "alpha/core.py", "alpha/util.py"]
-  assert alpha.skipped == {"tests": 2, "numeric_table": 1, "not_text": 1, "empty": 1}
+  assert alpha.skipped == {"tests": 2, "numeric_table": 1, "not_text": 1, "empty": 1,
+                           "license_only": 1}
   assert all(not p.endswith("METADATA") for s in sources for p, _ in s.files)
 
 
