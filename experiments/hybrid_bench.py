@@ -87,12 +87,14 @@ def _serve(engine, sessions) -> dict:
   return cli_bench.run_workload(engine, sessions)
 
 
-def _shared_prefix_hit(engine, shared: int, rng) -> int:
-  """Hit tokens of a request sharing `shared` prompt tokens with one served before it."""
+def _shared_prefix_hit(engine, shared: int, seed: int) -> int:
+  """Hit tokens of a request sharing `shared` prompt tokens with one served before it
+  (the same random prompts for every engine, given the seed)."""
   cache = engine.scheduler.prefix_cache
   if cache is None:
     return 0
   cache.reset()
+  rng = np.random.default_rng(seed)
   prefix = rng.integers(3, engine.model_config.vocab_size, shared).tolist()
   first, second = (prefix + rng.integers(3, engine.model_config.vocab_size,
                                          _PROBE_TAIL).tolist()
@@ -127,7 +129,6 @@ def section_prefix(c) -> dict:
                                 for name, e in engines.items()}, c.repeats)
   runs = timings.median_results(key=lambda run: run["wall_s"])
   reference = timings.first_results["no_cache"]["outputs"]
-  rng = np.random.default_rng(c.seed + 1)
   out = {"model": model.config.name, "grown_block": grown, "variants": {}}
   for name, run in runs.items():
     every_round = [timings.first_results[name]] + timings.results[name]
@@ -139,7 +140,7 @@ def section_prefix(c) -> dict:
         "later_turns_ttft_mean_s": float(np.mean(run["turn_ttft_s"][1:])),
         "tokens_per_s": run["tokens_per_s"], "wall_s": run["wall_s"],
         "outputs_equal_no_cache": all(r["outputs"] == reference for r in every_round),
-        "shared_prefix_hit_tokens": {str(n): _shared_prefix_hit(engines[name], n, rng)
+        "shared_prefix_hit_tokens": {str(n): _shared_prefix_hit(engines[name], n, c.seed + n)
                                      for n in c.shared_prefix_lens}}
   seed_grown = grown_block(get_preset(c.seed_preset), "bf16")
   out["seed_preset"] = {
