@@ -291,7 +291,10 @@ def build(sources: Sequence[Source], heldout_fraction: float = 0.1,
   if missing := set(unseen) - set(names):
     raise ValueError(f"unseen packages {sorted(missing)} are not among the sources")
   entries = [(si, path, data) for si, s in enumerate(sources) for path, data in s.files]
-  label = lambda e: f"{sources[e[0]].name}/{e[1]}"
+
+  def label(entry) -> str:
+    return f"{sources[entry[0]].name}/{entry[1]}"
+
   order = sorted(range(len(entries)), key=lambda k: _preference(entries[k][:2]))
 
   removed, first_by_hash, survivors, texts = [], {}, [], []
