@@ -16,13 +16,17 @@ What it measures is a warm server seen by a client in another process:
     engine thread and slowed the server it timed.  (It still shares the cores.)
   * the timed rounds compile nothing.  Arrival order decides which row
     buckets a step packs (how many requests came before the first step,
-    where chunked prefills split), so new (rows, chunk, table width) shapes
-    keep turning up for many rounds, each an XLA compilation of seconds that
-    one round would then carry.  A round (or sweep point) that compiled a step
-    program (kvjax.serve_steps.num_compiled, shared by both engines of this
-    process) is run again, at most `max_tries` times; the JSON counts them.
-    What compiling costs a fresh server is reported apart: its first saturated
-    round, and the programs compiled after serve_in_thread's warm-up.
+    where chunked prefills split), so without a warm-up new (rows, chunk,
+    table width) shapes keep turning up for many rounds, each an XLA
+    compilation of seconds.  The server warms up in full (serve_in_thread
+    warm_up="full": Engine.warm_up compiles every step program its shapes
+    allow before it listens; the JSON has how many and how long), which also
+    covers the offline engine (same shapes, one jit cache per process; its
+    own warm-up then only settles its fresh state, kvjax/warm_up.py).  A
+    round (or sweep point) that still compiled a step program
+    (kvjax.serve_steps.num_compiled) is run again, at most `max_tries` times;
+    the JSON counts them.  A fresh server's first saturated round is reported
+    apart, with the programs compiled after the warm-up (0 expected).
 Prints the claim ids, the seed's values and ours; writes results/<name>.json and .png.
 """
 import concurrent.futures
@@ -88,12 +92,13 @@ def main(argv):
   steady = functools.partial(_without_compiles, max_tries=c.max_tries, tally=tally)
   spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of our threads
   with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as client, \
-      serve_in_thread(model, config) as server:
+      serve_in_thread(model, config, warm_up="full") as server:
     http = functools.partial(_http, client, server.url, sessions)
     saturated = {"http": functools.partial(http, math.inf, goodput),
                  "offline": functools.partial(_offline, engine, sessions)}
-    warmed = serve_steps.num_compiled()  # serve_in_thread's warm-up done
-    cold = saturated["http"]()  # a fresh server's first burst of traffic: it compiles
+    engine.warm_up()  # its programs are the server's; this settles its fresh state
+    warmed = serve_steps.num_compiled()  # both engines warmed up
+    cold = saturated["http"]()  # a fresh server's first burst of traffic: compiles nothing now
     cold_compiled = serve_steps.num_compiled() - warmed
     for _ in range(c.warmup):  # untimed, compiles expected
       for fn in saturated.values():
@@ -117,6 +122,9 @@ def main(argv):
                  "http": [r["output_throughput"] for r in runs.results["http"]],
                  "offline": [r["tokens_per_s"] for r in runs.results["offline"]]},
              "offline_ttft_mean_s": offline["ttft_s"],
+             "server_warm_up": {"mode": "full", "programs_compiled": server.warm_up.programs,
+                                "programs_run": server.warm_up.runs,
+                                "seconds": server.warm_up.seconds},
              "cold_server_first_round": cold, "cold_round_programs_compiled": cold_compiled,
              # by both engines (they share the jit cache), which the server's warm-up left out
              "programs_compiled_after_server_warm_up": compiled_after_warm_up,
@@ -125,6 +133,8 @@ def main(argv):
   rows = [("issue", "HTTP / offline output tok/s at saturation", ">= 0.9", f"{ratio:.2f}x"),
           ("issue", "offline Engine at saturation: tok/s, TTFT mean ms", "-",
            f"{offline['tokens_per_s']:.0f}, {offline['ttft_s'] * 1e3:.0f}"),
+          ("issue", "server warm-up (full): step programs compiled, seconds", "-",
+           f"{server.warm_up.programs}, {server.warm_up.seconds:.0f}"),
           ("issue", "new server, first round at inf: tok/s, TTFT ms, compiles", "-",
            f"{cold['output_throughput']:.0f}, {cold['ttft']['mean'] * 1e3:.0f}, {cold_compiled}")]
   for rate, s in sweep.items():

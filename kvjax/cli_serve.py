@@ -4,16 +4,16 @@
       --max-waiting 64 --max-num-seqs 16
 
 Loads the model, compiles every step program the engine can run (--warm-up
-full, with a progress bar on stderr, then a line saying how many and how long;
---warm-up minimal: only what two short requests run, the rest compiles under the
-first clients), then prints one line, `kvjax serving <name> at
-http://<host>:<port>/v1` (the real port when --port is 0), and serves until
-SIGINT or SIGTERM.
+full: a progress bar, then how many and how long, on stderr; --warm-up minimal:
+only what two short requests run, the rest compiles under the first clients),
+then prints one line to stdout, `kvjax serving <name> at http://<host>:<port>/v1`
+(the real port when --port is 0), and serves until SIGINT or SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
 from kvjax import distributed
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
                            max_waiting=args.max_waiting, warm_up=args.warm_up)
   if handle.warm_up is not None:
     print(f"kvjax warm-up: {handle.warm_up.programs} step programs compiled "
-          f"({handle.warm_up.runs} run) in {handle.warm_up.seconds:.1f} s", flush=True)
+          f"({handle.warm_up.runs} run) in {handle.warm_up.seconds:.1f} s", file=sys.stderr,
+          flush=True)
   stopped = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopped.set())
