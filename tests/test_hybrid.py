@@ -78,12 +78,10 @@ def test_static_generate_is_the_no_cache_argmax(cache):
 # name: (engine overrides, expect preemption)
 SCENARIOS = {
     "chunk_7": (dict(max_num_batched_tokens=7), False),  # chunks never page-aligned
-    "chunk_16": (dict(max_num_batched_tokens=16), False),
     "chunk_64_no_prefix_cache": (dict(max_num_batched_tokens=64, prefix_cache=False), False),
     # A preempted request recomputes from its own cached blocks: restored state snapshots.
     "preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=5), True),
     # Speculation: every verify row's state rolls back past its rejected drafts.
-    "mtp_chunk_7": (dict(max_num_batched_tokens=7, speculative="mtp"), False),
     "mtp_preempt_tiny_pool": (dict(max_num_batched_tokens=16, num_pages=5,
                                    speculative="mtp"), True),
 }
@@ -210,10 +208,10 @@ def test_injected_drafts_roll_the_state_back_to_the_last_accepted_column():
 
 
 def test_sampled_speculation_keeps_the_target_distribution():
-  """x0 (prefill), x1 and x2 at temperature 1 over 600 seeds, against exact marginals
+  """x0 (prefill), x1 and x2 at temperature 1 over 400 seeds, against exact marginals
   from full forwards (P(x2) sums p(a) p(b | a) p(c | a, b)), within 6 sigma; x2 follows
   a verify step that rejected or accepted drafts, so its state was rolled back."""
-  prompt, n, vocab = [17, 4, 100, 61, 9], 600, CONFIG.vocab_size
+  prompt, n, vocab = [17, 4, 100, 61, 9], 400, CONFIG.vocab_size
   eng = kvjax.Engine(model(), **ENGINE, speculative="mtp", num_draft=2)
   ids = [eng.add_request(prompt, 3, temperature=1.0, seed=s) for s in range(n)]
   finals = {}
@@ -291,7 +289,7 @@ def test_a_backend_record_supplies_the_delta_rule():
     return delta_rule(q, *args)
 
   backend = dataclasses.replace(get_backend("reference"), name="reference+spy", delta_rule=spy)
-  prompts = _prompts(2, seed=4)
-  out = kvjax.generate(model(), prompts, 3, cache="paged", backend=backend).tokens
-  assert out == kvjax.generate(model(), prompts, 3, cache="paged").tokens
-  assert seen and set(seen) >= {1}  # traced for the decode step (and the prefill)
+  prompts = _prompts(3, seed=1)
+  assert_teacher_forced_argmax(prompts, kvjax.generate(model(), prompts, MAX_NEW, cache="paged",
+                                                       backend=backend).tokens)
+  assert 1 in seen and max(seen) > 1  # traced for the decode step and the prefill
