@@ -52,13 +52,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
   from kvjax.server import serve_in_thread
 
-  if args.dp != 1:
-    raise ValueError(f"--dp {args.dp}: the server drives one Engine; run one server per "
-                     "replica (--tp each) behind a load balancer, or kvjax.Router in Python")
-  model, = distributed.load_replicas(args, args.checkpoint, args.dtype)
-  handle = serve_in_thread(model, engine_config_from_flags(args), host=args.host,
+  models = distributed.load_replicas(args, args.checkpoint, args.dtype)
+  handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
-                           max_waiting=args.max_waiting, warm_up=args.warm_up)
+                           max_waiting=args.max_waiting, warm_up=args.warm_up,
+                           router_policy=args.router_policy)
   if handle.warm_up is not None:
     print(f"kvjax warm-up: {handle.warm_up.programs} step programs compiled "
           f"({handle.warm_up.runs} run) in {handle.warm_up.seconds:.1f} s", file=sys.stderr,

@@ -533,3 +533,23 @@ def test_cli_serve_prints_one_url_line_and_serves_port_0(tmp_path):
     process.terminate()
     assert process.wait(timeout=30) == 0
   assert process.stdout.read() == ""
+
+
+def test_data_parallel_replicas_behind_one_server(model, tok):
+  """Two replicas (sharing this CPU) behind a Router: the same greedy text as offline,
+  requests spread over both, /metrics summed over them and idle afterwards."""
+  with serve_in_thread([model, model], CONFIG, served_model_name=NAME,
+                       router_policy="round_robin") as handle:
+    prompts = [ids_of(tok, p) for p in PROMPTS[:4]]
+    reference = kvjax.generate(model, prompts, 12).tokens
+    client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+    before = scrape(handle.root)
+    got = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [expected(tok, r, 12)["text"] for r in reference]
+    assert handle.engine.routed == [2, 2]
+    assert value(before, "kvjax:max_num_seqs") == 2 * CONFIG.max_num_seqs
+    after = scrape(handle.root)
+    assert value(after, "kvjax:request_success_total", finished_reason="length") - value(
+        before, "kvjax:request_success_total", finished_reason="length") == 4
+    assert value(after, "kvjax:num_requests_running") == 0
+    assert all(e.scheduler.allocator.num_used == 0 for e in handle.engine.engines)

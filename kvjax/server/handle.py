@@ -1,6 +1,8 @@
 """`serve_in_thread`: a live server (engine thread + uvicorn thread) and its handle.
 
-Builds the Engine, warms it up, starts the engine thread and uvicorn, and
+Builds the Engine (or, given one model per data-parallel replica, a
+kvjax.Router over one Engine each: the engine thread drives it as it would
+one Engine), warms it up, starts the engine thread and uvicorn, and
 returns once the socket listens.  Port 0 picks a free port; `handle.port` is the
 real one.  The warm-up decides what the first clients pay in XLA compilation:
 "full" compiles every step program the engine can run (Engine.warm_up,
@@ -10,14 +12,16 @@ contexts only (a quick start for tests and notebooks).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import uvicorn
 
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
+from kvjax.router import Router
 from kvjax.server.app import ServerState, create_app
 from kvjax.server.engine_loop import EngineLoop
 from kvjax.server.prom import ServerMetrics
@@ -33,7 +37,8 @@ _WARMUP_PROMPT_LEN = 3  # shorter than a page: the warm-up leaves no prefix-cach
 
 class ServerHandle:
   """A running server: `.url` (the OpenAI base URL, ending in /v1), `.root` (where
-  /health and /metrics live), `.port`, `.engine` (to inspect, not to drive), `.stop()`,
+  /health and /metrics live), `.port`, `.engine` (the Engine or the replicas' Router; to
+  inspect, not to drive), `.stop()`,
   `.warm_up` (a full warm-up's kvjax.warm_up.WarmUp: programs compiled, seconds; None
   after a minimal one).  Also a context manager that stops the server on exit."""
 
@@ -61,13 +66,16 @@ class ServerHandle:
     self.stop()
 
 
-def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
-                    host: str = "127.0.0.1", port: int = 0,
-                    served_model_name: Optional[str] = None,
-                    max_waiting: int = 256, warm_up: str = "minimal") -> ServerHandle:
+def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[EngineConfig] = None,
+                    *, host: str = "127.0.0.1", port: int = 0,
+                    served_model_name: Optional[str] = None, max_waiting: int = 256,
+                    warm_up: str = "minimal", router_policy: str = "prefix") -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
-  max_waiting: requests that may wait beyond the max_num_seqs running ones;
+  model: a kvjax.Model, or a list of them, one per data-parallel replica (each
+  on its own devices), served behind a kvjax.Router with `router_policy`.
+  max_waiting: requests that may wait beyond the max_num_seqs running ones (of every
+  replica);
   beyond that the server answers 503 at once.  served_model_name: the `model` field clients
   send (default: the model config's name).  warm_up: "full" (every step program, with
   a progress bar; `python -m kvjax serve`'s default) or "minimal" (see the module doc).
@@ -76,12 +84,20 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
   check_int("port", port, 0, 65536)
   if warm_up not in WARM_UP_MODES:
     raise ValueError(f"warm_up must be one of {WARM_UP_MODES}, got {warm_up!r}")
-  engine = Engine(model, engine_config)
+  models = list(model) if isinstance(model, (list, tuple)) else [model]
+  engines = [Engine(m, engine_config) for m in models]
   warmed = None
   if warm_up == "full":
-    warmed = engine.warm_up(progress="warm-up (compiling step programs)")
+    runs = [e.warm_up(progress=f"warm-up (compiling step programs){_of(i, engines)}")
+            for i, e in enumerate(engines)]
+    warmed = dataclasses.replace(runs[0], programs=sum(r.programs for r in runs),
+                                 runs=sum(r.runs for r in runs),
+                                 seconds=sum(r.seconds for r in runs))
   else:
-    _warm_up(engine)
+    for e in engines:
+      _warm_up(e)
+  engine = engines[0] if len(engines) == 1 else Router(engines, router_policy)
+  model = models[0]
   name = served_model_name or model.config.name
   metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
                           max_num_seqs=engine.config.max_num_seqs)
@@ -105,6 +121,10 @@ def serve_in_thread(model, engine_config: Optional[EngineConfig] = None, *,
   bound = server.servers[0].sockets[0].getsockname()[1]
   state.ready = True
   return ServerHandle(server, thread, loop, state, host, bound, warmed)
+
+
+def _of(replica: int, engines: list) -> str:
+  return f", replica {replica}" if len(engines) > 1 else ""
 
 
 def _warm_up(engine: Engine) -> None:
