@@ -246,14 +246,35 @@ class _ByRouterId(Mapping):
     return sum(1 for _ in self)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Counts:
-  """Totals over replicas, named as one replica's object names them."""
+class _PrefixTotals:
+  """The replicas' prefix caches' hit and queried tokens, summed when read (live)."""
 
-  hit_tokens: int = 0
-  queried_tokens: int = 0
-  num_used: int = 0
-  utilization: float = 0.0
+  def __init__(self, caches: list):
+    self._caches = caches
+
+  @property
+  def hit_tokens(self) -> int:
+    return sum(c.hit_tokens for c in self._caches)
+
+  @property
+  def queried_tokens(self) -> int:
+    return sum(c.queried_tokens for c in self._caches)
+
+
+class _PoolTotals:
+  """The replicas' page pools as one, summed when read (live)."""
+
+  def __init__(self, allocators: list):
+    self._allocators = allocators
+
+  @property
+  def num_used(self) -> int:
+    return sum(a.num_used for a in self._allocators)
+
+  @property
+  def utilization(self) -> float:
+    usable = sum(a.num_usable for a in self._allocators)
+    return self.num_used / usable if usable else 0.0
 
 
 class _Schedulers:
@@ -262,6 +283,10 @@ class _Schedulers:
   def __init__(self, router: Router):
     self._router = router
     self.requests: Mapping[str, Request] = _ByRouterId(router, lambda e: e.scheduler.requests)
+    schedulers = [e.scheduler for e in router.engines]
+    self._pool = _PoolTotals([s.allocator for s in schedulers])
+    caches = [s.prefix_cache for s in schedulers if s.prefix_cache]
+    self._prefix = _PrefixTotals(caches) if caches else None
 
   @property
   def _all(self):
@@ -280,20 +305,14 @@ class _Schedulers:
     return sum(s.num_preemptions for s in self._all)
 
   @property
-  def allocator(self) -> _Counts:
+  def allocator(self) -> _PoolTotals:
     """used / usable pages over every replica's pool."""
-    used = sum(s.allocator.num_used for s in self._all)
-    usable = sum(s.allocator.num_usable for s in self._all)
-    return _Counts(num_used=used, utilization=used / usable if usable else 0.0)
+    return self._pool
 
   @property
-  def prefix_cache(self) -> Optional[_Counts]:
+  def prefix_cache(self) -> Optional[_PrefixTotals]:
     """Hit and queried tokens over the replicas' prefix caches (None: no replica has one)."""
-    caches = [s.prefix_cache for s in self._all if s.prefix_cache]
-    if not caches:
-      return None
-    return _Counts(hit_tokens=sum(c.hit_tokens for c in caches),
-                   queried_tokens=sum(c.queried_tokens for c in caches))
+    return self._prefix
 
   def check_invariants(self) -> None:
     for scheduler in self._all:

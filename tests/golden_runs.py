@@ -35,9 +35,7 @@ def _engine_runs(name, **engine_kwargs):
 
 CASES = {
     "plain": dict(),
-    "plain_single_step": dict(num_scheduler_steps=1),
     "mtp": dict(speculative="mtp", num_draft=2),
-    "mtp_single_step": dict(speculative="mtp", num_draft=2, num_scheduler_steps=1),
     "mtp_token_prefix": dict(speculative="mtp", num_draft=2, prefix_match="token"),
     "int8": dict(kv_dtype="int8"),
     "tiny_pool": dict(num_pages=eh.TINY_POOL + 2),

@@ -116,25 +116,33 @@ args = argparse.Namespace(tp=1, dp=2, coordinator_address=None, num_processes=No
 models = distributed.load_replicas(args, None, "float32")
 print(json.dumps([sorted(d.id for d in jax.tree.leaves(m.params)[0].devices()) for m in models]))
 sys.exit(cli.main(["generate", "--dp", "2", "--json", "--temperature", "0",
-                   "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--no-warmup"])
-         or cli.main(["bench", "--dp", "2", "--workload", "multi-turn-chat",
-                      "--num-requests", "2", "--num-turns", "2", "--input-len", "20",
-                      "--output-len", "4", "--no-warmup", "--out-dir", sys.argv[1]]))
+                   "--max-new-tokens", "4", "--prompt-ids", "1,2,3", "--no-warmup"]))
 """
 
 
-def test_cli_dp_serves_from_replicas_on_their_own_devices(tmp_path):
-  """`generate --dp 2` samples the prompt once per replica (greedy: the single-device
-  tokens on both); `bench --dp 2` drives a Router over both replicas."""
+def test_cli_generate_dp_samples_once_per_replica_on_its_own_device():
+  """`generate --dp 2` on 2 (fake) devices: one replica each, greedy = single-device."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  run = subprocess.run([sys.executable, "-c", _CLI_DP, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=600)
+  run = subprocess.run([sys.executable, "-c", _CLI_DP], env=env, capture_output=True,
+                       text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   lines = run.stdout.splitlines()
   assert json.loads(lines[0]) == [[0], [1]]  # one device each
   samples = [json.loads(line) for line in lines[1:3]]
   want = kvjax.generate(kvjax.load_checkpoint(), [[1, 2, 3]], 4).tokens[0]
   assert [(s["replica"], s["tokens"]) for s in samples] == [(0, want), (1, want)]
-  report = json.loads((tmp_path / "bench_multi-turn-chat.json").read_text())
-  assert report["summary"]["num_requests"] == 4 and report["args"]["dp"] == 2
-  assert "dp=2 (prefix)" in run.stdout
+
+
+def test_bench_workload_through_a_router_equals_one_engine(tiny_model):
+  """`kvjax bench --dp` drives cli_bench.run_workload with a Router: the same outputs
+  as one Engine, its summary counted over both replicas."""
+  from kvjax.cli_bench import make_workload, run_workload
+
+  sessions = make_workload("multi-turn-chat", vocab_size=tiny_model.config.vocab_size,
+                           num_requests=4, input_len=20, output_len=4, num_turns=2, seed=0)
+  single = run_workload(kvjax.Engine(tiny_model, **ENGINE), sessions)
+  router = Router(_engines(tiny_model, 2), "prefix")
+  routed = run_workload(router, sessions)
+  assert routed["outputs"] == single["outputs"]
+  assert routed["num_requests"] == 8 and min(router.routed) > 0
+  assert routed["prefix_hit_rate"] > 0  # turn 2 found turn 1's blocks on its replica
