@@ -169,6 +169,11 @@ class Router:
         self._record(stepped, time.perf_counter() - start)
       return outputs
 
+  def _prefix_totals(self) -> tuple[int, int]:
+    """(hit tokens, queried tokens) over every replica's prefix cache."""
+    cache = self.scheduler.prefix_cache
+    return (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
+
   def _record(self, logs: Sequence[StepLog], step_s: float) -> None:
     """One StepLog entry for a router step from the replica steps it ran."""
     last = [log for log in logs if log.num_recorded]
@@ -202,7 +207,7 @@ class Router:
     with self._lock:
       prompts = validate_prompts(self.engines[0].model_config, prompts, max_new_tokens)
       seeds = per_prompt_seeds(seed, len(prompts))
-      before = self.prefix_counts()
+      before = self._prefix_totals()
       start = time.perf_counter()
       ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
@@ -210,16 +215,11 @@ class Router:
       replicas = [self.replica_of(rid) for rid in ids]
       done, others = run_until_finished(self.step, ids)
       self._pending = others + self._pending
-      hits, queried = (now - then for now, then in zip(self.prefix_counts(), before))
+      hits, queried = (now - then for now, then in zip(self._prefix_totals(), before))
       stats = dict(replicas=replicas, finish_reasons=[done[r].finish_reason for r in ids],
                    prefix_hit_tokens=hits, prefix_queried_tokens=queried,
                    latency_s=time.perf_counter() - start)
       return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)
-
-  def prefix_counts(self) -> tuple[int, int]:
-    """(hit tokens, queried tokens) summed over every replica's prefix cache."""
-    caches = [e.scheduler.prefix_cache for e in self.engines if e.scheduler.prefix_cache]
-    return sum(c.hit_tokens for c in caches), sum(c.queried_tokens for c in caches)
 
 
 class _ByRouterId(Mapping):
@@ -284,9 +284,10 @@ class _Schedulers:
     self._router = router
     self.requests: Mapping[str, Request] = _ByRouterId(router, lambda e: e.scheduler.requests)
     schedulers = [e.scheduler for e in router.engines]
-    self._pool = _PoolTotals([s.allocator for s in schedulers])
+    self.allocator = _PoolTotals([s.allocator for s in schedulers])  # used / usable pages
     caches = [s.prefix_cache for s in schedulers if s.prefix_cache]
-    self._prefix = _PrefixTotals(caches) if caches else None
+    # Hit and queried tokens over the replicas' caches (None: no replica has one).
+    self.prefix_cache = _PrefixTotals(caches) if caches else None
 
   @property
   def _all(self):
@@ -303,16 +304,6 @@ class _Schedulers:
   @property
   def num_preemptions(self) -> int:
     return sum(s.num_preemptions for s in self._all)
-
-  @property
-  def allocator(self) -> _PoolTotals:
-    """used / usable pages over every replica's pool."""
-    return self._pool
-
-  @property
-  def prefix_cache(self) -> Optional[_PrefixTotals]:
-    """Hit and queried tokens over the replicas' prefix caches (None: no replica has one)."""
-    return self._prefix
 
   def check_invariants(self) -> None:
     for scheduler in self._all:
