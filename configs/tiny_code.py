@@ -1,21 +1,24 @@
 # python -m experiments.train --config=configs/tiny_code.py --workdir=runs/tiny_code
-r"""Trains kvjax's built-in default model: byte-level stdlib Python LM with 2 MTP heads.
+r"""Trains kvjax's built-in default model: byte-level Python LM with 2 MTP heads, two stages.
 
-Full run, resuming from <workdir>/ckpt if present: 6,000 steps, 49M tokens, about
-1 minute of training on one H200 (1.26M tokens/s).  Two CPU cores shared with
-other jobs gave 0.4-0.9k tokens/s (at batch 8 x 256), i.e. many hours, so the
-shipped model was trained on the H200 and exported on CPU (its MODEL_CARD.md).
-On a machine with another Python, pass --config.corpus_root=<copy of this
-stdlib's listed files> so the corpus and split stay the same.
+Stage 1, `:stdlib` (from scratch on the interpreter's stdlib; 6,000 steps, 49M tokens,
+about 1 minute on one H200 at 1.26M tokens/s; two CPU cores give ~3k tokens/s, i.e.
+hours), exported to runs/tiny_code_stdlib/model:
+  python -m experiments.train --config=configs/tiny_code.py:stdlib \
+      --workdir runs/tiny_code_stdlib
+
+Stage 2, the default (continues stage 1's weights on the code corpus: the stdlib plus
+pinned PyPI packages, deduplicated, whole packages held out; kvjax/code_corpus.py.
+Build the pack once with experiments/build_corpus.py), exported as the shipped model
+with its card and evaluation slices to kvjax/assets/default_model:
   nohup python -m experiments.train --config=configs/tiny_code.py \
       --workdir runs/tiny_code > runs/train.log 2>&1 &
+Rerunning a command resumes from the latest checkpoint in its workdir, so a CPU run
+can be split across sessions (max_train_seconds / stop_at_step).
 
-Smoke run (seconds):
+Smoke run (seconds; stdlib files, so it runs on any machine):
   python -m experiments.train --config=configs/tiny_code.py:runlocal \
       --workdir /tmp/tiny_code_smoke
-
-At the end the full config measures the model and writes it with its card to
-export_dir (kvjax/assets/default_model); runlocal exports nothing.
 """
 import ml_collections
 
@@ -28,16 +31,22 @@ def get_config(arg=None):
 
   config.batch_size = 16
   config.seq_len = 512
-  config.total_steps = 6000
-  config.learning_rate = 3e-3
-  config.warmup_steps = 300
+  config.total_steps = 1600
+  config.learning_rate = 1e-3
+  config.warmup_steps = 100
   config.end_lr_fraction = 0.1
   config.weight_decay = 0.1
   config.grad_clip = 1.0
   config.mtp_weight = 0.5  # per MTP module, added to the trunk's LM loss
 
+  # Continued training: a kvjax checkpoint of the same ModelConfig to start from
+  # (ignored once the workdir has a checkpoint of its own).
+  config.init_from = "runs/tiny_code_stdlib/model"
+  config.corpus = "code"  # 'code': manifest + pack below; 'stdlib': corpus_root's .py files
+  config.corpus_manifest = "kvjax/assets/code_corpus_manifest.json"
+  config.corpus_pack = "~/.cache/kvjax/corpus/code_corpus.zip"
   config.corpus_root = ml_collections.config_dict.placeholder(str)  # None: this stdlib
-  config.heldout_fraction = 0.05
+  config.heldout_fraction = 0.05  # 'stdlib' only; the code corpus splits by package
   config.max_corpus_files = ml_collections.config_dict.placeholder(int)  # None: all files
   config.log_every = 50
   config.eval_every = 500
@@ -59,6 +68,19 @@ def get_config(arg=None):
   # slice_windows windows of seq_len + 1, MTP acceptance on slice_prompts prompts.
   config.slice_windows = 16
   config.slice_prompts = 4
+  # Greedy continuations of held-out top-level function signatures, cut at their last
+  # complete line (or where the body ends), must parse (kvjax/code_eval.py).
+  config.signatures = 20
+  config.signature_new_tokens = 256
+  config.signature_max_chars = 200  # longer headers are not used as prompts
+
+  if arg in ("stdlib", "runlocal"):  # stage 1: from scratch on the stdlib
+    config.init_from = None
+    config.corpus = "stdlib"
+    config.total_steps = 6000
+    config.learning_rate = 3e-3
+    config.warmup_steps = 300
+    config.export_dir = "runs/tiny_code_stdlib/model"
 
   if arg == "runlocal":
     config.model_overrides = ml_collections.ConfigDict(dict(
@@ -82,4 +104,7 @@ def get_config(arg=None):
     config.acceptance_new_tokens = 8
     config.slice_windows = 4
     config.slice_prompts = 2
+    config.signatures = 2
+    config.signature_new_tokens = 16
+    config.signature_max_chars = 40  # the smoke model's context is 64
   return config

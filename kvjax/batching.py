@@ -127,6 +127,10 @@ class Packing:
     least = _MIN_ROWS_BUCKET if decode else max(1, min(_MIN_ROWS_BUCKET, _MIN_PREFILL_TOKENS // t))
     return bucket(num_rows, self.max_num_seqs, min(least, self.max_num_seqs))
 
+  def decode_rows_bucket(self, num_rows: int) -> int:
+    """B of a group of num_rows decode rows (what a draft policy keys its costs by)."""
+    return self._rows_bucket(num_rows, True, 1 + self.num_draft)
+
   def _width_bucket(self, pages: int) -> int:
     return bucket(pages, self.max_table_width, min(_MIN_TABLE_BUCKET, self.max_table_width))
 

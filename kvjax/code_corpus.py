@@ -55,7 +55,7 @@ from kvjax.tokenizer import ByteTokenizer
 __all__ = ["Source", "KeptFile", "Removed", "CodeCorpus", "STDLIB", "SPLITS",
            "wheel_sources", "stdlib_source", "strip_license_header", "normalize",
            "split_of", "build", "manifest", "manifest_json", "load_manifest", "write_pack",
-           "split_tokens"]
+           "split_texts", "split_tokens", "summary"]
 
 STDLIB = "python-stdlib"
 SPLITS = ("train", "heldout", "unseen")
@@ -419,22 +419,45 @@ def write_pack(corpus: CodeCorpus, path: str) -> None:
                  compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
 
 
-def split_tokens(manifest_dict: dict, pack_path: str, split: str) -> np.ndarray:
-  """int32 [n]: BOS + bytes + EOS of every file of `split`, each checked against its sha256."""
+def split_texts(manifest_dict: dict, pack_path: str, split: str) -> list:
+  """[(<package>/<path>, bytes)] of every file of `split` in manifest order, each checked
+  against its sha256."""
   _check_split(split)
-  tok = ByteTokenizer()
-  chunks = []
+  texts = []
   with zipfile.ZipFile(pack_path) as z:
     for p in manifest_dict["packages"]:
       if p["split"] != split:
         continue
       for path, sha256, _ in manifest_dict["files"][p["name"]]:
-        data = z.read(f"{p['name']}/{path}")
+        name = f"{p['name']}/{path}"
+        data = z.read(name)
         if hashlib.sha256(data).hexdigest() != sha256:
-          raise ValueError(f"{p['name']}/{path} in {pack_path} does not match the manifest")
-        chunks += [np.array([tok.bos_id], np.int32),
-                   np.frombuffer(data, np.uint8).astype(np.int32),
-                   np.array([tok.eos_id], np.int32)]
-  if not chunks:
+          raise ValueError(f"{name} in {pack_path} does not match the manifest")
+        texts.append((name, data))
+  if not texts:
     raise ValueError(f"the {split!r} split of {pack_path} has no files")
+  return texts
+
+
+def split_tokens(manifest_dict: dict, pack_path: str, split: str) -> np.ndarray:
+  """int32 [n]: BOS + bytes + EOS of every file of `split`, each checked against its sha256."""
+  tok = ByteTokenizer()
+  chunks = []
+  for _, data in split_texts(manifest_dict, pack_path, split):
+    chunks += [np.array([tok.bos_id], np.int32),
+               np.frombuffer(data, np.uint8).astype(np.int32),
+               np.array([tok.eos_id], np.int32)]
   return np.concatenate(chunks)
+
+
+def summary(manifest_dict: dict) -> dict:
+  """The model card's corpus record: packages with versions, split bytes, dedup counts."""
+  return {
+      "manifest_sha256": hashlib.sha256(manifest_json(manifest_dict).encode()).hexdigest(),
+      "packages": {p["name"]: {"version": p["version"], "split": p["split"],
+                               "files": p["kept_files"], "bytes": p["kept_bytes"]}
+                   for p in manifest_dict["packages"]},
+      "splits": manifest_dict["splits"],
+      "dedup": manifest_dict["dedup"],
+      "skipped": manifest_dict["skipped"],
+  }

@@ -230,7 +230,11 @@ class Engine:
   def _step(self) -> list[RequestOutput]:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
-    plan = self.scheduler.schedule()
+    # The policy picks the decode rows' J before planning, so rows verifying fewer
+    # drafts leave their budget to prefill chunks; prefill rows always draft the most
+    # (fresh drafts and MTP K/V for the prompt, one prefill program family).
+    k = self._choose_drafts()
+    plan = self.scheduler.schedule(k)
     waiting = len(self.scheduler.waiting)
     if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
       # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
@@ -240,9 +244,6 @@ class Engine:
       self._copy_pages(plan.copies)
     groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
               for decode in (True, False)]
-    # The policy picks the decode rows' J; prefill rows always draft the most (fresh
-    # drafts and MTP K/V for the prompt, one prefill program family).
-    k = self._choose_drafts(plan, groups[0])
     group_drafts = (k, self.num_draft)
     programs = num_compiled()
     snapshots = self.snapshots and self.snapshots.plan(plan.rows)
@@ -342,13 +343,14 @@ class Engine:
     padded[:len(pages)] = pages
     self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
 
-  def _choose_drafts(self, plan: SchedulerOutput, decode: list[int]) -> int:
-    """J of this step's programs: the draft policy's choice for the decode rows."""
-    if self.draft_policy is None or not decode:
+  def _choose_drafts(self) -> int:
+    """J of this step's decode rows: the draft policy's choice for the running requests
+    that decode (their row bucket and metrics)."""
+    decoding = [r for r in self.scheduler.running if r.is_decoding]
+    if self.draft_policy is None or not decoding:
       return self.num_draft
-    rows = [plan.rows[i] for i in decode]
-    bucket = self.packing.shape(rows)[0]
-    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in rows])
+    bucket = self.packing.decode_rows_bucket(len(decoding))
+    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in decoding])
     if not 0 <= k <= self.num_draft:
       raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
     return k

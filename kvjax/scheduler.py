@@ -212,9 +212,19 @@ class Scheduler:
 
   # -- one step ---------------------------------------------------------------
 
-  def schedule(self) -> SchedulerOutput:
-    """Plans one step (or a decode burst): decode rows, then prefill chunks."""
-    burst = self._plan_burst()
+  def schedule(self, num_lookahead: Optional[int] = None) -> SchedulerOutput:
+    """Plans one step (or a decode burst): decode rows, then prefill chunks.
+
+    num_lookahead: draft slots per decode row this step (a draft policy's choice,
+    at most num_lookahead_slots; default num_lookahead_slots).  Rows that verify
+    fewer drafts leave their budget to prefill chunks.
+    """
+    if num_lookahead is None:
+      num_lookahead = self.num_lookahead_slots
+    if not 0 <= num_lookahead <= self.num_lookahead_slots:
+      raise ValueError(f"num_lookahead must be in 0..{self.num_lookahead_slots}, got "
+                       f"{num_lookahead}")
+    burst = self._plan_burst(num_lookahead)
     if burst is not None:
       return burst
     budget = self.max_num_batched_tokens
@@ -228,7 +238,7 @@ class Scheduler:
           continue
         if decoding:
           left = req.max_new_tokens - req.num_output_tokens
-          num_draft = min(self.num_lookahead_slots, left - 1, budget - 1)
+          num_draft = min(num_lookahead, left - 1, budget - 1)
           n = 1 + num_draft
         else:
           num_draft = 0
@@ -289,9 +299,9 @@ class Scheduler:
         copies=tuple(copies), preempted_ids=tuple(preempted),
         num_batched_tokens=num_batched_tokens, num_steps=num_steps)
 
-  def _plan_burst(self) -> Optional[SchedulerOutput]:
-    """A multi-step decode plan of every running request, or None (see module doc)."""
-    k = self.num_lookahead_slots
+  def _plan_burst(self, k: int) -> Optional[SchedulerOutput]:
+    """A multi-step decode plan of every running request verifying k drafts, or None
+    (see module doc)."""
     running = self.running
     if (self.num_scheduler_steps < 2 or not running
         or not all(r.is_decoding for r in running)

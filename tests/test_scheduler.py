@@ -189,6 +189,23 @@ def test_decodes_first_then_prefill_under_budget():
   assert out.block_tables.shape == (3, sched.allocator.num_usable)
 
 
+def test_a_step_verifying_fewer_drafts_leaves_their_budget_to_prefill():
+  # A draft policy's k for this step: decode rows reserve 1 + k tokens, not 1 + the most.
+  for k, chunk in ((2, 2), (1, 4), (0, 6)):
+    sched = make(max_num_batched_tokens=8, num_lookahead_slots=2)
+    dev = FakeDevice(sched)
+    sched.add_request("d1", [2, 3], 5)
+    sched.add_request("d2", [4, 5], 5)
+    dev.step()
+    sched.add_request("p", list(range(2, 22)), 2)
+    out = sched.schedule(num_lookahead=k)
+    assert [(r.request_id, r.num_tokens, r.num_draft) for r in out.rows] == [
+        ("d1", 1 + k, k), ("d2", 1 + k, k), ("p", chunk, 0)]
+    assert out.num_batched_tokens == 8
+  with pytest.raises(ValueError, match="num_lookahead must be in 0..2, got 3"):
+    sched.schedule(num_lookahead=3)
+
+
 def test_max_num_seqs_and_fcfs():
   sched = make(max_num_seqs=2)
   for rid in "abc":

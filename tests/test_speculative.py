@@ -144,12 +144,11 @@ _DEFAULT_MODEL = os.path.join(os.path.dirname(kvjax.__file__), "assets", "defaul
 
 @pytest.mark.skipif(not os.path.isdir(_DEFAULT_MODEL), reason="default model not trained")
 def test_default_model_speculative_greedy_on_heldout_code():
-  from kvjax import corpus
-
   model = kvjax.load_checkpoint()
   model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype)
-  heldout = corpus.split_tokens(corpus.load_corpus(), "heldout")
-  batch = [w.tolist() for w in corpus.heldout_slice(heldout, 63, 8)]  # 8 prompts of 64 bytes
+  # The card's prompts of 64 bytes: 4 from the held-out packages, 4 from the unseen one.
+  slices = np.load(os.path.join(_DEFAULT_MODEL, "eval_slices.npz"))
+  batch = [w.tolist() for name in ("heldout", "unseen") for w in slices[f"{name}_prompts"]]
   result = kvjax.generate(model, batch, 48, speculative="mtp", num_draft=2, max_num_seqs=8,
                           max_num_batched_tokens=512)
   # Plain greedy, as an oracle in one forward: every token is the argmax after its prefix.

@@ -10,9 +10,11 @@ import pytest
 
 from configs import tiny_code
 from experiments import train as launcher
+from kvjax import code_corpus
 from kvjax import corpus as corpus_lib
 from kvjax import train as train_lib
 from kvjax.params import init_params
+from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,8 +84,74 @@ def test_export_roundtrip_equals_trained_state(full_run):
   jax.tree_util.tree_map(np.testing.assert_array_equal, params, state.params)
   card = checkpoint.read_metadata(export_dir)
   assert card["training"]["steps"] == 30 and card["params"] > 0
-  for name in ("MODEL_CARD.md", "model_card.json", "corpus_files.json"):
+  for name in ("MODEL_CARD.md", "model_card.json"):
     assert os.path.exists(os.path.join(export_dir, name))
+  _check_eval_slices(export_dir, card)
+
+
+def _check_eval_slices(export_dir, card):
+  """The exported slices are the ones the card's numbers were measured on."""
+  slices = np.load(os.path.join(export_dir, "eval_slices.npz"))
+  for name, record in card["eval"]["sets"].items():
+    fixed = record["slice"]
+    assert corpus_lib.tokens_sha256(slices[f"{name}_windows"]) == fixed["sha256"]
+    assert corpus_lib.tokens_sha256(slices[f"{name}_prompts"]) == fixed["prompts_sha256"]
+    assert slices[f"{name}_windows"].shape == (fixed["windows"], fixed["seq_len"] + 1)
+  signatures = card["eval"]["signatures"]
+  assert signatures["num_parsed"] == sum(signatures["parsed"])
+  assert all(s.startswith("def ") and s.endswith(":\n") for s in signatures["signatures"])
+
+
+def _code_pack(tmp_path):
+  """A manifest + pack from real stdlib files: train (stdlib), held-out and unseen packages."""
+  stdlib = corpus_lib.load_corpus(heldout_fraction=0.0, max_files=60)
+  root = stdlib.root
+  files = [(f.path, open(os.path.join(root, f.path), "rb").read()) for f in stdlib.files]
+  sources = [code_corpus.Source(code_corpus.STDLIB, "3", tuple(files[:40]), {}),
+             code_corpus.Source("heldpkg", "1.0", tuple(files[40:50]), {}),
+             code_corpus.Source("unseenpkg", "1.0", tuple(files[50:]), {})]
+  # heldout_fraction 1: every package but the stdlib and the unseen one is held out.
+  built = code_corpus.build(sources, 1.0, ("unseenpkg",), 0.7)
+  record = code_corpus.manifest(built, [{"name": s.name, "version": s.version}
+                                        for s in sources], {})
+  manifest_path, pack_path = tmp_path / "manifest.json", tmp_path / "pack.zip"
+  manifest_path.write_text(code_corpus.manifest_json(record))
+  code_corpus.write_pack(built, str(pack_path))
+  return str(manifest_path), str(pack_path), built
+
+
+def test_continued_training_on_the_code_corpus(full_run, tmp_path):
+  _, stage1, history = full_run
+  manifest, pack, built = _code_pack(tmp_path)
+  config = smoke_config(corpus="code", corpus_manifest=manifest, corpus_pack=pack,
+                        init_from=stage1, total_steps=10, export_dir=str(tmp_path / "out"))
+  data = launcher.load_data(config)
+  tok = ByteTokenizer()
+  for split, tokens in [("train", data.train), *data.evals.items()]:
+    expected = [t for f in built.split_files(split)
+                for t in (tok.bos_id, *built.data[f"{f.package}/{f.path}"], tok.eos_id)]
+    np.testing.assert_array_equal(tokens, expected)
+  assert list(data.evals) == ["heldout", "unseen"]
+
+  cfg = launcher.model_config(config)
+  optimizer = train_lib.make_optimizer(config.learning_rate, config.warmup_steps,
+                                       config.total_steps)
+  _, stage1_params = checkpoint.restore(stage1)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         launcher.initial_state(config, cfg, optimizer).params, stage1_params)
+  continued = launcher.train_and_evaluate(config, str(tmp_path / "work"))
+  # Starts where stage 1 ended, far below a fresh model's first loss.
+  assert continued[0]["loss"] < history[0]["loss"] - 1.0
+  card = checkpoint.read_metadata(config.export_dir)
+  assert card["training"]["init_from"]["training"]["steps"] == 30
+  assert card["corpus"]["splits"]["unseen"]["packages"] == ["unseenpkg"]
+  _check_eval_slices(config.export_dir, card)
+  assert "unseen: bits/byte" in open(os.path.join(config.export_dir, "MODEL_CARD.md")).read()
+
+  other = launcher.model_config(smoke_config()).replace(name="other", num_layers=2)
+  checkpoint.save(str(tmp_path / "other"), other, init_params(other, jax.random.PRNGKey(0)))
+  with pytest.raises(ValueError, match="differs"):
+    launcher.initial_state(smoke_config(init_from=str(tmp_path / "other")), cfg, optimizer)
 
 
 def test_checkpoint_restores_in_a_fresh_process_and_casts(tmp_path):
