@@ -14,6 +14,10 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.model = ""  # "" = the built-in default model; else a preset or checkpoint dir
   config.sections = ("kv", "weights", "speed")
+  # The default model's corpus (kvjax/code_corpus.py; experiments/build_corpus.py
+  # makes the pack): held-out packages to score, training split to calibrate AWQ.
+  config.corpus_manifest = "kvjax/assets/code_corpus_manifest.json"
+  config.corpus_pack = "~/.cache/kvjax/corpus/code_corpus.zip"
   config.seq_len = 512  # held-out windows of seq_len + 1 tokens
   config.heldout_windows = 64
   config.batch_size = 16
@@ -53,7 +57,7 @@ def get_config(arg=None):
         num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
         max_position_embeddings=4096))
     config.name = "quant_bench_cpu_speed"
-  if arg == "gpu":  # speed only: the device's stdlib is not the model's corpus
+  if arg == "gpu":  # speed only: the device has no corpus pack
     config.sections = ("speed",)
     config.weight_schemes = ("int8", "int4-g32", "int4-g128")
     config.speed_new_tokens = 128

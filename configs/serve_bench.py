@@ -26,6 +26,9 @@ def get_config(arg=None):
   config.hf_input_len = 128
   config.hf_output_len = 64
   config.hf_range_ratio = 0.75
+  # The engine's token budget in (a): 32 prompts of 128 prefill in 2-3 steps, as HF's
+  # one static batch does in one (vLLM's offline default budget is larger still).
+  config.hf_max_num_batched_tokens = 2048
   # (b) chats: each turn adds a user message and the model's answer to the history.
   config.chat_num_chats = 4
   config.chat_num_turns = 10

@@ -31,7 +31,7 @@ def get_config(arg=None):
 
   config.batch_size = 16
   config.seq_len = 512
-  config.total_steps = 1600
+  config.total_steps = 1300
   config.learning_rate = 1e-3
   config.warmup_steps = 100
   config.end_lr_fraction = 0.1

@@ -12,6 +12,7 @@ results/<name>.json and .png.
 """
 import functools
 import math
+import os
 import time
 
 from absl import app
@@ -22,6 +23,7 @@ import numpy as np
 
 from experiments import common
 import kvjax
+from kvjax import code_corpus
 from kvjax import corpus as corpus_lib
 from kvjax.caches import create_paged_cache
 from kvjax.config import ModelConfig
@@ -209,8 +211,9 @@ def main(_):
       "kv" in cfg.sections or "weights" in cfg.sections or not cfg.speed_preset) else None
   kv, weights, speed = {}, {}, None
   if "kv" in cfg.sections or "weights" in cfg.sections:
-    corpus = corpus_lib.load_corpus()
-    windows = corpus_lib.heldout_slice(corpus_lib.split_tokens(corpus, "heldout"),
+    manifest = code_corpus.load_manifest(cfg.corpus_manifest)
+    pack = os.path.expanduser(cfg.corpus_pack)
+    windows = corpus_lib.heldout_slice(code_corpus.split_tokens(manifest, pack, "heldout"),
                                        cfg.seq_len, cfg.heldout_windows)
     step = max(1, len(windows) // cfg.greedy_prompts)
     prompts = [list(map(int, w[:cfg.greedy_prompt_len]))
@@ -218,7 +221,7 @@ def main(_):
   if "kv" in cfg.sections:
     kv = _kv_section(cfg, model, windows, prompts)
   if "weights" in cfg.sections:
-    train = corpus_lib.split_tokens(corpus, "train")
+    train = code_corpus.split_tokens(manifest, pack, "train")
     calibration = corpus_lib.sample_batch(train, 0, 0, cfg.calibration_windows,
                                           cfg.seq_len)[:, :-1]
     weights = _weight_section(cfg, model, windows, calibration)

@@ -144,6 +144,32 @@ class Packing:
     t = self._columns(decode, max(r.num_tokens for r in rows), num_draft)
     return self._rows_bucket(len(rows), decode, t), t
 
+  def prefill_pieces(self, rows: Sequence[ScheduledRow]) -> list[list[int]]:
+    """Indices of a prefill group's rows, split into pieces that pad fewer tokens.
+
+    Longest chunks first, each piece takes the most rows that fill its row bucket
+    exactly; a remainder below the smallest bucket of its chunk width stays one
+    piece, and a split that would not pad fewer tokens is not made.  Chunks of 128,
+    128, 128, 96 and 32 tokens run as 4 rows of 128 columns plus the 32 alone (640
+    padded tokens) instead of one 8-row batch (1,024); every piece is a shape
+    `shapes()` lists.
+    """
+    if not rows:
+      return []
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].num_tokens)
+    pieces, start, padded = [], 0, 0
+    while start < len(order):
+      left = len(order) - start
+      t = self._columns(False, rows[order[start]].num_tokens)
+      size = max(s for s in range(1, left + 1) if self._rows_bucket(s, False, t) == s
+                 ) if self._rows_bucket(1, False, t) < left else left
+      pieces.append(order[start:start + size])
+      padded += self._rows_bucket(size, False, t) * t
+      start += size
+    # A remainder can pad back up (a non-power-of-two max_num_seqs): then one piece.
+    b, t = self.shape(rows)
+    return pieces if padded < b * t else [order]
+
   def table_width(self, tables: np.ndarray, rows: Sequence[ScheduledRow], t: int) -> int:
     """Block-table columns W a row group's step reads, bucketed: each row's padded last
     position start + t - 1 (a burst's: every position reserved) and every page it holds."""

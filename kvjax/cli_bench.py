@@ -50,7 +50,8 @@ class Session:
 
 
 def _token_source(vocab_size: int, seed: int) -> np.ndarray:
-  """Held-out stdlib bytes for byte-level models, else random ids."""
+  """Real Python text for byte-level models (the stdlib files kvjax.corpus holds out of
+  its own split; the default model trained on the whole stdlib), else random ids."""
   from kvjax.tokenizer import ByteTokenizer
 
   if vocab_size == ByteTokenizer().vocab_size:

@@ -242,13 +242,15 @@ class Engine:
                          f"an idle pool of {self.scheduler.allocator.num_usable} pages")
     if plan.copies:
       self._copy_pages(plan.copies)
-    groups = [[i for i, r in enumerate(plan.rows) if r.is_decode == decode]
-              for decode in (True, False)]
-    group_drafts = (k, self.num_draft)
+    decode = [i for i, r in enumerate(plan.rows) if r.is_decode]
+    prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
+    # One program for the decode rows; the prefill rows in pieces that pad less.
+    groups = [(decode, k)] if decode else []
+    groups += [([prefill[j] for j in piece], self.num_draft)
+               for piece in self.packing.prefill_pieces([plan.rows[i] for i in prefill])]
     programs = num_compiled()
     snapshots = self.snapshots and self.snapshots.plan(plan.rows)
-    launched = [(group, self._launch(plan, group, j, snapshots))
-                for group, j in zip(groups, group_drafts) if group]
+    launched = [(group, self._launch(plan, group, j, snapshots)) for group, j in groups]
     new_ids, new_logprobs, verified, broken = {}, {}, [], []
     steps_run = 1
     for group, (_, emitted, drafted, steps) in launched:
@@ -261,7 +263,7 @@ class Engine:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
         self._fresh_drafts[row.request_id] = (
-            group_drafts[not row.is_decode] if row.sample else 0)
+            (k if row.is_decode else self.num_draft) if row.sample else 0)
         if not (row.sample or emitted.failed[:, j].any()):
           continue
         counts = emitted.counts[:steps_run, j]
@@ -318,7 +320,7 @@ class Engine:
                       batched_tokens=plan.num_batched_tokens, step_s=now - start,
                       decode_only=decode_only, num_steps=steps_run,
                       row_shapes=[shape for _, (shape, *_) in launched],
-                      num_draft=k if groups[0] else 0)
+                      num_draft=k if decode else 0)
     return outputs
 
   def stream(self) -> Iterator[RequestOutput]:

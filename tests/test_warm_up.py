@@ -105,6 +105,28 @@ def test_every_group_the_scheduler_can_plan_packs_to_a_listed_shape(name):
     b, t = packing.shape(rows, j)
     shape = StepShape(kind, b, t, packing.table_width(tables, rows, t))
     assert shape in listed, (shape, [(r.start, r.num_tokens, r.pages) for r in rows])
+    if kind == "prefill":  # what the engine launches: the group in pieces
+      pieces = packing.prefill_pieces(rows)
+      assert sorted(i for piece in pieces for i in piece) == list(range(len(rows)))
+      padded = 0
+      for piece in pieces:
+        sub = [rows[i] for i in piece]
+        pb, pt = packing.shape(sub, j)
+        assert StepShape(kind, pb, pt, packing.table_width(tables[piece], sub, pt)) in listed
+        padded += pb * pt
+      assert padded <= b * t
+
+
+def test_prefill_pieces_pad_less_by_hand():
+  packing = _packing(**PACKINGS["serve_http"])  # 128-token chunks: a 1-row bucket
+  rows = [types.SimpleNamespace(is_decode=False, num_tokens=n) for n in (96, 128, 128, 32, 128)]
+  # Longest first: 4 rows of 128 columns, then the 32-token chunk alone.
+  assert packing.prefill_pieces(rows) == [[1, 2, 4, 0], [3]]
+  assert [packing.shape([rows[i] for i in p]) for p in ([1, 2, 4, 0], [3])] == [
+      (4, 128), (4, 32)]  # 640 padded tokens where one group pads 8 x 128 = 1,024
+  # 16-column chunks pad to 8 rows anyway: one piece.
+  short = [types.SimpleNamespace(is_decode=False, num_tokens=9) for _ in range(5)]
+  assert packing.prefill_pieces(short) == [[0, 1, 2, 3, 4]]
 
 
 def test_shapes_of_the_serve_http_engine_by_hand():
