@@ -16,8 +16,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
   8  engine_config, engine, router, warm_up          the serving engine's request API, its
                                                     warm-up, data-parallel replicas (router)
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
-     chat_template, corpus, code_corpus, train,     training and its corpora, multi-host
-     distributed                                    start-up
+     chat_template, corpus, code_corpus,            training, its corpora and its code
+     code_eval, train, distributed                  checks, multi-host start-up
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_memory, cli_serve,          command lines
      cli_diagnose, __main__

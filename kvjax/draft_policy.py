@@ -12,7 +12,12 @@ programs to compile), so speculation is used only where it pays: k = 0 is
 plain decoding (the plain step program, no drafting), and a step after it has
 no drafts to verify, so it drafts first (its rows verify 0).  A bucket
 switches k only for a gain above `switch_margin` (a switch costs a step of
-rebuilt drafts).  Prefill rows always draft K_max (kvjax/engine.py).  Estimates:
+rebuilt drafts).  Prefill first: when the step's token budget cannot hold the
+prefill work waiting to run beside the decode rows, k is capped at `most`, the
+drafts that still leave room for it (the engine computes it), since a draft
+slot would displace a prefill token that is certain work, and prefilled
+requests raise the batch the next steps decode.  Prefill rows always draft
+K_max (kvjax/engine.py).  Estimates:
   * t(B, k): an exponential moving average of the measured seconds per step of
     decode-only steps, per (row bucket, k); a step that compiled a program is
     not reported by the engine, a (bucket, k)'s first report is not counted
@@ -26,8 +31,9 @@ rebuilt drafts).  Prefill rows always draft K_max (kvjax/engine.py).  Estimates:
     pseudo-observations; the engine-wide rate starts at `prior_acceptance`^i.
 Outputs never depend on k: greedy verification is exact and rejection
 sampling keeps the target distribution for any number of drafts, so only
-speed does.  `FixedDrafts` is the constant policy; a policy is any object with
-the same four methods (`choose`, `observe_step`, `observe_verify`, `estimates`).
+speed does.  `FixedDrafts` is the constant policy (it ignores `most`); a policy
+is any object with the same four methods (`choose(bucket, requests, most)`,
+`observe_step`, `observe_verify`, `estimates`).
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ class FixedDrafts:
 
   num_draft: int
 
-  def choose(self, bucket: int, requests: Sequence) -> int:
+  def choose(self, bucket: int, requests: Sequence, most: Optional[int] = None) -> int:
     return self.num_draft
 
   def observe_step(self, bucket: int, k: int, seconds: float, num_steps: int) -> None:
@@ -121,8 +127,16 @@ class AdaptiveDrafts:
 
   # -- the decision -------------------------------------------------------------
 
-  def choose(self, bucket: int, requests: Sequence) -> int:
-    """k for a decode row group of `bucket` rows; `requests`: their RequestMetrics."""
+  def choose(self, bucket: int, requests: Sequence, most: Optional[int] = None) -> int:
+    """k for a decode row group of `bucket` rows; `requests`: their RequestMetrics; most:
+    the drafts that leave the budget to waiting prefill work (None: no cap)."""
+    k = self._choose(bucket, requests)
+    if most is not None and k > most:
+      k = max(c for c in self.candidates if c <= most)  # 0 is always a candidate
+      self.last_choice = dict(self.last_choice, k=k, reason="prefill first")
+    return k
+
+  def _choose(self, bucket: int, requests: Sequence) -> int:
     self._decisions += 1
     ks = self.candidates
     seconds = {k: self._estimate(bucket, k) for k in ks}

@@ -352,10 +352,23 @@ class Engine:
     if self.draft_policy is None or not decoding:
       return self.num_draft
     bucket = self.packing.decode_rows_bucket(len(decoding))
-    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in decoding])
+    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in decoding],
+                                 self._drafts_beside_prefill(len(decoding)))
     if not 0 <= k <= self.num_draft:
       raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
     return k
+
+  def _drafts_beside_prefill(self, num_decoding: int) -> Optional[int]:
+    """The most drafts per decode row that leave this step's budget to every prefill
+    token that could run in it (running prompts' rest, prompts a free slot could
+    admit); None when no prefill work waits."""
+    s = self.scheduler
+    pending = sum(r.num_tokens - r.num_computed_tokens for r in s.running if not r.is_decoding)
+    admittable = list(s.waiting)[:max(0, s.max_num_seqs - len(s.running))]
+    pending += sum(r.num_tokens for r in admittable)
+    if not pending:
+      return None
+    return max(0, (s.max_num_batched_tokens - pending) // num_decoding - 1)
 
   def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int, snapshots):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).

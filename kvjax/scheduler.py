@@ -3,7 +3,8 @@
 Each `schedule()` call plans one engine step under a token budget
 (`max_num_batched_tokens`) and a running-request cap (`max_num_seqs`):
   1. decode rows: running requests in steady decode feed their last token, plus
-     `num_lookahead_slots` draft slots when speculative decoding verifies;
+     draft slots when speculative decoding verifies (a step's draft count, at most
+     `num_lookahead_slots`; rows verifying fewer leave the budget to prefill);
   2. prefill chunks: running requests still prefilling (chunked prefill), then
      waiting requests first come first served, using the prefix cache on
      admission; a waiting request that does not fit blocks those behind it.
@@ -43,9 +44,8 @@ row of n positions starting at s then holds pages (s - W + 1) // G through
 released blocks reach the LRU before the request's live ones and are evicted
 first, and a lookup stops at its first missing block, so no hit has holes.
 
-Protocol: schedule() and update_from_output() alternate; the engine applies
-`SchedulerOutput.copies` before this step's forward (the copy sources are only
-pinned until the next schedule()).
+Protocol: schedule() and update_from_output() alternate; the engine applies `copies`
+before this step's forward (their sources are pinned until the next schedule()).
 """
 from __future__ import annotations
 
@@ -86,9 +86,8 @@ class Scheduler:
     enable_prefix_caching: share computed full blocks across requests.
     prefix_match: "block" or "token" (see kvjax/prefix_cache.py).
     min_cacheable_tokens: shorter prefix hits are ignored.
-    num_lookahead_slots: draft slots per decode row (speculative decoding).
-    num_scheduler_steps: most decode steps one plan may cover (see the module
-      doc); 1 plans every step on its own.
+    num_lookahead_slots: most draft slots per decode row (speculative decoding).
+    num_scheduler_steps: most decode steps one plan may cover (1: every step alone).
     eos_token_id: ends every request (kept as its last output id).
     sliding_window: widest attention window W of every layer that reads these
       pages; pages wholly before the window of a request's next query are
@@ -101,17 +100,15 @@ class Scheduler:
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
                num_scheduler_steps: int = 1, eos_token_id: Optional[int] = None,
                sliding_window: Optional[int] = None):
-    for name, value in (("page_size", page_size),
-                        ("max_num_seqs", max_num_seqs),
-                        ("num_scheduler_steps", num_scheduler_steps),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-      if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, value, least in (
+        ("page_size", page_size, 1), ("max_num_seqs", max_num_seqs, 1),
+        ("num_scheduler_steps", num_scheduler_steps, 1),
+        ("max_num_batched_tokens", max_num_batched_tokens, 1),
+        ("num_lookahead_slots", num_lookahead_slots, 0)):
+      if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
     if sliding_window is not None and sliding_window < 1:
       raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if num_lookahead_slots < 0:
-      raise ValueError(f"num_lookahead_slots must be >= 0, got "
-                       f"{num_lookahead_slots}")
     self.page_size = page_size
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
@@ -125,8 +122,7 @@ class Scheduler:
         PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
                     min_cacheable_tokens=min_cacheable_tokens)
         if enable_prefix_caching else None)
-    self.max_pages_per_seq = (self._pages_for(max_model_len) if max_model_len
-                              else self.allocator.num_usable)
+    self.max_pages_per_seq = self._pages_for(max_model_len or 0) or self.allocator.num_usable
     self.requests: dict[str, Request] = {}  # unfinished, by id
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order, highest priority first
@@ -213,18 +209,12 @@ class Scheduler:
   # -- one step ---------------------------------------------------------------
 
   def schedule(self, num_lookahead: Optional[int] = None) -> SchedulerOutput:
-    """Plans one step (or a decode burst): decode rows, then prefill chunks.
-
-    num_lookahead: draft slots per decode row this step (a draft policy's choice,
-    at most num_lookahead_slots; default num_lookahead_slots).  Rows that verify
-    fewer drafts leave their budget to prefill chunks.
-    """
-    if num_lookahead is None:
-      num_lookahead = self.num_lookahead_slots
-    if not 0 <= num_lookahead <= self.num_lookahead_slots:
-      raise ValueError(f"num_lookahead must be in 0..{self.num_lookahead_slots}, got "
-                       f"{num_lookahead}")
-    burst = self._plan_burst(num_lookahead)
+    """Plans one step (or a decode burst): decode rows, then prefill chunks.  Decode rows
+    get num_lookahead draft slots (a draft policy's k; default num_lookahead_slots)."""
+    k = self.num_lookahead_slots if num_lookahead is None else num_lookahead
+    if not 0 <= k <= self.num_lookahead_slots:
+      raise ValueError(f"num_lookahead must be in 0..{self.num_lookahead_slots}, got {k}")
+    burst = self._plan_burst(k)
     if burst is not None:
       return burst
     budget = self.max_num_batched_tokens
@@ -238,7 +228,7 @@ class Scheduler:
           continue
         if decoding:
           left = req.max_new_tokens - req.num_output_tokens
-          num_draft = min(num_lookahead, left - 1, budget - 1)
+          num_draft = min(k, left - 1, budget - 1)
           n = 1 + num_draft
         else:
           num_draft = 0

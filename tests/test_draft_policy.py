@@ -22,7 +22,7 @@ class Cycle:
   ks: tuple
   calls: int = 0
 
-  def choose(self, bucket, requests):
+  def choose(self, bucket, requests, most=None):
     self.calls += 1
     return self.ks[(self.calls - 1) % len(self.ks)]
 
@@ -108,6 +108,50 @@ def test_default_candidates_and_the_switch_margin():
   assert policy.choose(8, [None]) == 3 and sticky.choose(8, [None]) == 0
   with pytest.raises(ValueError, match="including 0"):
     AdaptiveDrafts(2, candidates=(1, 2))
+
+
+def test_prefill_first_caps_k_where_drafts_would_displace_prefill():
+  policy = AdaptiveDrafts(2, candidates=(0, 1, 2), prior_weight=1e-9)
+  for _ in range(100):
+    policy.observe_verify(2, 2)  # every draft accepted: 2 drafts win
+  _measured(policy, 8, {0: 1e-3, 1: 1.1e-3, 2: 1.2e-3})
+  assert policy.choose(8, [None]) == 2 and policy.choose(8, [None], most=None) == 2
+  assert policy.choose(8, [None], most=1) == 1
+  assert policy.choose(8, [None], most=0) == 0
+  assert policy.last_choice["reason"] == "prefill first"
+  two = AdaptiveDrafts(2, prior_weight=1e-9)  # candidates 0 and 2: a cap of 1 means 0
+  two._accepted, two._proposed = policy._accepted, policy._proposed
+  _measured(two, 8, {0: 1e-3, 2: 1.2e-3})
+  assert two.choose(8, [None], most=1) == 0 and two.choose(8, [None], most=2) == 2
+
+
+@dataclasses.dataclass
+class Spy(Cycle):
+  """Cycle that records the cap the engine offers each decision."""
+
+  offered: list = dataclasses.field(default_factory=list)
+
+  def choose(self, bucket, requests, most=None):
+    self.offered.append((len(requests), most))
+    return super().choose(bucket, requests, most)
+
+
+def test_the_engine_offers_the_drafts_that_leave_room_for_prefill():
+  # Budget 16: one request decodes while a 24-token prompt waits for the free slot, so
+  # no draft fits beside it (cap 0); once it runs, what is left of it sets the cap.
+  spy = Spy((2,))
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=spy, num_scheduler_steps=1)
+  first, second = h.prompts(2, seed=7, lengths=(10, 10))[0], h.prompts(1, seed=8,
+                                                                      lengths=(24, 24))[0]
+  eng.add_request(first, h.MAX_NEW)
+  eng.step()  # prefill
+  eng.add_request(second, h.MAX_NEW)
+  eng.step()
+  assert spy.offered[0] == (1, 0)  # 24 waiting tokens > 16 - 1: nothing beside them
+  finals = h.run_to_end(eng)
+  assert (2, None) in spy.offered  # both decoding, nothing waits: no cap
+  assert [finals[r].output_ids for r in sorted(finals)] == [
+      h.reference(first), h.reference(second)]
 
 
 def test_a_requests_own_acceptance_shrinks_toward_the_engine_rate():
