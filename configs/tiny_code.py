@@ -16,6 +16,12 @@ with its card and evaluation slices to kvjax/assets/default_model:
 Rerunning a command resumes from the latest checkpoint in its workdir, so a CPU run
 can be split across sessions (max_train_seconds / stop_at_step).
 
+`:gpu` (issue 18's next model, for a lent GPU: experiments/run_train_device.sh): a
+16.5M-parameter model from scratch on the code corpus, ~65M tokens in about 6 minutes
+of an H200 (estimated from stage 1's 1.26M tokens/s and 5.7x the FLOPs per token),
+exported in bfloat16 (33 MB) to <workdir>/model for review before it replaces the
+shipped one.
+
 Smoke run (seconds; stdlib files, so it runs on any machine):
   python -m experiments.train --config=configs/tiny_code.py:runlocal \
       --workdir /tmp/tiny_code_smoke
@@ -60,6 +66,7 @@ def get_config(arg=None):
   # End of training: the shipped model, its card and the numbers on it.
   config.export_dir = ml_collections.config_dict.placeholder(str)
   config.export_dir = "kvjax/assets/default_model"
+  config.export_dtype = "float32"  # what the export stores and is evaluated in
   config.final_eval_windows = 512  # launcher's held-out bits/byte
   config.acceptance_prompts = 32  # held-out prompts greedily continued for MTP acceptance
   config.acceptance_prompt_len = 64
@@ -81,6 +88,20 @@ def get_config(arg=None):
     config.learning_rate = 3e-3
     config.warmup_steps = 300
     config.export_dir = "runs/tiny_code_stdlib/model"
+
+  if arg == "gpu":
+    config.init_from = None
+    config.model_overrides = ml_collections.ConfigDict(dict(
+        name="code-16m", hidden_size=384, intermediate_size=1024, num_layers=8,
+        num_heads=6, num_kv_heads=2))
+    config.batch_size = 32
+    config.total_steps = 4000
+    config.learning_rate = 2e-3
+    config.warmup_steps = 200
+    config.max_train_seconds = 420.0  # export even if the device is slower than estimated
+    config.checkpoint_every = 1000
+    config.export_dir = None  # the device script names it (under $OUT)
+    config.export_dtype = "bfloat16"
 
   if arg == "runlocal":
     config.model_overrides = ml_collections.ConfigDict(dict(

@@ -29,6 +29,7 @@ import time
 
 from absl import app
 from ml_collections import config_flags
+import jax
 import numpy as np
 
 from experiments import common, hf_peer
@@ -209,6 +210,10 @@ def part_c(model, c):
         # C13 in the engine: a multi-step device loop vs one dispatch per step.
         "single_step_tokens_per_s": single["tokens_per_s"],
         "multi_step_speedup": plain["tokens_per_s"] / single["tokens_per_s"]}
+    # Every engine's step programs stay in jax's caches: over all parts, LLVM ran out
+    # of memory maps (vm.max_map_count) compiling batch 32's, and XLA crashed.
+    del engines
+    jax.clear_caches()
   return out
 
 
@@ -272,9 +277,9 @@ def main(argv):
   device = common.describe_device()
   results = {"machine": f"{common.device_label(device)}, {device['os']}", "seed": c.seed,
              "model": model.config.name, "config": c.to_dict()}
-  results["a"] = part_a(model, c)
-  results["b"] = part_b(model, c)
-  results["c"] = part_c(model, c)
+  for part, run in (("a", part_a), ("b", part_b), ("c", part_c)):
+    results[part] = run(model, c)
+    jax.clear_caches()  # see part_c
   b1 = results["c"][f"batch_{c.spec_batches[0]}"]
   near10 = min(c.spec_batches[1:] or c.spec_batches, key=lambda b: abs(b - 10))  # C14: 1 vs 10
   bn = results["c"][f"batch_{near10}"]

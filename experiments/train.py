@@ -226,6 +226,7 @@ def export(config, workdir: str, cfg: ModelConfig, data: TrainingData, params,
   eval set, so tests/test_default_model.py re-checks the card without the corpus.
   """
   logging.info("final evaluation of step %d", step)
+  params = jax.tree_util.tree_map(lambda x: x.astype(config.export_dtype), params)
   evals, slices = {}, {}
   for name, tokens in data.evals.items():
     evals[name], fixed = evaluate_set(config, cfg, params, tokens)

@@ -1,9 +1,27 @@
 """Shared fixtures: models are built once per session so jit caches are reused."""
 from __future__ import annotations
 
+import os
+
+import jax
 import pytest
 
 import kvjax
+
+# Every compiled XLA:CPU program keeps LLVM-JIT memory maps; a worker that compiles
+# hundreds of them nears the kernel's vm.max_map_count (65,530 by default), and then
+# LLVM fails to allocate and XLA segfaults mid-compile.  Above this many maps the
+# compiled-program caches are dropped (the next tests recompile what they need).
+_MAX_MAPS = 40_000
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+  yield
+  if os.path.exists("/proc/self/maps"):
+    with open("/proc/self/maps") as f:
+      if sum(1 for _ in f) > _MAX_MAPS:
+        jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
