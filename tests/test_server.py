@@ -385,13 +385,14 @@ def test_metrics_counters_equal_what_was_sent(tok, server, client):
   answers = [client.completions.create(model=NAME, prompt=p, max_tokens=m, **extra)
              for p, m, extra in [(PROMPTS[0], 8, {"temperature": 0}),
                                  (PROMPTS[1], 12, {"temperature": 0, "n": 2}),
-                                 # "Return" comes mid-burst, in the request's last output
-                                 (PROMPTS[0], 16, {"temperature": 0, "stop": ["Return"]}),
+                                 # The docstring's quotes come mid-burst, in the
+                                 # request's last output
+                                 (PROMPTS[0], 16, {"temperature": 0, "stop": ['"""']}),
                                  (PROMPTS[3], 5, {"temperature": 0.7, "seed": 3})]]
   after = scrape(server.root)
   delta = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)
   choices = [c for a in answers for c in a.choices]
-  assert choices[3].finish_reason == "stop" and "Return" not in choices[3].text
+  assert choices[3].finish_reason == "stop" and choices[3].text == "\n    "
   prompt_tokens = sum(len(ids_of(tok, p)) for p in [PROMPTS[0], PROMPTS[1], PROMPTS[1],
                                                      PROMPTS[0], PROMPTS[3]])
   assert delta("kvjax:prompt_tokens_total") == prompt_tokens
