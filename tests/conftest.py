@@ -15,6 +15,19 @@ import kvjax
 _MAX_MAPS = 40_000
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+  """A test that uses a module-scoped fixture runs on the worker its module's others do
+  (`--dist loadgroup`, pytest.ini): otherwise every worker that gets one builds the
+  fixture again, or, for a once_per_run result (tests/run_once.py), sits waiting while
+  another builds it (the sharded checks' subprocess kept both CI cores' workers waiting
+  for 100 s)."""
+  for item in items:
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs and any(d[-1].scope == "module" for d in defs.name2fixturedefs.values()):
+      item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(autouse=True)
 def _bounded_compiled_programs():
   yield
