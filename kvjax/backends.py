@@ -16,6 +16,16 @@ step call through it and never compare functions by identity:
              state, states after the captured columns [B, Y, Nv, Hk, Hv] or None)
       a hybrid's Gated DeltaNet rule, float32 (every built-in: the jnp reference,
       kvjax/attention/gated_delta.py; a Pallas kernel would go here)
+  gathered_attention(q [B, T, N, H], keys, values [K, B, S, H], batch, *, sm_scale,
+            sliding_window=None) -> [B, T, N, H]    or None
+      attention over rows' K/V already gathered out of their float pages (row b's
+      positions 0..S-1): a backend whose `attention` is that gather plus this
+      sets it, and a device loop of decode steps over fixed rows (a multi-step
+      burst, kvjax.generate's decode loop) then gathers once instead of every
+      layer of every step (kvjax/caches/gathered.py).  None (kernels that read
+      pages in place): every step reads pages through `attention`.  A variant
+      that replaces `attention` of a record that has it replaces it too (or
+      sets None), or bursts bypass the new `attention`.
   kv_dtypes: the `kv_dtype` page stores it serves (None, the model dtype, always).
 int4 (KIVI) pages are dequantized by their cache and attended densely, so
 "int4" in kv_dtypes means the backend accepts that path.
@@ -47,7 +57,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import pallas_kernels
 from kvjax.attention.gated_delta import delta_rule
 from kvjax.attention.mla import mla_paged_attention
-from kvjax.attention.paged import paged_attention
+from kvjax.attention.paged import gathered_attention, paged_attention
 from kvjax.sharding import MODEL
 
 __all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh"]
@@ -60,6 +70,7 @@ class Backend:
   verify: Callable
   kv_dtypes: tuple = ("fp32", "bf16", "fp16", "int8")
   mla_attention: Optional[Callable] = None
+  gathered_attention: Optional[Callable] = None
   delta_rule: Callable = delta_rule
   mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
 
@@ -77,6 +88,10 @@ class Backend:
 
 def _padded_reference(q, k_pages, v_pages, batch, **kwargs):
   return paged_attention(q, k_pages, v_pages, batch.kv_lens, batch.block_tables, **kwargs)
+
+
+def _gathered_reference(q, keys, values, batch, **kwargs):
+  return gathered_attention(q, keys, values, batch.kv_lens, **kwargs)
 
 
 def _padded_mla(q, pages, batch, **kwargs):
@@ -98,7 +113,8 @@ def _ragged(kernel: Callable) -> Callable:
 BACKENDS = types.MappingProxyType({
     "reference": Backend(
         "reference", _padded_reference, pallas_kernels.rejection_sample_reference,
-        kv_dtypes=("fp32", "bf16", "fp16", "int8", "int4"), mla_attention=_padded_mla),
+        kv_dtypes=("fp32", "bf16", "fp16", "int8", "int4"), mla_attention=_padded_mla,
+        gathered_attention=_gathered_reference),
     "pallas": Backend(
         "pallas", _ragged(pallas_kernels.ragged_paged_attention),
         pallas_kernels.rejection_sample),
@@ -147,7 +163,8 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
 
   return dataclasses.replace(
       backend, name=f"{backend.name}@tp{mesh.shape[MODEL]}", attention=attention,
-      verify=verify, mla_attention=backend.mla_attention and mla_attention, mesh=mesh)
+      verify=verify, mla_attention=backend.mla_attention and mla_attention,
+      gathered_attention=None, mesh=mesh)  # sharded pages are read per device, per step
 
 
 def backend_names() -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 from kvjax.backends import get_backend, on_mesh
 from kvjax.caches import (CACHE_KINDS, check_cache_support, create_contiguous_cache,
                           create_paged_cache)
+from kvjax.caches.gathered import decode_loop_cache
 from kvjax.config import ModelConfig
 from kvjax.model import forward_hidden, lm_logits
 from kvjax.params import Params
@@ -110,9 +111,11 @@ def _decode_loop(params: Params, cache, batch: StepBatch, num_steps: jax.Array,
   tokens = batch.tokens[:, 0]
   out = jnp.full((b, max_steps), -1, jnp.int32)
   done = (tokens == eos_id) | ~live
-  carry = (cache, tokens, batch.starts, out, 0, done)
-  cache, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
-  return cache, out
+  # The rows' K/V gathered once, not per step (where the backend allows).
+  loop_cache, settle = decode_loop_cache(cache, batch.block_tables, backend)
+  carry = (loop_cache, tokens, batch.starts, out, 0, done)
+  loop_cache, _, ends, out, _, _ = jax.lax.while_loop(cond, body, carry)
+  return settle(loop_cache, batch.starts, ends, max_steps), out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "use_filter"))

@@ -22,6 +22,7 @@ from flax import struct
 
 from kvjax import speculative as spec
 from kvjax.caches import PagedKVCache, clear_cache_pages, copy_cache_pages
+from kvjax.caches.gathered import decode_loop_cache
 from kvjax.config import ModelConfig
 from kvjax.model import lm_logits
 from kvjax.params import Params
@@ -186,9 +187,12 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
             drafted_all.at[step].set(drafted))
 
   history = _empty_history(max_steps, b, t, config.vocab_size, logprobs)
-  carry = (jnp.int32(0), state, batch.tokens[:, 0], batch.starts,
+  # The rows' trunk and MTP K/V gathered once, not per step (where the backend allows).
+  loop_cache, settle = decode_loop_cache(state.cache, batch.block_tables, backend)
+  carry = (jnp.int32(0), state.replace(cache=loop_cache), batch.tokens[:, 0], batch.starts,
            (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
-  steps_run, state, *_, history, drafted = jax.lax.while_loop(cond, body, carry)
+  steps_run, state, _, ends, *_, history, drafted = jax.lax.while_loop(cond, body, carry)
+  state = state.replace(cache=settle(state.cache, batch.starts, ends, max_steps * t))
   return state, history, drafted, steps_run
 
 

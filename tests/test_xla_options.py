@@ -10,27 +10,33 @@ from kvjax.xla_options import jit_step, step_compiler_options
 from tests import engine_helpers as h
 
 
-def test_cpu_step_programs_turn_ynn_fusions_off():
+_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}  # every YNN fusion off
+
+
+def test_cpu_step_programs_keep_ynn_fusions_for_dots_only():
   assert jax.default_backend() == "cpu"
-  assert step_compiler_options() == (("xla_cpu_experimental_ynn_fusion_type", ""),)
+  assert step_compiler_options() == (
+      ("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT"),)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 192)), jnp.float32)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(192, 512)), jnp.float32)
   step = jit_step(lambda x, w: jnp.dot(x, w, precision="highest"))
-  plain = jax.jit(lambda x, w: jnp.dot(x, w, precision="highest"))
-  # A 3-row GEMM: the default program is a YNN fusion, the step program is not.
-  assert '"__ynn_fusion"' in plain.lower(x, w).compile().as_text()
-  assert '"__ynn_fusion"' not in step.lower(x, w).compile().as_text()
+  off = jax.jit(lambda x, w: jnp.dot(x, w, precision="highest"), compiler_options=_OFF)
+  # A 3-row GEMM: the step program's dot is a YNN fusion, with them off it is not.
+  assert '"__ynn_fusion"' in step.lower(x, w).compile().as_text()
+  assert '"__ynn_fusion"' not in off.lower(x, w).compile().as_text()
   np.testing.assert_allclose(step(x, w), np.asarray(x, np.float64) @ np.asarray(w, np.float64),
                              rtol=1e-5, atol=1e-4)
 
 
 def test_the_engines_verify_step_compiles_with_them():
   # The compiled serve step itself (MTP verify + draft, batch 2) carries the options: its
-  # program has no YNN fusion, while the same function under a plain jax.jit has many.
+  # program is the one jax.jit compiles with them, and differs from the one without.
   eng = h.engine(speculative="mtp")
   batch, static = h.decode_batch(eng, 0.8), h.step_static(eng)
   args = (eng.model.params, None, eng.state, batch)
   step = serve_steps.serve_step.lower(*args, **static).compile().as_text()
-  plain = jax.jit(serve_steps._serve_rows, static_argnames=serve_steps._STATIC)
-  assert '"__ynn_fusion"' in plain.lower(*args, **static).compile().as_text()
-  assert '"__ynn_fusion"' not in step
+  compile_with = lambda options: jax.jit(
+      serve_steps._serve_rows, static_argnames=serve_steps._STATIC, donate_argnames=("state",),
+      compiler_options=options).lower(*args, **static).compile().as_text()
+  assert step == compile_with(dict(step_compiler_options()))
+  assert '"__ynn_fusion"' in step and '"__ynn_fusion"' not in compile_with(_OFF)

@@ -50,6 +50,7 @@ class PagedLayout:
   PAGE_AXIS: int = 0
   SLOT_ARRAYS: tuple = ()
   SNAPSHOT_ARRAYS: tuple = ()
+  GATHERS_ROWS: bool = False  # a decode loop may keep its rows gathered (caches/gathered.py)
 
   @property
   def num_pages(self) -> int:
@@ -69,6 +70,7 @@ class PagedLayout:
 class PagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
   PAGE_AXIS = 2
+  GATHERS_ROWS = True  # float pages (int8 ones have scales, which the loop would not carry)
   HEAD_AXES = {name: 1 for name in PAGE_ARRAYS}  # kv heads split over tp (kvjax/sharding.py)
   k_pages: jax.Array  # [L, K, P, Z, H]
   v_pages: jax.Array  # [L, K, P, Z, H]

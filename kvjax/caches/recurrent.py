@@ -157,6 +157,7 @@ class RecurrentState:
 @struct.dataclass
 class HybridPagedCache(RecurrentState, PagedKVCache):
   SNAPSHOT_ARRAYS = ("snapshot_conv", "snapshot_delta")
+  GATHERS_ROWS = False  # its loops carry recurrent state the gathered copy does not
 
   conv_state: jax.Array = None  # [Ll, M, Kc - 1, X] model dtype
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
