@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -13,6 +15,30 @@ import kvjax
 # LLVM fails to allocate and XLA segfaults mid-compile.  Above this many maps the
 # compiled-program caches are dropped (the next tests recompile what they need).
 _MAX_MAPS = 40_000
+
+
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the run: the xdist workers and the subprocesses
+  tests start (all inherit the environment) compile many of the same step programs, and
+  each compiles it once per run instead of once per process (and again after the maps
+  guard below drops a worker's programs).  A run's own directory, removed at its end."""
+  if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  config._kvjax_jit_cache = tempfile.mkdtemp(prefix="kvjax-jit-cache-")
+  os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=config._kvjax_jit_cache)
+  # This process read jax's flags when it imported jax, before the environment had them.
+  jax.config.update("jax_compilation_cache_dir", config._kvjax_jit_cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_kvjax_jit_cache", None):
+    shutil.rmtree(config._kvjax_jit_cache, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -1,4 +1,4 @@
-"""KV caches: one contract, four layouts.
+"""KV caches: one contract, four layouts (and a decode loop's gathered view).
 
 Every cache is a frozen pytree with
   cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
@@ -15,6 +15,9 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
   contiguous.py  ContiguousKVCache: one max-length buffer per slot (C7's baseline)
   recurrent.py   HybridPagedCache / HybridContiguousCache: either of those for a
                  hybrid's attention layers plus per-slot Gated DeltaNet states
+  gathered.py    GatheredKVCache: a device decode loop's rows' float pages gathered
+                 once before the loop and written back after it (same contract),
+                 for backends whose paged attention is a gather (the reference)
 
 kv_dtype says how pages store K/V: None keeps the model dtype; "fp32",
 "bf16", "fp16" (or "float32", "bfloat16", "float16") store that float; "int8" is PagedKVCache with scales; "int4" is
