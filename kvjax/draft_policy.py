@@ -18,10 +18,13 @@ drafts that still leave room for it (the engine computes it), since a draft
 slot would displace a prefill token that is certain work, and prefilled
 requests raise the batch the next steps decode.  Prefill rows always draft
 K_max (kvjax/engine.py).  Estimates:
-  * t(B, k): an exponential moving average of the measured seconds per step of
-    decode-only steps, per (row bucket, k); a step that compiled a program is
-    not reported by the engine, a (bucket, k)'s first report is not counted
-    either (its first call here), and an estimate needs `warmup` more.  The first bucket measures
+  * t(B, k): the measured seconds per step of decode-only steps, per (row
+    bucket, k): exponentially decayed sums of seconds and of steps (a burst
+    of U steps weighs U times a single step, so a short burst's host
+    overhead, paid once per call, cannot stand for the long ones); a step
+    that compiled a program is not reported by the engine, a (bucket, k)'s
+    first report is not counted either (its first call here), and an
+    estimate needs `warmup` more.  The first bucket measures
     every k; a later bucket measures one k (what the nearest bucket would pick)
     and scales it by the cost ratios t(k) / t(0) measured elsewhere, so new
     buckets do not compile K + 1 programs each.  The second-best k is re-tried
@@ -41,6 +44,11 @@ import dataclasses
 from typing import Optional, Sequence
 
 __all__ = ["FixedDrafts", "AdaptiveDrafts", "expected_tokens", "policy_from"]
+
+# An exploration runs a whole step (at batch 1 a 16-step burst) at a k the estimates
+# rank worse, so the gap between explorations doubles while the choice holds, up to this
+# many times explore_every.
+_MAX_EXPLORE_BACKOFF = 16
 
 
 def expected_tokens(accept_through: Sequence[float], k: int) -> float:
@@ -71,7 +79,7 @@ class AdaptiveDrafts:
   """Maximize expected emitted tokens per second over k in 0..max_drafts (module doc)."""
 
   def __init__(self, max_drafts: int, *, prior_acceptance: float = 0.7,
-               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 1,
+               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 3,
                explore_every: int = 64, candidates: Optional[Sequence[int]] = None,
                switch_margin: float = 0.05):
     if max_drafts < 1:
@@ -91,11 +99,13 @@ class AdaptiveDrafts:
     self.switch_margin = switch_margin
     self._current: dict[int, int] = {}  # bucket -> the k it runs now
     self._prior = [prior_acceptance ** (i + 1) for i in range(max_drafts)]
-    self._seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> EMA s per step
+    self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # decayed (seconds, steps)
+    self._seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> s per step
     self._count: dict[tuple[int, int], int] = {}  # calls seen, the compiling one included
     self._proposed = [0] * max_drafts  # engine-wide, finished requests included
     self._accepted = [0] * max_drafts
-    self._decisions = 0
+    self._since: dict[int, int] = {}  # bucket -> decisions since it last explored
+    self._gap: dict[int, int] = {}  # bucket -> decisions between its explorations
     self.last_choice: Optional[dict] = None
 
   # -- measurements -------------------------------------------------------------
@@ -106,9 +116,11 @@ class AdaptiveDrafts:
     self._count[key] = self._count.get(key, 0) + 1
     if self._count[key] == 1:
       return  # its first call here (the engine skips the ones that compiled)
-    per_step = seconds / max(num_steps, 1)
-    old = self._seconds.get(key)
-    self._seconds[key] = per_step if old is None else (1 - self.ema) * old + self.ema * per_step
+    total, steps = self._sums.get(key, (0.0, 0.0))
+    keep = 1 - self.ema
+    total, steps = keep * total + seconds, keep * steps + max(num_steps, 1)
+    self._sums[key] = total, steps
+    self._seconds[key] = total / steps
 
   def observe_verify(self, num_draft: int, num_accepted: int) -> None:
     """One row's verify outcome (engine-wide acceptance)."""
@@ -137,7 +149,6 @@ class AdaptiveDrafts:
     return k
 
   def _choose(self, bucket: int, requests: Sequence) -> int:
-    self._decisions += 1
     ks = self.candidates
     seconds = {k: self._estimate(bucket, k) for k in ks}
     missing = [k for k in ks if seconds[k] is None]
@@ -150,7 +161,14 @@ class AdaptiveDrafts:
     best, current = ranked[0], self._current.get(bucket, ranked[0])
     if rates[best] < rates[current] * (1 + self.switch_margin):
       best = current  # switching costs (drafts to rebuild, programs): only for a clear gain
-    explore = len(ranked) > 1 and self._decisions % self.explore_every == 0
+    if best != self._current.get(bucket, best):
+      self._gap[bucket] = self.explore_every  # a new choice is re-checked soon
+    self._since[bucket] = self._since.get(bucket, 0) + 1
+    explore = len(ranked) > 1 and self._since[bucket] >= self._gap.get(bucket, self.explore_every)
+    if explore:  # a choice that keeps holding is re-checked ever more rarely
+      self._since[bucket] = 0
+      self._gap[bucket] = min(2 * self._gap.get(bucket, self.explore_every),
+                              _MAX_EXPLORE_BACKOFF * self.explore_every)
     k = next(j for j in ranked if j != best) if explore else best
     self._current[bucket] = best
     self.last_choice = {"bucket": bucket, "k": k, "tokens_per_s": rates,

@@ -76,6 +76,26 @@ def test_adaptive_measures_every_choice_first_and_explores_later():
   assert choices.count(0) >= 8 and any(k != 0 for k in choices)  # mostly best, some explore
 
 
+def test_step_cost_weighs_each_burst_by_its_steps():
+  """A short burst pays the host's per-call overhead over few steps; it must not count
+  as much as a full one (decayed sums of seconds and steps, not of per-step means)."""
+  policy = AdaptiveDrafts(2, warmup=1, ema=0.2)
+  policy.observe_step(1, 0, 1.0, 16)  # the first call: not counted
+  policy.observe_step(1, 0, 16e-3, 16)
+  policy.observe_step(1, 0, 5e-3, 1)
+  assert policy._estimate(1, 0) == pytest.approx((0.8 * 16e-3 + 5e-3) / (0.8 * 16 + 1))
+
+
+def test_explorations_back_off_while_the_choice_holds():
+  policy = AdaptiveDrafts(2, warmup=1, explore_every=4, prior_weight=1e-9)
+  for _ in range(100):
+    policy.observe_verify(2, 0)  # nothing accepted: plain decoding wins
+  _measured(policy, 1, {0: 1e-3, 2: 3e-3})
+  explored = [i for i in range(1, 200) if policy.choose(1, [None]) != 0]
+  # Gaps of 4, 8, 16, ... decisions, capped at 16 x 4.
+  assert explored == [4, 12, 28, 60, 124, 188]
+
+
 def test_a_new_bucket_measures_one_k_and_borrows_the_cost_ratios():
   policy = AdaptiveDrafts(2, warmup=1, prior_weight=1e-9, candidates=(0, 1, 2))
   for _ in range(100):
