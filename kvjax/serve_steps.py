@@ -122,7 +122,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs")
-serve_step = jit_step(_serve_rows, static_argnames=_STATIC, donate_argnames=("state",))
+serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC,
+                      donate_argnames=("state",))
 
 
 def _empty_history(u: int, b: int, t: int, vocab: int, logprobs: bool) -> Emitted:

@@ -1,7 +1,8 @@
 """XLA compiler options for kvjax's step programs, chosen for the backend at first use.
 
-On CPU, XLA hands dots (and, by default, more) to YNNPACK fusions.  Step programs
-keep YNNPACK for dots alone (LIBRARY_FUSION_TYPE_DOT): it runs the batched
+On CPU, XLA hands dots (and, by default, more) to YNNPACK fusions.  Decode and
+verify step programs keep YNNPACK for dots alone (LIBRARY_FUSION_TYPE_DOT), prefill
+programs none (numbers at _CPU_STEP_OPTIONS): for dots alone, YNNPACK runs the batched
 attention matmuls over gathered K/V 2-3x faster than XLA's own dot thunks and
 the weight GEMMs no slower, while the default set cost the few-row GEMMs of
 decode and verify steps 2-4x (engine MTP verify+draft step at batch 1: 4.55 ms
@@ -18,50 +19,73 @@ with none elsewhere (GPU).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 
-__all__ = ["step_compiler_options", "jit_step"]
+__all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS"]
 
-_CPU_STEP_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}  # dots only
+# Per program kind: decode and verify steps (a few columns per row: YNNPACK for dots
+# only) and prefill chunks (XLA's own dots: with YNNPACK's, a prefill-heavy engine run
+# of 32 prompts of 512 tokens took 1.54-1.63 s instead of 1.20-1.37 s).
+_CPU_STEP_OPTIONS = {
+    "decode": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "prefill": {"xla_cpu_experimental_ynn_fusion_type": ""},
+}
+# A step program whose StepBatch feeds at most this many columns per row is a decode
+# or verify step (1 + J columns); prefill chunks are wider (kvjax/batching.py buckets).
+DECODE_COLUMNS = 8
 
 
 @functools.lru_cache(maxsize=None)
-def step_compiler_options() -> tuple:
-  """((name, value), ...) for step programs on the default backend; () if none apply."""
+def step_compiler_options(kind: str = "decode") -> tuple:
+  """((name, value), ...) for `kind` ("decode" or "prefill") step programs on the default
+  backend; () if none apply."""
   if jax.default_backend() != "cpu":
     return ()
+  options = _CPU_STEP_OPTIONS[kind]
   try:
-    jax.jit(lambda x: x + 1, compiler_options=_CPU_STEP_OPTIONS).lower(1.0).compile()
+    jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
   except Exception:  # this XLA lacks the option: compile as jax would by default
     return ()
-  return tuple(_CPU_STEP_OPTIONS.items())
+  return tuple(options.items())
 
 
 class _StepJit:
-  """jax.jit(fun, **jit_kwargs) built at first use with step_compiler_options()."""
+  """jax.jit(fun, **jit_kwargs), one per program kind, each built at first use with
+  step_compiler_options(kind); a call's kind is that of its StepBatch argument (the
+  positional `batch_argnum`; None: always "decode")."""
 
-  def __init__(self, fun: Callable, jit_kwargs: dict):
+  def __init__(self, fun: Callable, batch_argnum: Optional[int], jit_kwargs: dict):
     functools.update_wrapper(self, fun)
-    self._fun, self._jit_kwargs, self._jitted = fun, jit_kwargs, None
+    self._fun, self._batch_argnum, self._jit_kwargs = fun, batch_argnum, jit_kwargs
+    self._jitted: dict = {}
 
-  @property
-  def jitted(self):
-    if self._jitted is None:
-      self._jitted = jax.jit(self._fun, compiler_options=dict(step_compiler_options()) or None,
-                             **self._jit_kwargs)
-    return self._jitted
+  def jitted(self, kind: str = "decode"):
+    if kind not in self._jitted:
+      self._jitted[kind] = jax.jit(
+          self._fun, compiler_options=dict(step_compiler_options(kind)) or None,
+          **self._jit_kwargs)
+    return self._jitted[kind]
+
+  def kind_of(self, batch) -> str:
+    return "decode" if batch.tokens.shape[1] <= DECODE_COLUMNS else "prefill"
 
   def __call__(self, *args, **kwargs):
-    return self.jitted(*args, **kwargs)
+    kind = "decode" if self._batch_argnum is None else self.kind_of(args[self._batch_argnum])
+    return self.jitted(kind)(*args, **kwargs)
 
-  def __getattr__(self, name):  # lower, trace, _cache_size, ... of the jitted function
-    return getattr(self.jitted, name)
+  def _cache_size(self) -> int:
+    """Programs compiled so far, every kind."""
+    return sum(f._cache_size() for f in self._jitted.values())
+
+  def __getattr__(self, name):  # lower, trace, ... of the decode program
+    return getattr(self.jitted("decode"), name)
 
 
-def jit_step(fun: Callable = None, **jit_kwargs):
-  """`jax.jit` for a decode/verify step program (usable as @jit_step(static_argnames=...))."""
+def jit_step(fun: Callable = None, *, batch_argnum: Optional[int] = None, **jit_kwargs):
+  """`jax.jit` for a step program (usable as @jit_step(static_argnames=...)); batch_argnum:
+  the positional StepBatch argument whose width picks the options (None: a decode loop)."""
   if fun is None:
-    return functools.partial(jit_step, **jit_kwargs)
-  return _StepJit(fun, jit_kwargs)
+    return functools.partial(jit_step, batch_argnum=batch_argnum, **jit_kwargs)
+  return _StepJit(fun, batch_argnum, jit_kwargs)
