@@ -321,6 +321,39 @@ def test_non_streamed_client_hanging_up_aborts_its_choices(server):
   assert CONFIG.max_num_seqs <= aborted <= n
 
 
+def test_non_streamed_request_notices_hang_up_while_tokens_keep_coming():
+  """The disconnect check runs on a clock: a queue that never goes quiet must not hide it."""
+  from types import SimpleNamespace
+  from kvjax.server.app import _collect
+  from kvjax.server.engine_loop import Delta
+
+  class HungUp:
+    async def is_disconnected(self):
+      return True
+
+  cancelled = []
+  loop = SimpleNamespace(cancel=cancelled.append)
+  submission = SimpleNamespace(request=SimpleNamespace(num_choices=1))
+
+  async def main():
+    events = asyncio.Queue()
+
+    async def engine():  # a token every millisecond, never finishing within the test
+      for i in range(5000):
+        events.put_nowait(Delta(index=0, text="x", token_ids=[i], num_tokens=i + 1,
+                                finish_reason=None))
+        await asyncio.sleep(0.001)
+
+    producer = asyncio.create_task(engine())
+    try:
+      return await asyncio.wait_for(_collect(loop, submission, events, None, HungUp()), 2.0)
+    finally:
+      producer.cancel()
+
+  assert asyncio.run(main()) is None
+  assert cancelled == [submission]
+
+
 def test_bad_requests_get_400_naming_the_field(tok, server, offline):
   good = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0,
           "stream": True}

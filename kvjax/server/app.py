@@ -113,13 +113,19 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
   texts, reasons, counts = [""] * k, [None] * k, [0] * k
   ids, logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
   done = 0
+  loop_time = asyncio.get_running_loop().time
+  next_check = loop_time() + _DISCONNECT_POLL_S
   try:
     while done < k:
-      try:
-        event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
+      # Checked on a clock, not only when the queue goes quiet: a busy engine can keep events
+      # coming faster than the poll interval for the whole request.
+      if loop_time() >= next_check:
         if await http_request.is_disconnected():
           return None
+        next_check = loop_time() + _DISCONNECT_POLL_S
+      try:
+        event = await asyncio.wait_for(events.get(), max(next_check - loop_time(), 0.0))
+      except asyncio.TimeoutError:
         continue
       if isinstance(event, Failed):
         raise event.error
