@@ -188,8 +188,11 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
             drafted_all.at[step].set(drafted))
 
   history = _empty_history(max_steps, b, t, config.vocab_size, logprobs)
-  # The rows' trunk and MTP K/V gathered once, not per step (where the backend allows).
-  loop_cache, settle = decode_loop_cache(state.cache, batch.block_tables, backend)
+  # The rows' K/V gathered once, not per step (where the backend allows): the trunk's, and
+  # the MTP modules' only if the loop drafts (a draft model keeps its own cache).
+  drafting = num_draft and draft_config is None
+  loop_cache, settle = decode_loop_cache(state.cache, batch.block_tables, backend,
+                                         None if drafting else config.cache_layers(False))
   carry = (jnp.int32(0), state.replace(cache=loop_cache), batch.tokens[:, 0], batch.starts,
            (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
   steps_run, state, _, ends, *_, history, drafted = jax.lax.while_loop(cond, body, carry)

@@ -125,3 +125,56 @@ def test_generate_and_bursts_attend_the_copy_not_the_pages(tiny_model):
   assert calls["gathered"] > 0  # the bursts
   paged = kvjax.Engine(tiny_model, backend=paged_only, max_num_seqs=2, num_scheduler_steps=4)
   assert tokens == paged.generate(prompts, 9).tokens
+
+
+def test_a_loop_of_the_trunk_gathers_and_settles_only_its_layers():
+  """num_layers=1 of the 2: layer 0 ends as the paged loop leaves it, layer 1 as it was
+  (a loop that never drafts leaves the MTP modules' layers in their pages)."""
+  tables = jnp.asarray(_tables())
+  pages, _ = _loop(_pool(), gather=False)
+  loop_cache, settle = decode_loop_cache(_pool(), tables, "reference", num_layers=1)
+  assert len(loop_cache.k) == len(loop_cache.v) == 1
+  rng = np.random.default_rng(2)
+  qkv = [jnp.asarray(rng.normal(size=(STEPS, L, 3, T, n, H)), jnp.float32) for n in (N, K, K)]
+  q_lens, record = np.array([T, T, 1]), get_backend("reference")
+  for step in range(STEPS):
+    batch = make_step_batch(np.zeros((3, T), np.int32), STARTS + step * T, q_lens, tables)
+    loop_cache, _ = loop_cache.attend(0, qkv[0][step, 0], qkv[1][step, 0], qkv[2][step, 0],
+                                      batch, sm_scale=H ** -0.5, window=None, backend=record)
+  with pytest.raises(IndexError):
+    loop_cache.attend(1, qkv[0][0, 1], qkv[1][0, 1], qkv[2][0, 1], batch, sm_scale=H ** -0.5,
+                      window=None, backend=record)
+  settled = settle(loop_cache, jnp.asarray(STARTS), jnp.asarray(STARTS + (STEPS - 1) * T + q_lens),
+                   STEPS * T)
+  np.testing.assert_array_equal(np.asarray(settled.k_pages)[0, :, 1:],
+                                np.asarray(pages.k_pages)[0, :, 1:])
+  np.testing.assert_array_equal(np.asarray(settled.k_pages)[1], np.asarray(_pool().k_pages)[1])
+  np.testing.assert_array_equal(np.asarray(settled.v_pages)[1], np.asarray(_pool().v_pages)[1])
+
+
+def test_an_mtp_engine_bursting_without_drafts_gathers_only_the_trunk(monkeypatch):
+  """k = 0 bursts of an MTP engine copy the trunk's layers, k = 2 bursts the MTP modules'
+  too; the greedy tokens are plain decoding's either way."""
+  from kvjax.caches.gathered import GatheredKVCache
+  from kvjax.draft_policy import FixedDrafts
+
+  model = kvjax.load_checkpoint()  # the default model: 4 trunk layers, 2 MTP modules
+  gathered_layers = []
+  gather = GatheredKVCache.gather.__func__
+  monkeypatch.setattr(GatheredKVCache, "gather", classmethod(
+      lambda cls, *args: gathered_layers.append(len(gather(cls, *args).k)) or gather(cls, *args)))
+  # A backend record of its own name: the burst programs trace here, not from a cache.
+  spy = dataclasses.replace(get_backend("reference"), name="reference+layers")
+  prompts = [[1, 2, 3, 4, 5], [7, 8]]
+  common = dict(backend=spy, max_num_seqs=2, num_scheduler_steps=4, speculative="mtp", num_draft=2)
+  plain = kvjax.Engine(model, backend=spy, max_num_seqs=2, num_scheduler_steps=4).generate(
+      prompts, 9).tokens
+  trunk, every = model.config.cache_layers(False), model.config.num_cache_layers
+  assert (trunk, every) == (4, 6)
+  gathered_layers.clear()
+  k0 = kvjax.Engine(model, draft_policy=FixedDrafts(0), **common).generate(prompts, 9).tokens
+  assert gathered_layers and set(gathered_layers) == {trunk}
+  gathered_layers.clear()
+  k2 = kvjax.Engine(model, **common).generate(prompts, 9).tokens
+  assert gathered_layers and set(gathered_layers) == {every}
+  assert k0 == k2 == plain

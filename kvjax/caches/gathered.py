@@ -38,13 +38,18 @@ class GatheredKVCache:
   pages: PagedKVCache  # the pool, unchanged until the loop settles
   # Per layer (a tuple, so a step's attention reads its layer's copy without slicing it
   # out of a stacked array, which would copy it): row b's positions 0..S-1, S = W * Z.
+  # The pool's first L layers: a loop that never drafts leaves the MTP modules' layers
+  # (after the trunk's) in their pages, and attending one raises IndexError.
   k: tuple  # L x [K, B, S, H]
   v: tuple  # L x [K, B, S, H]
 
   @classmethod
-  def gather(cls, pages: PagedKVCache, block_tables: jax.Array) -> "GatheredKVCache":
-    """Every layer of the rows with block_tables [B, W], kv-head-major."""
-    num_layers, num_kv, _, z, h = pages.k_pages.shape
+  def gather(cls, pages: PagedKVCache, block_tables: jax.Array,
+             num_layers: Optional[int] = None) -> "GatheredKVCache":
+    """The first num_layers layers (None: all) of the rows with block_tables [B, W],
+    kv-head-major."""
+    all_layers, num_kv, _, z, h = pages.k_pages.shape
+    num_layers = all_layers if num_layers is None else num_layers
     b, w = block_tables.shape
     dense = lambda x: tuple(x[layer][:, block_tables].reshape(num_kv, b, w * z, h)
                             for layer in range(num_layers))
@@ -77,7 +82,8 @@ class GatheredKVCache:
     page = jnp.where(positions < end[:, None], page, self.pages.num_pages)  # dropped
     rows = jnp.arange(first.shape[0])[:, None]
     column = jnp.minimum(positions, self.k[0].shape[2] - 1)
-    back = lambda pool, dense: pool.at[:, :, page, positions % z].set(
+    used = len(self.k)
+    back = lambda pool, dense: pool.at[:used, :, page, positions % z].set(
         jnp.stack([d[:, rows, column] for d in dense]), mode="drop")  # [L, K, B, span, H]
     return self.pages.replace(k_pages=back(self.pages.k_pages, self.k),
                               v_pages=back(self.pages.v_pages, self.v))
@@ -87,18 +93,20 @@ def _with(layers: tuple, layer: int, value) -> tuple:
   return layers[:layer] + (value,) + layers[layer + 1:]
 
 
-def decode_loop_cache(cache, block_tables: jax.Array, backend
+def decode_loop_cache(cache, block_tables: jax.Array, backend, num_layers: Optional[int] = None
                       ) -> tuple[object, Callable[[object, jax.Array, jax.Array, int], object]]:
   """(the cache a decode loop over these rows carries, settle(loop cache, first [B], end
-  [B], span) -> the cache after it): a GatheredKVCache and its write-back where the cache
+  [B], span) -> the cache after it): a GatheredKVCache of the first num_layers layers
+  (None: all; fewer when the loop runs no MTP module) and its write-back where the cache
   and backend allow (module doc), else the cache itself and no-op."""
   gathers = (getattr(cache, "GATHERS_ROWS", False) and cache.k_scales is None
              and get_backend(backend).gathered_attention is not None)
   if gathers:
-    num_layers, num_kv, _, z, h = cache.k_pages.shape
+    all_layers, num_kv, _, z, h = cache.k_pages.shape
+    num_layers = all_layers if num_layers is None else num_layers
     copy_bytes = 2 * num_layers * num_kv * block_tables.size * z * h * cache.k_pages.dtype.itemsize
     gathers = copy_bytes <= MAX_GATHERED_BYTES
   if not gathers:
     return cache, lambda loop_cache, first, end, span: loop_cache
-  return (GatheredKVCache.gather(cache, block_tables),
+  return (GatheredKVCache.gather(cache, block_tables, num_layers),
           lambda loop_cache, first, end, span: loop_cache.settle(block_tables, first, end, span))
