@@ -19,9 +19,14 @@ slot would displace a prefill token that is certain work, and prefilled
 requests raise the batch the next steps decode.  Prefill rows always draft
 K_max (kvjax/engine.py).  Estimates:
   * t(B, k): the measured seconds per step of decode-only steps, per (row
-    bucket, k): exponentially decayed sums of seconds and of steps (a burst
-    of U steps weighs U times a single step, so a short burst's host
-    overhead, paid once per call, cannot stand for the long ones); a step
+    bucket, k): the median of the last `window` reports' seconds per step,
+    each weighted by its steps (a burst of U steps weighs U times a single
+    step, so a short burst's host overhead, paid once per call, cannot stand
+    for the long ones).  A median, not a mean: on shared cores a report can
+    run several times slower than the program (a stall; the first real burst
+    of a fresh engine), and one such report, say the only k = 0 burst between
+    bursts of k = 2, must not flip the choice; a lasting change moves it once
+    it fills more than half the window; a step
     that compiled a program is not reported by the engine, a (bucket, k)'s
     first report is not counted either (its first call here), and an
     estimate needs `warmup` more.  The first bucket measures
@@ -41,6 +46,7 @@ is any object with the same four methods (`choose(bucket, requests, most)`,
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Optional, Sequence
 
 __all__ = ["FixedDrafts", "AdaptiveDrafts", "expected_tokens", "policy_from"]
@@ -79,14 +85,14 @@ class AdaptiveDrafts:
   """Maximize expected emitted tokens per second over k in 0..max_drafts (module doc)."""
 
   def __init__(self, max_drafts: int, *, prior_acceptance: float = 0.7,
-               prior_weight: float = 4.0, ema: float = 0.2, warmup: int = 3,
+               prior_weight: float = 4.0, window: int = 8, warmup: int = 3,
                explore_every: int = 64, candidates: Optional[Sequence[int]] = None,
                switch_margin: float = 0.05):
     if max_drafts < 1:
       raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
     self.max_drafts = max_drafts
     self.prior_weight = prior_weight
-    self.ema = ema
+    self.window = window
     self.warmup = warmup
     self.explore_every = explore_every
     # Each k is a step program family (x row and table buckets) to compile: by default
@@ -99,7 +105,7 @@ class AdaptiveDrafts:
     self.switch_margin = switch_margin
     self._current: dict[int, int] = {}  # bucket -> the k it runs now
     self._prior = [prior_acceptance ** (i + 1) for i in range(max_drafts)]
-    self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # decayed (seconds, steps)
+    self._recent: dict[tuple[int, int], deque] = {}  # the last reports' (s per step, steps)
     self._seconds: dict[tuple[int, int], float] = {}  # (bucket, k) -> s per step
     self._count: dict[tuple[int, int], int] = {}  # calls seen, the compiling one included
     self._proposed = [0] * max_drafts  # engine-wide, finished requests included
@@ -116,11 +122,10 @@ class AdaptiveDrafts:
     self._count[key] = self._count.get(key, 0) + 1
     if self._count[key] == 1:
       return  # its first call here (the engine skips the ones that compiled)
-    total, steps = self._sums.get(key, (0.0, 0.0))
-    keep = 1 - self.ema
-    total, steps = keep * total + seconds, keep * steps + max(num_steps, 1)
-    self._sums[key] = total, steps
-    self._seconds[key] = total / steps
+    steps = max(num_steps, 1)
+    recent = self._recent.setdefault(key, deque(maxlen=self.window))
+    recent.append((seconds / steps, steps))
+    self._seconds[key] = _weighted_median(recent)
 
   def observe_verify(self, num_draft: int, num_accepted: int) -> None:
     """One row's verify outcome (engine-wide acceptance)."""
@@ -216,6 +221,17 @@ class AdaptiveDrafts:
     return {"policy": "adaptive", "max_drafts": self.max_drafts,
             "step_s": {f"{b}x{k}": s for (b, k), s in sorted(self._seconds.items())},
             "accept_through": self.accept_through(), "last_choice": self.last_choice}
+
+
+def _weighted_median(samples) -> float:
+  """The value at half the total weight of (value, weight) samples."""
+  ordered = sorted(samples)
+  half, seen = sum(w for _, w in ordered) / 2, 0.0
+  for value, weight in ordered:
+    seen += weight
+    if seen >= half:
+      return value
+  raise ValueError("no samples")
 
 
 def policy_from(spec, max_drafts: int):

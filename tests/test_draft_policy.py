@@ -78,12 +78,29 @@ def test_adaptive_measures_every_choice_first_and_explores_later():
 
 def test_step_cost_weighs_each_burst_by_its_steps():
   """A short burst pays the host's per-call overhead over few steps; it must not count
-  as much as a full one (decayed sums of seconds and steps, not of per-step means)."""
-  policy = AdaptiveDrafts(2, warmup=1, ema=0.2)
+  as much as a full one (a mean of per-step times would be 3 ms here)."""
+  policy = AdaptiveDrafts(2, warmup=1)
   policy.observe_step(1, 0, 1.0, 16)  # the first call: not counted
   policy.observe_step(1, 0, 16e-3, 16)
   policy.observe_step(1, 0, 5e-3, 1)
-  assert policy._estimate(1, 0) == pytest.approx((0.8 * 16e-3 + 5e-3) / (0.8 * 16 + 1))
+  assert policy._estimate(1, 0) == pytest.approx(1e-3)
+
+
+def test_one_stalled_burst_does_not_move_the_cost_but_a_lasting_change_does():
+  policy = AdaptiveDrafts(2, warmup=1, window=8)
+  policy.observe_step(1, 0, 0.0, 16)  # the first call: not counted
+  for _ in range(4):
+    policy.observe_step(1, 0, 16 * 0.25e-3, 16)
+  policy.observe_step(1, 0, 16 * 1.2e-3, 16)  # a stall (a mean of the 5 would be 0.44 ms)
+  assert policy._estimate(1, 0) == pytest.approx(0.25e-3)
+  for _ in range(3):
+    policy.observe_step(1, 0, 16 * 1e-3, 16)
+  assert policy._estimate(1, 0) == pytest.approx(0.25e-3)  # 4 slow of 8: half, not more
+  policy.observe_step(1, 0, 16 * 1e-3, 16)
+  assert policy._estimate(1, 0) == pytest.approx(1e-3)  # 5 of the last 8
+  for _ in range(8):
+    policy.observe_step(1, 0, 16 * 2e-3, 16)
+  assert policy._estimate(1, 0) == pytest.approx(2e-3)  # older reports left the window
 
 
 def test_explorations_back_off_while_the_choice_holds():
