@@ -224,14 +224,15 @@ class AdaptiveDrafts:
 
 
 def _weighted_median(samples) -> float:
-  """The value at half the total weight of (value, weight) samples."""
+  """The smallest value with at least half the total weight at or below it, of
+  (value, weight) samples (at least one)."""
   ordered = sorted(samples)
   half, seen = sum(w for _, w in ordered) / 2, 0.0
   for value, weight in ordered:
     seen += weight
     if seen >= half:
-      return value
-  raise ValueError("no samples")
+      break
+  return value
 
 
 def policy_from(spec, max_drafts: int):

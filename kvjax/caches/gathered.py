@@ -45,11 +45,9 @@ class GatheredKVCache:
 
   @classmethod
   def gather(cls, pages: PagedKVCache, block_tables: jax.Array,
-             num_layers: Optional[int] = None) -> "GatheredKVCache":
-    """The first num_layers layers (None: all) of the rows with block_tables [B, W],
-    kv-head-major."""
-    all_layers, num_kv, _, z, h = pages.k_pages.shape
-    num_layers = all_layers if num_layers is None else num_layers
+             num_layers: int) -> "GatheredKVCache":
+    """The first num_layers layers of the rows with block_tables [B, W], kv-head-major."""
+    _, num_kv, _, z, h = pages.k_pages.shape
     b, w = block_tables.shape
     dense = lambda x: tuple(x[layer][:, block_tables].reshape(num_kv, b, w * z, h)
                             for layer in range(num_layers))
@@ -103,7 +101,7 @@ def decode_loop_cache(cache, block_tables: jax.Array, backend, num_layers: Optio
              and get_backend(backend).gathered_attention is not None)
   if gathers:
     all_layers, num_kv, _, z, h = cache.k_pages.shape
-    num_layers = all_layers if num_layers is None else num_layers
+    num_layers = num_layers or all_layers
     copy_bytes = 2 * num_layers * num_kv * block_tables.size * z * h * cache.k_pages.dtype.itemsize
     gathers = copy_bytes <= MAX_GATHERED_BYTES
   if not gathers:
