@@ -56,6 +56,7 @@ class StepShape(NamedTuple):
   rows: int  # B, padding rows included
   columns: int  # T: a prefill chunk bucket, or 1 + J for decode rows
   width: int  # W: block-table columns
+  num_draft: int  # J: the drafts its rows verify (decode) or make (prefill): a static arg
 
 
 @dataclasses.dataclass
@@ -213,10 +214,11 @@ class Packing:
 
   def shapes(self, draft_counts: Optional[Sequence[int]] = None, bursts: bool = False
              ) -> list[StepShape]:
-    """Every (kind, B, T, W) a run of this packing can pack, from the rules above.
+    """Every (kind, B, T, W, J) a run of this packing can pack, from the rules above.
 
-    draft_counts: the J a decode group's program may run (default: the engine's J);
-    prefill groups always run the engine's.  bursts: also the multi-step loop's
+    draft_counts: the J a row group's program may run, decode and prefill alike
+    (default: the engine's J; a draft policy's prefill rows draft what their decode
+    group runs, kvjax/draft_policy.py).  bursts: also the multi-step loop's
     groups (every running request decoding, 1 + J_max tokens each within the
     budget).  What bounds them: a fed position is at most max_model_len - 2 (the
     last generated token is never fed), so a row starts at most there and a chunk
@@ -226,21 +228,22 @@ class Packing:
     shortest = {}  # prefill T -> the shortest longest-chunk that packs to it
     for n in range(1, min(budget, most_fed) + 1):
       shortest.setdefault(self._columns(False, n), n)
-    groups = [("prefill", t, budget - n + 1) for t, n in shortest.items()]
+    groups = []
     for j in (self.num_draft,) if draft_counts is None else sorted(set(draft_counts)):
+      groups += [("prefill", t, budget - n + 1, j) for t, n in shortest.items()]
       t = self._columns(True, 1, j)
-      groups.append(("decode", t, budget))
+      groups.append(("decode", t, budget, j))
       if bursts:
-        groups.append(("burst", t, budget // (1 + self.num_draft)))
+        groups.append(("burst", t, budget // (1 + self.num_draft), j))
     out = []
-    for kind, t, most_rows in groups:
+    for kind, t, most_rows, j in groups:
       decode = kind != "prefill"
       row_buckets = {self._rows_bucket(r, decode, t)
                      for r in range(1, min(most_rows, self.max_num_seqs) + 1)}
       # Pages read: from a row at start 0 to one at the last fed position.
       pages = range(-(-t // self.page_size), -(-(most_fed - 1 + t) // self.page_size) + 1)
       widths = {self._width_bucket(p) for p in pages}
-      out += [StepShape(kind, b, t, w) for b in sorted(row_buckets) for w in sorted(widths)]
+      out += [StepShape(kind, b, t, w, j) for b in sorted(row_buckets) for w in sorted(widths)]
     return out
 
   def padding(self, shape: StepShape, snapshots: bool = False) -> StepBatch:

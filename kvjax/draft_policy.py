@@ -16,8 +16,12 @@ rebuilt drafts).  Prefill first: when the step's token budget cannot hold the
 prefill work waiting to run beside the decode rows, k is capped at `most`, the
 drafts that still leave room for it (the engine computes it), since a draft
 slot would displace a prefill token that is certain work, and prefilled
-requests raise the batch the next steps decode.  Prefill rows always draft
-K_max (kvjax/engine.py).  Estimates:
+requests raise the batch the next steps decode.  Prefill rows draft what the
+decode group they join runs now (`prefill_drafts`; K_max until it has chosen):
+where speculation does not pay, a prompt skips the MTP modules too (their K/V
+for it is left unwritten; should the group switch to drafts later, the modules
+attend stale K/V there, which lowers that request's acceptance, never changes
+its tokens).  Estimates:
   * t(B, k): the measured seconds per step of decode-only steps, per (row
     bucket, k): the median of the last `window` reports' seconds per step,
     each weighted by its steps (a burst of U steps weighs U times a single
@@ -40,8 +44,8 @@ K_max (kvjax/engine.py).  Estimates:
 Outputs never depend on k: greedy verification is exact and rejection
 sampling keeps the target distribution for any number of drafts, so only
 speed does.  `FixedDrafts` is the constant policy (it ignores `most`); a policy
-is any object with the same four methods (`choose(bucket, requests, most)`,
-`observe_step`, `observe_verify`, `estimates`).
+is any object with the same five methods (`choose(bucket, requests, most)`,
+`prefill_drafts(bucket)`, `observe_step`, `observe_verify`, `estimates`).
 """
 from __future__ import annotations
 
@@ -69,6 +73,9 @@ class FixedDrafts:
   num_draft: int
 
   def choose(self, bucket: int, requests: Sequence, most: Optional[int] = None) -> int:
+    return self.num_draft
+
+  def prefill_drafts(self, bucket: int) -> int:
     return self.num_draft
 
   def observe_step(self, bucket: int, k: int, seconds: float, num_steps: int) -> None:
@@ -152,6 +159,11 @@ class AdaptiveDrafts:
       k = max(c for c in self.candidates if c <= most)  # 0 is always a candidate
       self.last_choice = dict(self.last_choice, k=k, reason="prefill first")
     return k
+
+  def prefill_drafts(self, bucket: int) -> int:
+    """Drafts a prefill row makes for the decode group of `bucket` rows it joins: the k
+    that group runs now; the most until it has chosen (measuring k > 0 needs drafts)."""
+    return self._current.get(bucket, self.candidates[-1])
 
   def _choose(self, bucket: int, requests: Sequence) -> int:
     ks = self.candidates
@@ -241,7 +253,7 @@ def policy_from(spec, max_drafts: int):
     return FixedDrafts(max_drafts)
   if spec == "adaptive":
     return AdaptiveDrafts(max_drafts)
-  methods = ("choose", "observe_step", "observe_verify", "estimates")
+  methods = ("choose", "prefill_drafts", "observe_step", "observe_verify", "estimates")
   if isinstance(spec, str) or not all(hasattr(spec, m) for m in methods):
     raise ValueError(f"draft_policy must be None, 'adaptive' or an object with "
                      f"{', '.join(methods)}, got {spec!r}")

@@ -230,11 +230,11 @@ class Engine:
   def _step(self) -> list[RequestOutput]:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
-    # The policy picks the decode rows' J before planning, so rows verifying fewer
-    # drafts leave their budget to prefill chunks; prefill rows always draft the most
-    # (fresh drafts and MTP K/V for the prompt, one prefill program family).
+    # The decode rows' J comes before planning (fewer drafts leave budget to prefill),
+    # prefill rows' after: what their decode group runs now (kvjax/draft_policy.py).
     k = self._choose_drafts()
     plan = self.scheduler.schedule(k)
+    k_prefill = self._prefill_drafts()
     waiting = len(self.scheduler.waiting)
     if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
       # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
@@ -246,7 +246,7 @@ class Engine:
     prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
     # One program for the decode rows; the prefill rows in pieces that pad less.
     groups = [(decode, k)] if decode else []
-    groups += [([prefill[j] for j in piece], self.num_draft)
+    groups += [([prefill[j] for j in piece], k_prefill)
                for piece in self.packing.prefill_pieces([plan.rows[i] for i in prefill])]
     programs = num_compiled()
     snapshots = self.snapshots and self.snapshots.plan(plan.rows)
@@ -263,7 +263,7 @@ class Engine:
           metrics = self.metrics[row.request_id]
           metrics.prefix_hit_tokens = row.request.num_cached_tokens
         self._fresh_drafts[row.request_id] = (
-            (k if row.is_decode else self.num_draft) if row.sample else 0)
+            (k if row.is_decode else k_prefill) if row.sample else 0)
         if not (row.sample or emitted.failed[:, j].any()):
           continue
         counts = emitted.counts[:steps_run, j]
@@ -352,10 +352,20 @@ class Engine:
     if self.draft_policy is None or not decoding:
       return self.num_draft
     bucket = self.packing.decode_rows_bucket(len(decoding))
-    k = self.draft_policy.choose(bucket, [self.metrics[r.request_id] for r in decoding],
-                                 self._drafts_beside_prefill(len(decoding)))
+    return self._checked(self.draft_policy.choose(
+        bucket, [self.metrics[r.request_id] for r in decoding],
+        self._drafts_beside_prefill(len(decoding))))
+
+  def _prefill_drafts(self) -> int:
+    """J of this step's prefill rows: the policy's for the group of every running request."""
+    if self.draft_policy is None:
+      return self.num_draft
+    bucket = self.packing.decode_rows_bucket(len(self.scheduler.running))
+    return self._checked(self.draft_policy.prefill_drafts(bucket), "prefill ")
+
+  def _checked(self, k: int, rows: str = "") -> int:  # a policy object's choice
     if not 0 <= k <= self.num_draft:
-      raise ValueError(f"draft policy chose {k} drafts; it may choose 0..{self.num_draft}")
+      raise ValueError(f"draft policy chose {k} {rows}drafts; it may choose 0..{self.num_draft}")
     return k
 
   def _drafts_beside_prefill(self, num_decoding: int) -> Optional[int]:
@@ -432,9 +442,8 @@ class Engine:
   def _run_padding(self, shape: StepShape, use_filter: bool, logprobs: bool) -> None:
     """One step program of `shape` on padding rows (a burst's: none runs a step)."""
     batch = self.packing.padding(shape, snapshots=self.snapshots is not None)
-    num_draft = self.num_draft if shape.kind == "prefill" else shape.columns - 1
     burst = (*burst_limits([], shape.rows), 1) if shape.kind == "burst" else None
-    self._run(batch, num_draft, use_filter, logprobs, burst)
+    self._run(batch, shape.num_draft, use_filter, logprobs, burst)
 
   # -- one-shot ---------------------------------------------------------------
 

@@ -17,14 +17,21 @@ from tests import engine_helpers as h
 
 @dataclasses.dataclass
 class Cycle:
-  """A policy that ignores measurements: k = ks[0], ks[1], ... per decode step."""
+  """A policy that ignores measurements: k = ks[0], ks[1], ... per decode step, and
+  prefill[0], prefill[1], ... per step with prefill rows."""
 
   ks: tuple
+  prefill: tuple = (2,)
   calls: int = 0
+  prefill_calls: list = dataclasses.field(default_factory=list)
 
   def choose(self, bucket, requests, most=None):
     self.calls += 1
     return self.ks[(self.calls - 1) % len(self.ks)]
+
+  def prefill_drafts(self, bucket):
+    self.prefill_calls.append(self.prefill[len(self.prefill_calls) % len(self.prefill)])
+    return self.prefill_calls[-1]
 
   def observe_step(self, bucket, k, seconds, num_steps):
     pass
@@ -220,12 +227,34 @@ def test_policy_specs():
 @pytest.mark.parametrize("steps", [1, 4], ids=["single_step", "burst"])
 def test_changing_the_draft_count_every_step_keeps_greedy_exact(steps):
   batch = h.prompts(5, seed=3, shared=20) + h.prompts(2, seed=4, lengths=(12, 15))
-  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=Cycle((2, 0, 1, 1, 0)),
+  # Prefill chunks draft 0, 2 or 1 in turn: a request may decode with drafts after a
+  # prompt the MTP modules never saw (their K/V there is stale: fewer accepted, same ids).
+  policy = Cycle((2, 0, 1, 1, 0), prefill=(0, 2, 1))
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=policy,
                  num_scheduler_steps=steps, num_pages=h.TINY_POOL)
   finals = h.run_staggered_finals(eng, batch)
   assert [out.output_ids for out in finals] == [h.reference(p) for p in batch]
-  assert set(eng.steps.num_draft) == {0, 1, 2}
+  assert set(eng.steps.num_draft) == {0, 1, 2} and set(policy.prefill_calls) == {0, 1, 2}
   h.assert_no_pages_held(eng)
+
+
+def test_prefill_rows_draft_what_their_decode_group_runs(monkeypatch):
+  policy = AdaptiveDrafts(2)
+  eng = h.engine(speculative="mtp", num_draft=2, draft_policy=policy, num_scheduler_steps=1)
+  bucket = eng.packing.decode_rows_bucket(1)
+  assert policy.prefill_drafts(bucket) == 2  # nothing chosen yet: the most, to measure
+  launched = []
+  run = eng._run
+  monkeypatch.setattr(eng, "_run", lambda batch, num_draft, *a: launched.append(
+      (int(batch.q_lens.max()), num_draft)) or run(batch, num_draft, *a))
+  prompt = h.prompts(1, seed=9, lengths=(12, 12))[0]
+  eng.generate([prompt], 3)
+  assert launched[0] == (12, 2)  # the prompt's chunk, then decode steps
+  _measured(policy, bucket, {0: 1e-3, 2: 9e-3})  # a verify step costs 9 decode steps
+  assert policy.choose(bucket, [None]) == 0 and policy.prefill_drafts(bucket) == 0
+  launched.clear()
+  assert eng.generate([prompt], 3).tokens == [h.reference(prompt, 3)]
+  assert launched[0] == (12, 0)  # a group decoding plainly: its prompt drafts nothing
 
 
 def test_a_step_after_a_plain_step_verifies_no_stale_drafts():

@@ -1,7 +1,7 @@
 """Engine and static-batch tokens are bit-identical to those recorded before the
-issue-11 refactor (tests/golden_runs.py; greedy and seeded-sampled runs of plain,
-multi-step, MTP, token-mode prefix hits, int8 pages, preemption, a draft model, and
-kvjax.generate over paged, contiguous and no cache)."""
+issue-11 refactor (tests/golden_runs.py; seeded-sampled engine runs of plain,
+multi-step, MTP, token-mode prefix hits, int8 pages, preemption and a draft model,
+and greedy and sampled kvjax.generate over paged, contiguous and no cache)."""
 from __future__ import annotations
 
 import json

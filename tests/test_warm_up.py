@@ -100,10 +100,10 @@ def test_every_group_the_scheduler_can_plan_packs_to_a_listed_shape(name):
   rng = np.random.default_rng(0)
   for _ in range(3000):
     kind = ("prefill", "decode", "burst")[rng.integers(3)]
-    j = packing.num_draft if kind == "prefill" else int(rng.integers(0, packing.num_draft + 1))
+    j = int(rng.integers(0, packing.num_draft + 1))  # prefill rows draft any count too
     rows, tables = _random_group(packing, kind, rng)
     b, t = packing.shape(rows, j)
-    shape = StepShape(kind, b, t, packing.table_width(tables, rows, t))
+    shape = StepShape(kind, b, t, packing.table_width(tables, rows, t), j)
     assert shape in listed, (shape, [(r.start, r.num_tokens, r.pages) for r in rows])
     if kind == "prefill":  # what the engine launches: the group in pieces
       pieces = packing.prefill_pieces(rows)
@@ -112,7 +112,7 @@ def test_every_group_the_scheduler_can_plan_packs_to_a_listed_shape(name):
       for piece in pieces:
         sub = [rows[i] for i in piece]
         pb, pt = packing.shape(sub, j)
-        assert StepShape(kind, pb, pt, packing.table_width(tables[piece], sub, pt)) in listed
+        assert StepShape(kind, pb, pt, packing.table_width(tables[piece], sub, pt), j) in listed
         padded += pb * pt
       assert padded <= b * t
 
@@ -147,6 +147,9 @@ def test_shapes_of_the_serve_http_engine_by_hand():
   # An adaptive policy's draft counts {0, 2}: decode rows 1 and 3 wide.
   mtp = _packing(**{**PACKINGS["serve_http"], "num_draft": 2})
   assert {s.columns for s in mtp.shapes((0, 2)) if s.kind == "decode"} == {1, 3}
+  # ... and prefill chunks drafting 0 or 2: the prefill family twice.
+  one, both = ([s[:4] for s in mtp.shapes(c) if s.kind == "prefill"] for c in ((2,), (0, 2)))
+  assert sorted(both) == sorted(one * 2) and {s.num_draft for s in mtp.shapes((0, 2))} == {0, 2}
 
 
 def _avals(batch):
@@ -175,7 +178,8 @@ def test_padding_batches_have_the_packed_batches_structure(tiny_model, family):
         continue
       batch = engine.packing.pack(plan, group, None, None, snapshots)
       kind = "prefill" if not decode else "burst" if plan.num_steps > 1 else "decode"
-      shape = StepShape(kind, *batch.tokens.shape, batch.block_tables.shape[1])
+      shape = StepShape(kind, *batch.tokens.shape, batch.block_tables.shape[1],
+                        engine.num_draft)
       assert shape in engine.packing.shapes(bursts=True)
       assert _avals(batch) == _avals(engine.packing.padding(shape, engine.snapshots is not None))
       kinds.add(kind)
