@@ -234,7 +234,6 @@ class Engine:
     # prefill rows' after: what their decode group runs now (kvjax/draft_policy.py).
     k = self._choose_drafts()
     plan = self.scheduler.schedule(k)
-    k_prefill = self._prefill_drafts()
     waiting = len(self.scheduler.waiting)
     if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
       # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
@@ -244,6 +243,7 @@ class Engine:
       self._copy_pages(plan.copies)
     decode = [i for i, r in enumerate(plan.rows) if r.is_decode]
     prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
+    k_prefill = self._prefill_drafts() if prefill else self.num_draft  # asked when it runs
     # One program for the decode rows; the prefill rows in pieces that pad less.
     groups = [(decode, k)] if decode else []
     groups += [([prefill[j] for j in piece], k_prefill)

@@ -1,8 +1,8 @@
 """Fixed engine and static-batch runs whose tokens were recorded before the
 issue-11 refactor (tests/data/golden_tokens.json); tests/test_golden.py
 replays them and requires bit-identical tokens: seeded sampled engine runs
-(what no oracle pins down token by token), greedy and sampled kvjax.generate.  `python -m tests.golden_runs`
-re-records (only ever from a commit known to be right)."""
+(what no oracle pins down token by token), greedy and sampled kvjax.generate.
+`python -m tests.golden_runs` re-records (only ever from a commit known to be right)."""
 from __future__ import annotations
 
 import json
