@@ -6,6 +6,9 @@
 (b) TTFT per turn with and without the prefix cache on 10-turn chats (C15),
 (c) tokens/s and acceptance with and without MTP speculation (K = 2, and
     num_draft="auto": the adaptive draft policy) at batch 1, 8 and 32.
+`get_config("grown")` runs (c) alone, at batch 1 and 8, on the default model grown to
+123M parameters with the same logits (kvjax/weights/grow.py), so a step reads a
+larger model's weights: results/serve_bench_grown.*.
 `get_config("runlocal")` shrinks every part so the script runs end to end in
 a couple of minutes (its numbers then mean little) and writes
 results/serve_bench_runlocal.*, never the committed results.
@@ -17,6 +20,9 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.checkpoint = ""  # "" = the built-in default model (tiny-code)
   config.seed = 0
+  config.parts = ("a", "b", "c")
+  # Grow the model before serving it (kvjax.weights.grow.grow's sizes; None: as loaded).
+  config.grow = ml_collections.config_dict.placeholder(dict)
   config.page_size = 16
   config.max_num_batched_tokens = 512
   # (a) throughput: same requests (EOS off), engine max_num_seqs = HF batch; fixed
@@ -48,6 +54,13 @@ def get_config(arg=None):
   config.spec_repeats = 9
   config.out_dir = "results"
   config.name = "serve_bench"
+  if arg == "grown":
+    config.parts = ("c",)
+    config.grow = dict(hidden_size=1024, intermediate_size=2816, num_kv_heads=8,
+                       num_layers=8)
+    config.spec_batches = (1, 8)
+    config.spec_repeats = 3  # a batch-1 run decodes 256 tokens of a 123M model: seconds
+    config.name = "serve_bench_grown"
   if arg == "runlocal":
     config.repeats = 1
     config.spec_repeats = 1

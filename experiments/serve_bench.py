@@ -18,6 +18,10 @@
     prefill included: MTP also writes its own K/V there) and in decode (TPOT);
     and plain decoding with one device call per step (num_scheduler_steps 1):
     C13's replayed graph is, here, the multi-step device loop.
+`:grown` runs part (c) alone on the default model grown to a 123M-parameter model that
+computes the same logits (kvjax/weights/grow.py: its steps do the larger model's work,
+its acceptance is the trained model's), where weight reads dominate a step and
+speculation has room to pay.
 Engines are built once per part, outside the timed runs (a server keeps its
 compiled steps and its policy's measurements); every variant first runs untimed
 (compiles), then the variants of a part run in turn `repeats` times (part c:
@@ -39,6 +43,8 @@ from experiments import common, hf_peer
 import kvjax
 from kvjax import cli_bench
 from kvjax.engine import Engine
+from kvjax.params import count_params
+from kvjax.weights.grow import grow
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/serve_bench.py", "experiment config", lock_config=True)
@@ -221,36 +227,46 @@ def part_c(model, c):
 
 
 def _plot(results, path):
-  with common.figure(path, 1, 3, figsize=(15, 4)) as (_, axes):
-    _draw(results, axes)
+  parts = [part for part in "abc" if part in results]
+  with common.figure(path, 1, len(parts), figsize=(5 * len(parts), 4)) as (_, axes):
+    for part, ax in zip(parts, np.atleast_1d(axes)):
+      _DRAW[part](results[part], ax)
 
 
-def _draw(results, axes):
-  a = results["a"]
+def _draw_a(a, ax):
   labels = [f"{w}\nbatch {b}" for w in a for b in a[w]["by_batch"]]
   x = np.arange(len(labels))
   for offset, key, label in ((-0.2, "hf_tokens_per_s", "HF static"),
                              (0.2, "engine_tokens_per_s", "kvjax engine")):
-    axes[0].bar(x + offset, [r[key] for w in a for r in a[w]["by_batch"].values()], 0.4,
-                label=label)
-  axes[0].set_xticks(x, labels)
-  axes[0].set(ylabel="useful output tokens/s", title="(a) throughput vs HF static batching")
-  axes[0].legend()
-  b = results["b"]
+    ax.bar(x + offset, [r[key] for w in a for r in a[w]["by_batch"].values()], 0.4,
+           label=label)
+  ax.set_xticks(x, labels)
+  ax.set(ylabel="useful output tokens/s", title="(a) throughput vs HF static batching")
+  ax.legend()
+
+
+def _draw_b(b, ax):
   turns = np.arange(1, len(b["cache"]["turn_ttft_s"]) + 1)
   for key, label in (("no_cache", "no prefix cache"), ("cache", "prefix cache")):
-    axes[1].plot(turns, np.asarray(b[key]["turn_ttft_s"]) * 1e3, "o-", label=label)
-  axes[1].set(xlabel="turn", ylabel="mean TTFT (ms)", yscale="log",
-              title=f"(b) C15 chats: last turn {b['last_turn_ttft_ratio']:.1f}x")
-  axes[1].legend()
-  cc = results["c"]
+    ax.plot(turns, np.asarray(b[key]["turn_ttft_s"]) * 1e3, "o-", label=label)
+  ax.set(xlabel="turn", ylabel="mean TTFT (ms)", yscale="log",
+         title=f"(b) C15 chats: last turn {b['last_turn_ttft_ratio']:.1f}x")
+  ax.legend()
+
+
+def _draw_c(cc, ax):
   names = list(cc)
   x = np.arange(len(names))
-  axes[2].bar(x - 0.2, [cc[n]["plain_tokens_per_s"] for n in names], 0.4, label="plain")
-  axes[2].bar(x + 0.2, [cc[n]["mtp_tokens_per_s"] for n in names], 0.4, label="MTP K=2")
-  axes[2].set_xticks(x, [f"{n}\naccept {cc[n]['acceptance_length']:.2f}" for n in names])
-  axes[2].set(ylabel="output tokens/s", title="(c) MTP speculation")
-  axes[2].legend()
+  for offset, key, label in ((-0.27, "plain_tokens_per_s", "plain"),
+                             (0.0, "mtp_tokens_per_s", "MTP K=2"),
+                             (0.27, "auto_tokens_per_s", "MTP auto")):
+    ax.bar(x + offset, [cc[n][key] for n in names], 0.27, label=label)
+  ax.set_xticks(x, [f"{n}\naccept {cc[n]['acceptance_length']:.2f}" for n in names])
+  ax.set(ylabel="output tokens/s", title="(c) MTP speculation")
+  ax.legend()
+
+
+_DRAW = {"a": _draw_a, "b": _draw_b, "c": _draw_c}
 
 
 def _spec_rows(batch: int, r: dict, first: bool) -> list:
@@ -271,40 +287,52 @@ def _spec_rows(batch: int, r: dict, first: bool) -> list:
   ]
 
 
+def _table(results: dict, c) -> list:
+  """(claim, what, seed, ours) rows of the parts that ran."""
+  rows = []
+  if "a" in results:
+    rows += [("issue", f"engine / HF static tok/s, {w} lengths, batch {b}", "-",
+              f"{r['speedup']:.2f}x") for w, v in results["a"].items()
+             for b, r in v["by_batch"].items()]
+    rows += [("issue", f"best engine / best HF tok/s, {w} lengths", ">= 3x",
+              f"{v['best_speedup']:.2f}x") for w, v in results["a"].items()]
+  if "b" in results:
+    rows += [("C15", "TTFT turn N / turn 1, no cache", "~10x",
+              f"{results['b']['no_cache_last_vs_first_turn_ttft']:.1f}x"),
+             ("C15/issue", "turn-N TTFT, no cache / cache", ">= 5x",
+              f"{results['b']['last_turn_ttft_ratio']:.1f}x")]
+  if "c" in results:
+    rows += [row for batch in c.spec_batches
+             for row in _spec_rows(batch, results["c"][f"batch_{batch}"],
+                                   first=batch == c.spec_batches[0])]
+    b1 = results["c"][f"batch_{c.spec_batches[0]}"]
+    near10 = min(c.spec_batches[1:] or c.spec_batches, key=lambda b: abs(b - 10))  # C14
+    bn = results["c"][f"batch_{near10}"]
+    rows.append(("C14", f"TPOT batch {near10} / batch {c.spec_batches[0]} (plain)", "~1x",
+                 f"{bn['plain_tpot_s'] / b1['plain_tpot_s']:.2f}x"))
+  return rows
+
+
 def main(argv):
   del argv
   c = _CONFIG.value
   model = kvjax.load_checkpoint(c.checkpoint or None)
   # EOS off: every request emits exactly its output length, here and in HF.
-  model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype)
+  cfg, params = model.config, model.params
+  if c.grow:
+    cfg, params = grow(cfg, params, key=jax.random.PRNGKey(c.seed), **c.grow)
+  model = kvjax.Model(cfg.replace(eos_token_id=None), params, model.dtype)
   device = common.describe_device()
   results = {"machine": f"{common.device_label(device)}, {device['os']}", "seed": c.seed,
-             "model": model.config.name, "config": c.to_dict()}
+             "model": model.config.name, "params": count_params(params),
+             "config": c.to_dict()}
   for part, run in (("a", part_a), ("b", part_b), ("c", part_c)):
-    results[part] = run(model, c)
-    jax.clear_caches()  # see part_c
-  b1 = results["c"][f"batch_{c.spec_batches[0]}"]
-  near10 = min(c.spec_batches[1:] or c.spec_batches, key=lambda b: abs(b - 10))  # C14: 1 vs 10
-  bn = results["c"][f"batch_{near10}"]
-  a_rows = [("issue", f"engine / HF static tok/s, {w} lengths, batch {b}", "-",
-             f"{r['speedup']:.2f}x") for w, v in results["a"].items()
-            for b, r in v["by_batch"].items()]
-  a_rows += [("issue", f"best engine / best HF tok/s, {w} lengths", ">= 3x",
-              f"{v['best_speedup']:.2f}x") for w, v in results["a"].items()]
-  rows = [
-      *a_rows,
-      ("C15", "TTFT turn N / turn 1, no cache", "~10x",
-       f"{results['b']['no_cache_last_vs_first_turn_ttft']:.1f}x"),
-      ("C15/issue", "turn-N TTFT, no cache / cache", ">= 5x",
-       f"{results['b']['last_turn_ttft_ratio']:.1f}x"),
-      *(row for batch in c.spec_batches
-        for row in _spec_rows(batch, results["c"][f"batch_{batch}"],
-                              first=batch == c.spec_batches[0])),
-      ("C14", f"TPOT batch {near10} / batch {c.spec_batches[0]} (plain)", "~1x",
-       f"{bn['plain_tpot_s'] / b1['plain_tpot_s']:.2f}x"),
-  ]
-  results["table"] = common.claim_rows(rows)
-  print(f"serve_bench on {results['machine']}, seed {c.seed}, model {model.config.name}")
+    if part in c.parts:
+      results[part] = run(model, c)
+      jax.clear_caches()  # see part_c
+  results["table"] = common.claim_rows(_table(results, c))
+  print(f"serve_bench on {results['machine']}, seed {c.seed}, model {model.config.name} "
+        f"({results['params']:,} params)")
   common.print_claims(results["table"], "{claim:<10} {what:<52} {seed:<20} {ours}")
   common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
 
