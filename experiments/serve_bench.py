@@ -228,7 +228,9 @@ def part_c(model, c):
 
 def _plot(results, path):
   parts = [part for part in "abc" if part in results]
-  with common.figure(path, 1, len(parts), figsize=(5 * len(parts), 4)) as (_, axes):
+  with common.figure(path, 1, len(parts), figsize=(5 * len(parts), 4.4)) as (fig, axes):
+    fig.suptitle(f"{results['model']} ({results['params'] / 1e6:.1f}M params), "
+                 f"{results['machine'].split(',')[0]}")
     for part, ax in zip(parts, np.atleast_1d(axes)):
       _DRAW[part](results[part], ax)
 
