@@ -22,6 +22,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -325,10 +326,12 @@ def main(out_path: str, names: list[str]) -> None:
   for check in CHECKS:
     if names and check.__name__ not in names:
       continue
+    start = time.perf_counter()
     try:
       results[check.__name__] = dict(ok=True, **(check() or {}))
     except Exception:  # reported to the pytest side, which fails naming it
       results[check.__name__] = dict(ok=False, error=traceback.format_exc())
+    results[check.__name__]["seconds"] = time.perf_counter() - start  # what the suite pays
     with open(out_path, "w") as f:
       json.dump(results, f, indent=2)
 
