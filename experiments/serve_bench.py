@@ -20,8 +20,8 @@
     C13's replayed graph is, here, the multi-step device loop.
 `:grown` runs part (c) alone on the default model grown to a 123M-parameter model that
 computes the same logits (kvjax/weights/grow.py: its steps do the larger model's work,
-its acceptance is the trained model's), where weight reads dominate a step and
-speculation has room to pay.
+its acceptance is the trained model's): speculation where a step's weight work, not
+host overhead, sets its cost.
 Engines are built once per part, outside the timed runs (a server keeps its
 compiled steps and its policy's measurements); every variant first runs untimed
 (compiles), then the variants of a part run in turn `repeats` times (part c:

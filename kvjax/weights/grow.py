@@ -6,7 +6,7 @@ original's (float rounding aside), while every step does the larger model's work
 its weights are read, its matmuls and its K/V pages are the larger model's.  Two uses:
   * serving experiments that need a larger model's costs with a trained model's
     predictions (MTP acceptance, greedy text): experiments/serve_bench.py's `:grown`
-    config, where a verify step costs little more than a decode step;
+    config, speculation on a model whose steps cost what a 123M-parameter model's do;
   * a starting point for training a larger model (Net2Net, Chen et al. 2016): weights
     that read new features are random and weights that write them are zero, so every
     new weight gets a gradient and training starts from the smaller model's loss.
@@ -20,8 +20,9 @@ How the function is kept:
     after the old ones); their wo rows are zero;
   * new MLP units have zero w_down rows; new layers are whole blocks with zero wo and
     w_down (identity on the residual), spread evenly between the original layers.
-Supported: GQA decoders without per-head q/k norms (their eps is the shared
-rms_norm_eps), hybrid layers, per-layer windows or experts; anything else is refused.
+Supported: plain GQA decoders.  Refused, naming the field: per-head q/k norms (their eps
+is the shared rms_norm_eps, which growth rescales), MLA, hybrid layers, per-layer
+windows, experts and gated attention.
 """
 from __future__ import annotations
 
