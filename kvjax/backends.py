@@ -16,8 +16,8 @@ step call through it and never compare functions by identity:
              state, states after the captured columns [B, Y, Nv, Hk, Hv] or None)
       a hybrid's Gated DeltaNet rule, float32 (every built-in: the jnp reference,
       kvjax/attention/gated_delta.py; a Pallas kernel would go here)
-  gathered_attention(q [B, T, N, H], keys, values [K, B, S, H], batch, *, sm_scale,
-            sliding_window=None) -> [B, T, N, H]    or None
+  gathered_attention(q [B, T, N, H], keys_t [K, B, H, S], values [K, B, S, H], batch, *,
+            sm_scale, sliding_window=None) -> [B, T, N, H]    or None
       attention over rows' K/V already gathered out of their float pages (row b's
       positions 0..S-1): a backend whose `attention` is that gather plus this
       sets it, and a device loop of decode steps over fixed rows (a multi-step
@@ -90,8 +90,8 @@ def _padded_reference(q, k_pages, v_pages, batch, **kwargs):
   return paged_attention(q, k_pages, v_pages, batch.kv_lens, batch.block_tables, **kwargs)
 
 
-def _gathered_reference(q, keys, values, batch, **kwargs):
-  return gathered_attention(q, keys, values, batch.kv_lens, **kwargs)
+def _gathered_reference(q, keys_t, values, batch, **kwargs):
+  return gathered_attention(q, keys_t, values, batch.kv_lens, **kwargs)
 
 
 def _padded_mla(q, pages, batch, **kwargs):

@@ -1,20 +1,24 @@
 """XLA compiler options for kvjax's step programs, chosen for the backend at first use.
 
 On CPU, XLA hands dots (and, by default, more) to YNNPACK fusions.  Decode and
-verify step programs keep YNNPACK for dots alone (LIBRARY_FUSION_TYPE_DOT), prefill
-programs none (numbers at _CPU_STEP_OPTIONS): for dots alone, YNNPACK runs the batched
-attention matmuls over gathered K/V 2-3x faster than XLA's own dot thunks and
-the weight GEMMs no slower, while the default set cost the few-row GEMMs of
-decode and verify steps 2-4x (engine MTP verify+draft step at batch 1: 4.55 ms
-by default, 2.21 ms with every YNN fusion off).  Measured on a 2-core x86 VM,
-the default model, 3 alternating processes per setting, dots only vs every YNN
-fusion off: engine decode step at batch 1 0.36 vs 0.59 ms, at batch 8 1.78 vs
-2.20 ms, at batch 32 7.1 vs 10.0 ms; kvjax.generate batch 1 2949 vs 1782
-tokens/s, batch 8 3278 vs 2309; the MTP verify+draft step at batch 1 1.70 vs
-1.38 ms (noisy: 1.44-2.64 vs 1.18-1.80).  `jit_step` compiles a step program
-with these options on a CPU backend whose XLA accepts them (checked once with a
-probe compile: an option this XLA does not know would fail every compile), and
-with none elsewhere (GPU).
+verify step programs give YNNPACK each dot on its own (LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT),
+prefill programs none.  Measured on 2-core x86 VMs, the 4-layer, 256-wide model of
+bench_decode, medians of 3-5 alternating runs:
+  * YNNPACK runs the batched attention matmuls over gathered K/V 2-3x faster than
+    XLA's own dot thunks, and its weight GEMMs no slower (AMD EPYC).
+  * Letting it fuse the elementwise ops around the dots (the default set, or
+    LIBRARY_FUSION_TYPE_DOT) makes one YNN subgraph of each MLP (gate, up, silu, down)
+    that ran at 20 GFLOP/s, where its three dots alone ran at 60-100.  Intel Xeon,
+    per decode step, fused dots / individual dots / every YNN fusion off:
+    kvjax.generate batch 1 0.51 / 0.58 / 0.63 ms, batch 8 1.62 / 1.30 / 1.28 ms; the
+    engine at batch 32 5.06 / 4.09 / 4.89 ms.  (AMD EPYC, before individual dots were
+    tried, fused dots / all off: engine batch 8 1.78 / 2.20 ms, batch 32 7.1 / 10.0;
+    the default set cost an MTP verify+draft step at batch 1 4.55 ms against 2.21.)
+  * Prefill chunks run XLA's own dots: with YNNPACK's, a prefill-heavy engine run of
+    32 prompts of 512 tokens took 1.54-1.63 s instead of 1.20-1.37 s.
+`jit_step` compiles a step program with these options on a CPU backend whose XLA
+accepts them (checked once with a probe compile: an option this XLA does not know
+would fail every compile), and with none elsewhere (GPU).
 """
 from __future__ import annotations
 
@@ -25,11 +29,10 @@ import jax
 
 __all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS"]
 
-# Per program kind: decode and verify steps (a few columns per row: YNNPACK for dots
-# only) and prefill chunks (XLA's own dots: with YNNPACK's, a prefill-heavy engine run
-# of 32 prompts of 512 tokens took 1.54-1.63 s instead of 1.20-1.37 s).
+# Per program kind (numbers in the module doc): decode and verify steps (a few columns
+# per row: YNNPACK for each dot alone) and prefill chunks (XLA's own dots).
 _CPU_STEP_OPTIONS = {
-    "decode": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "decode": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
     "prefill": {"xla_cpu_experimental_ynn_fusion_type": ""},
 }
 # A step program whose StepBatch feeds at most this many columns per row is a decode

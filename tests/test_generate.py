@@ -10,7 +10,7 @@ import pytest
 import kvjax
 from kvjax import generation
 from kvjax import steps
-from kvjax.sampling import SamplingParams, filtered_logits, sample
+from kvjax.sampling import SamplingParams, filtered_logits, greedy_tokens, sample
 
 PROMPTS = [[5, 9, 11], [7] * 13, [100, 3, 200, 4, 300, 5, 400, 6, 1]]
 
@@ -129,6 +129,21 @@ def test_top_k_top_p_filter_matches_brute_force(k, p):
                                    jnp.full((4,), p, jnp.float32)))
   for row in range(4):
     np.testing.assert_array_equal(np.isfinite(got[row]), _brute_force_filter(logits[row], k, p))
+
+
+def test_greedy_tokens_pick_the_first_largest_logit():
+  """Oracle: numpy's argmax (first maximum) after NaN -> -inf; ties, infinities, NaN rows."""
+  rng = np.random.default_rng(7)
+  logits = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)  # many ties
+  logits[1, 5] = np.inf
+  logits[2, 3], logits[2, 30] = np.nan, np.inf
+  logits[3] = -np.inf
+  logits[4] = np.nan
+  logits[5, :4] = np.nan
+  expected = np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=-1)
+  np.testing.assert_array_equal(np.asarray(greedy_tokens(jnp.asarray(logits))), expected)
+  batched = np.asarray(greedy_tokens(jnp.asarray(logits.reshape(8, 8, 37))))
+  np.testing.assert_array_equal(batched, expected.reshape(8, 8))
 
 
 def test_temperature_sampling_follows_softmax():

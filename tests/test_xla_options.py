@@ -14,10 +14,10 @@ from tests import engine_helpers as h
 _OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}  # every YNN fusion off
 
 
-def test_cpu_step_programs_keep_ynn_fusions_for_dots_only():
+def test_cpu_step_programs_keep_ynn_fusions_for_single_dots_only():
   assert jax.default_backend() == "cpu"
   assert step_compiler_options() == step_compiler_options("decode") == (
-      ("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT"),)
+      ("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),)
   assert step_compiler_options("prefill") == (tuple(_OFF.items())[0],)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 192)), jnp.float32)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(192, 512)), jnp.float32)

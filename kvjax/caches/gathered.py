@@ -40,7 +40,7 @@ class GatheredKVCache:
   # out of a stacked array, which would copy it): row b's positions 0..S-1, S = W * Z.
   # The pool's first L layers: a loop that never drafts leaves the MTP modules' layers
   # (after the trunk's) in their pages, and attending one raises IndexError.
-  k: tuple  # L x [K, B, S, H]
+  k: tuple  # L x [K, B, H, S] (keys transposed: the layout `gathered_attention` reads)
   v: tuple  # L x [K, B, S, H]
 
   @classmethod
@@ -51,21 +51,29 @@ class GatheredKVCache:
     b, w = block_tables.shape
     dense = lambda x: tuple(x[layer][:, block_tables].reshape(num_kv, b, w * z, h)
                             for layer in range(num_layers))
-    return cls(pages=pages, k=dense(pages.k_pages), v=dense(pages.v_pages))
+    keys_t = tuple(jnp.swapaxes(k, 2, 3) for k in dense(pages.k_pages))
+    return cls(pages=pages, k=keys_t, v=dense(pages.v_pages))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              window: Optional[int], backend):
     """Write k, v [B, T, K, H] at their positions, then q [B, T, N, H] attends the copy;
     batch's rows are the gathered rows (padding columns write nothing)."""
     rows = jnp.arange(q.shape[0])[:, None]  # [B, 1]
-    positions = jnp.where(batch.valid, batch.positions, self.k[layer].shape[2])  # dropped
-    write = lambda dense, new: dense.at[:, rows, positions].set(
-        new.astype(dense.dtype).transpose(2, 0, 1, 3), mode="drop")  # new [B, T, K, H]
-    keys, values = write(self.k[layer], k), write(self.v[layer], v)
+    positions = jnp.where(batch.valid, batch.positions, self.span)  # span: dropped
+    # Advanced indices split by a slice put their [B, T] first: the value is new [B, T, K, H].
+    keys = self.k[layer].at[:, rows, :, positions].set(k.astype(self.k[layer].dtype),
+                                                      mode="drop")
+    values = self.v[layer].at[:, rows, positions].set(
+        v.astype(self.v[layer].dtype).transpose(2, 0, 1, 3), mode="drop")
     cache = self.replace(k=_with(self.k, layer, keys), v=_with(self.v, layer, values))
     out = backend.gathered_attention(q, keys.astype(q.dtype), values, batch,
                                      sm_scale=sm_scale, sliding_window=window)
     return cache, out
+
+  @property
+  def span(self) -> int:
+    """S: the positions each gathered row holds."""
+    return self.v[0].shape[2]
 
   def keep_accepted(self, batch: StepBatch, accepted: jax.Array) -> "GatheredKVCache":
     return self  # like pages: the lengths drop rejected positions
@@ -79,12 +87,13 @@ class GatheredKVCache:
     page = physical_pages(block_tables, positions // z)
     page = jnp.where(positions < end[:, None], page, self.pages.num_pages)  # dropped
     rows = jnp.arange(first.shape[0])[:, None]
-    column = jnp.minimum(positions, self.k[0].shape[2] - 1)
+    column = jnp.minimum(positions, self.span - 1)
     used = len(self.k)
-    back = lambda pool, dense: pool.at[:used, :, page, positions % z].set(
-        jnp.stack([d[:, rows, column] for d in dense]), mode="drop")  # [L, K, B, span, H]
-    return self.pages.replace(k_pages=back(self.pages.k_pages, self.k),
-                              v_pages=back(self.pages.v_pages, self.v))
+    back = lambda pool, rows_kv: pool.at[:used, :, page, positions % z].set(
+        jnp.stack(rows_kv), mode="drop")  # [L, K, B, span, H]
+    keys = [k_t[:, rows, :, column].transpose(2, 0, 1, 3) for k_t in self.k]  # [K, B, span, H]
+    return self.pages.replace(k_pages=back(self.pages.k_pages, keys),
+                              v_pages=back(self.pages.v_pages, [v[:, rows, column] for v in self.v]))
 
 
 def _with(layers: tuple, layer: int, value) -> tuple:
