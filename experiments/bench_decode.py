@@ -108,7 +108,7 @@ def main(argv):
         tps = by[(batch, engine)]["tokens_per_s"]
         print(f"{batch:>5} {engine:>16} {tps:>9.1f} {tps / hf:>6.2f}x")
     ratio = by[(batch, "kvjax paged")]["tokens_per_s"] / hf
-    goal = 4.0 if batch >= 8 else 2.0
+    goal = 3.0 if batch >= 8 else 2.0  # issue goals: >= 3x at batch 8, >= 2x at batch 1
     summary.append(dict(batch=batch, kvjax_over_hf=ratio, hf_engine=hf_best, goal=goal,
                         met=ratio >= goal,
                         agreement=by[(batch, "greedy token agreement kvjax vs hf")]["agreement"]))

@@ -58,14 +58,15 @@ _ORDER = {claim: i for i, claim in enumerate(CLAIMS)}
 
 
 def _device(raw) -> str:
-  """A launcher's device string (or common.describe_device's dict) -> 'CPU, 2 cores' /
-  'GPU NVIDIA H200' / 'none (arithmetic)'."""
+  """A launcher's device string (or common.describe_device's dict) -> 'CPU, 2 cores' (with
+  the CPU model where the result names it) / 'GPU NVIDIA H200' / 'none (arithmetic)'."""
   if not raw:
     return "none (arithmetic)"
   if isinstance(raw, dict):
     if raw.get("platform") == "cpu":
       fake = f", {raw['num_devices']} fake devices" if raw.get("num_devices", 1) > 1 else ""
-      return f"CPU, {raw.get('cpu_count')} cores{fake}"
+      model = f", {raw['cpu_model']}" if raw.get("cpu_model") else ""
+      return f"CPU, {raw.get('cpu_count')} cores{model}{fake}"
     return f"GPU {raw.get('device_kind')}"
   low = raw.lower()
   if low.startswith("gpu:"):
@@ -73,7 +74,9 @@ def _device(raw) -> str:
   if "cuda" in low or "gpu" in low:
     return f"GPU ({raw})"
   cores = re.search(r"\bx(\d+)\b|(\d+) cores", raw)
-  return "CPU" + (f", {cores.group(1) or cores.group(2)} cores" if cores else "")
+  model = re.search(r"\bx\d+ \((.*)\)\s*$", raw)  # common.device_label's CPU model
+  return ("CPU" + (f", {cores.group(1) or cores.group(2)} cores" if cores else "")
+          + (f", {model.group(1)}" if model else ""))
 
 
 def _fmt(value) -> str:

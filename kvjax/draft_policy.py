@@ -17,7 +17,8 @@ prefill work waiting to run beside the decode rows, k is capped at `most`, the
 drafts that still leave room for it (the engine computes it), since a draft
 slot would displace a prefill token that is certain work, and prefilled
 requests raise the batch the next steps decode.  Prefill rows draft what the
-decode group they join runs now (`prefill_drafts`; K_max until it has chosen):
+decode group they join runs now (`prefill_drafts`; the nearest group size's choice until
+theirs has chosen, K_max until any has):
 where speculation does not pay, a prompt skips the MTP modules too (their K/V
 for it is left unwritten; should the group switch to drafts later, the modules
 attend stale K/V there, which lowers that request's acceptance, never changes
@@ -50,6 +51,7 @@ is any object with the same five methods (`choose(bucket, requests, most)`,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from typing import Optional, Sequence
 
@@ -162,8 +164,16 @@ class AdaptiveDrafts:
 
   def prefill_drafts(self, bucket: int) -> int:
     """Drafts a prefill row makes for the decode group of `bucket` rows it joins: the k
-    that group runs now; the most until it has chosen (measuring k > 0 needs drafts)."""
-    return self._current.get(bucket, self.candidates[-1])
+    that group runs now; for a group size that has not chosen, what the nearest one that
+    has runs (a batch filling up passes through buckets 1, 2, 4, ... that never decode);
+    the most until any has chosen (measuring k > 0 needs drafts)."""
+    if bucket in self._current:
+      return self._current[bucket]
+    if not self._current:
+      return self.candidates[-1]
+    # Nearest by ratio (buckets are powers of two); a tie goes to the larger group.
+    return self._current[min(self._current,
+                             key=lambda b: (abs(math.log2(b / bucket)), -b))]
 
   def _choose(self, bucket: int, requests: Sequence) -> int:
     ks = self.candidates

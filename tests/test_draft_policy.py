@@ -257,6 +257,19 @@ def test_prefill_rows_draft_what_their_decode_group_runs(monkeypatch):
   assert launched[0] == (12, 0)  # a group decoding plainly: its prompt drafts nothing
 
 
+def test_prefill_rows_of_an_unchosen_group_size_draft_what_the_nearest_chosen_one_runs():
+  # A batch filling up admits its prompts while running 1, 2, 4, ... requests: group sizes
+  # that never decode, so never choose; their prompts draft what the nearest size runs.
+  policy = AdaptiveDrafts(2)
+  assert [policy.prefill_drafts(b) for b in (1, 8, 32)] == [2, 2, 2]  # none chosen: measure
+  _measured(policy, 32, {0: 1e-3, 2: 9e-3})
+  assert policy.choose(32, [None] * 32) == 0
+  assert [policy.prefill_drafts(b) for b in (1, 4, 16, 32)] == [0, 0, 0, 0]
+  _measured(policy, 2, {0: 1e-3, 2: 1.1e-3})  # a cheap verify at 2 rows
+  assert policy.choose(2, [None] * 2) == 2
+  assert [policy.prefill_drafts(b) for b in (1, 2, 4, 16, 32)] == [2, 2, 2, 0, 0]
+
+
 def test_a_step_after_a_plain_step_verifies_no_stale_drafts():
   # Cycle (2, 0): a prefill that drafts 2 is verified by the next decode step; afterwards
   # every k = 2 step follows a plain one, so it may only draft.  At most one verify step

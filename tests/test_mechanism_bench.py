@@ -174,6 +174,10 @@ def test_mtp_pool_tokens():
 def test_report_normalizes_devices_and_claim_ids():
   assert report._device("gpu:NVIDIA H200") == "GPU NVIDIA H200"
   assert report._device("CPU x86_64 x2") == "CPU, 2 cores"
+  assert report._device("CPU x86_64 x2 (Intel Xeon Processor)") == (
+      "CPU, 2 cores, Intel Xeon Processor")
+  assert report._device({"platform": "cpu", "cpu_count": 2, "num_devices": 8,
+                         "cpu_model": "AMD EPYC 9R14"}) == "CPU, 2 cores, AMD EPYC 9R14, 8 fake devices"
   assert report._device("x86_64 CPU, 2 cores, Linux") == "CPU, 2 cores"
   assert report._device(None) == "none (arithmetic)"
   assert report._claim_ids("C15/issue") == ["C15"] and report._claim_ids("issue") == []
