@@ -150,6 +150,13 @@ def test_default_candidates_and_the_switch_margin():
   sticky._current[8] = 0
   _measured(sticky, 8, {0: 1e-3, 3: 1.02e-3})
   assert policy.choose(8, [None]) == 3 and sticky.choose(8, [None]) == 0
+  # Drafting must beat plain decoding by the margin, whatever k a bucket ran before.
+  for current in (0, 3):
+    near_tie = AdaptiveDrafts(3, prior_weight=1e-9)
+    near_tie._accepted, near_tie._proposed = policy._accepted, policy._proposed
+    near_tie._current[8] = current
+    _measured(near_tie, 8, {0: 1e-3, 3: 3.9e-3})  # 4 tokens in 3.9 steps' time: +2.6%
+    assert near_tie.choose(8, [None]) == 0
   with pytest.raises(ValueError, match="including 0"):
     AdaptiveDrafts(2, candidates=(1, 2))
 
