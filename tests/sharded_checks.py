@@ -139,7 +139,11 @@ def check_llama_gqa() -> dict:
     forward_diff = float(np.abs(np.asarray(kvjax.forward(model, [PROMPTS[1]])) -
                                 want_logits).max())
     prefill_diff = float(np.abs(prefill_logits(model) - want_prefill).max())
-    assert forward_diff < 1e-5 and prefill_diff < 1e-5, (tp, forward_diff, prefill_diff)
+    # Float32 sums split over tp devices add in another order: ~40 ulp of the largest
+    # logit (5.4 here; tp 8 measured 9.3e-6 / 1.05e-5 on a Xeon); a misplaced head or
+    # shard would be off by O(1).
+    tolerance = 5e-6 * float(np.abs(want_logits).max())
+    assert max(forward_diff, prefill_diff) < tolerance, (tp, forward_diff, prefill_diff)
     out[f"tp{tp}"] = dict(leaves=leaves, forward_diff=forward_diff, prefill_diff=prefill_diff,
                           kv_heads=model.config.num_kv_heads)
   return out

@@ -59,7 +59,7 @@ class GatheredKVCache:
     """Write k, v [B, T, K, H] at their positions, then q [B, T, N, H] attends the copy;
     batch's rows are the gathered rows (padding columns write nothing)."""
     rows = jnp.arange(q.shape[0])[:, None]  # [B, 1]
-    positions = jnp.where(batch.valid, batch.positions, self.span)  # span: dropped
+    positions = jnp.where(batch.valid, batch.positions, self.num_positions)  # S: dropped
     # Advanced indices split by a slice put their [B, T] first: the value is new [B, T, K, H].
     keys = self.k[layer].at[:, rows, :, positions].set(k.astype(self.k[layer].dtype),
                                                       mode="drop")
@@ -71,7 +71,7 @@ class GatheredKVCache:
     return cache, out
 
   @property
-  def span(self) -> int:
+  def num_positions(self) -> int:
     """S: the positions each gathered row holds."""
     return self.v[0].shape[2]
 
@@ -87,13 +87,14 @@ class GatheredKVCache:
     page = physical_pages(block_tables, positions // z)
     page = jnp.where(positions < end[:, None], page, self.pages.num_pages)  # dropped
     rows = jnp.arange(first.shape[0])[:, None]
-    column = jnp.minimum(positions, self.span - 1)
+    column = jnp.minimum(positions, self.num_positions - 1)
     used = len(self.k)
     back = lambda pool, rows_kv: pool.at[:used, :, page, positions % z].set(
         jnp.stack(rows_kv), mode="drop")  # [L, K, B, span, H]
     keys = [k_t[:, rows, :, column].transpose(2, 0, 1, 3) for k_t in self.k]  # [K, B, span, H]
+    values = [v[:, rows, column] for v in self.v]  # [K, B, span, H]
     return self.pages.replace(k_pages=back(self.pages.k_pages, keys),
-                              v_pages=back(self.pages.v_pages, [v[:, rows, column] for v in self.v]))
+                              v_pages=back(self.pages.v_pages, values))
 
 
 def _with(layers: tuple, layer: int, value) -> tuple:
