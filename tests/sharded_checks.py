@@ -145,7 +145,7 @@ def check_llama_gqa() -> dict:
     tolerance = 5e-6 * float(np.abs(want_logits).max())
     assert max(forward_diff, prefill_diff) < tolerance, (tp, forward_diff, prefill_diff)
     out[f"tp{tp}"] = dict(leaves=leaves, forward_diff=forward_diff, prefill_diff=prefill_diff,
-                          kv_heads=model.config.num_kv_heads)
+                          tolerance=tolerance, kv_heads=model.config.num_kv_heads)
   return out
 
 
