@@ -12,15 +12,16 @@ programs to compile), so speculation is used only where it pays: k = 0 is
 plain decoding (the plain step program, no drafting), and a step after it has
 no drafts to verify, so it drafts first (its rows verify 0).  A bucket
 switches k only for a gain above `switch_margin` (a switch costs a step of
-rebuilt drafts), and drafts at all only for that gain over plain decoding, since
-what drafting costs beyond its decode steps counts against it alone (prompts run the
-MTP modules; on a 2-core Xeon at batch 8, k = 2 estimated within 1% of plain was
-chosen in 23 of 148 steps, and fixed k = 2 ran 0.83x plain).  Prefill first: when the step's token budget cannot hold the
-prefill work waiting to run beside the decode rows, k is capped at `most`, the
-drafts that still leave room for it (the engine computes it), since a draft
-slot would displace a prefill token that is certain work, and prefilled
-requests raise the batch the next steps decode.  Prefill rows draft what the
-decode group they join runs now (`prefill_drafts`; the nearest group size's choice until
+rebuilt drafts), and drafts at all only for that gain over plain decoding:
+what drafting costs beyond its decode steps counts against it alone (prompts
+run the MTP modules; on a 2-core Xeon at batch 8, k = 2 estimated within 1% of
+plain was chosen in 23 of 148 steps, and fixed k = 2 ran 0.83x plain).
+Prefill first: when the step's token budget cannot hold the prefill work
+waiting to run beside the decode rows, k is capped at `most`, the drafts that
+still leave room for it (the engine computes it), since a draft slot would
+displace a prefill token that is certain work, and prefilled requests raise
+the batch the next steps decode.  Prefill rows draft what the decode group
+they join runs now (`prefill_drafts`; the nearest group size's choice until
 theirs has chosen, K_max until any has):
 where speculation does not pay, a prompt skips the MTP modules too (their K/V
 for it is left unwritten; should the group switch to drafts later, the modules

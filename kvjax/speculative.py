@@ -44,7 +44,7 @@ from kvjax.backends import Backend
 from kvjax.config import ModelConfig
 from kvjax.model import decoder, lm_logits, mtp_block
 from kvjax.params import Params
-from kvjax.sampling import SamplingParams, filtered_logits
+from kvjax.sampling import SamplingParams, filtered_logits, greedy_tokens
 from kvjax.step_batch import StepBatch
 from kvjax.steps import cache_attend
 
@@ -85,7 +85,7 @@ def _draw(logits: jax.Array, sampling: SamplingParams, positions: jax.Array):
   deterministic, so its distribution is the one-hot of the argmax.
   """
   def greedy_only():
-    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    draft = greedy_tokens(logits)
     return draft, jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
 
   def mixed():
@@ -93,7 +93,7 @@ def _draw(logits: jax.Array, sampling: SamplingParams, positions: jax.Array):
     scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
     keys = _row_key(sampling.seeds, positions, _DRAFT_STREAM)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    draft = jnp.where(greedy, jnp.argmax(scaled, axis=-1).astype(jnp.int32), drawn)
+    draft = jnp.where(greedy, greedy_tokens(scaled), drawn)
     return draft, jax.nn.softmax(scaled, axis=-1)
 
   return lax.cond(jnp.all(sampling.temperature <= 0), greedy_only, mixed)

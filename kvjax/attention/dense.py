@@ -49,7 +49,8 @@ def padded_visibility(kv_lens: jax.Array, t: int, s: int,
 
 def grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, *,
                       sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
-  """q [K, B, Gq, T, H], k_t [K, B, H, S], v [K, B, S, Hv], visible [B, T, S] -> f32 [K, B, Gq, T, Hv].
+  """q [K, B, Gq, T, H], k_t [K, B, H, S], v [K, B, S, Hv], visible [B, T, S]
+  -> f32 [K, B, Gq, T, Hv].
 
   Softmax normalization is applied after the value matmul (on [.., Hv], not
   [.., S]); rows with no visible key (padding) get zeros instead of NaN.
