@@ -59,7 +59,8 @@ class HFTokenizer:
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, special_tokens: dict[str, str],
                eos_ids: tuple[int, ...], chat_template: Optional[str], clean_up: bool,
-               source: str = "tokenizer"):
+               source: str = "tokenizer",
+               template_keys: str = "tokenizer_config.json or chat_template.jinja"):
     self._tokenizer = tokenizer
     self.special_tokens = dict(special_tokens)  # bos_token, eos_token, ... -> text
     self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -69,6 +70,7 @@ class HFTokenizer:
     self.chat_template = chat_template
     self._clean_up = clean_up
     self._source = source
+    self._template_keys = template_keys  # where the source keeps a chat_template, for errors
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Text -> ids, equal to transformers' `tokenizer.encode(text, add_special_tokens=...)`."""
@@ -91,8 +93,8 @@ class HFTokenizer:
   def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The checkpoint's chat_template rendered as transformers renders it."""
     if self.chat_template is None:
-      raise ValueError(f"{self._source} has no chat_template (tokenizer_config.json or "
-                       "chat_template.jinja); send a plain prompt instead")
+      raise ValueError(f"{self._source} has no chat_template ({self._template_keys}); send "
+                       "a plain prompt instead")
     return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                 self.special_tokens)
 
