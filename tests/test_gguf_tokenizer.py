@@ -343,10 +343,14 @@ def test_bad_files_are_errors_naming_the_problem(tiny, tmp_path):
       (dict(base, eot=10**6), r"stop id .* got 1000000"),
       (dict(base, merges=["a b c"]), r"merges\[0\] in .* got 'a b c'"),
       (dict(base, tokens=[]), "no tokenizer.ggml.tokens"),
+      (dict(base, tokens=LLAMA_TOKENS[:-1] + ["<a:b>"], bos=len(LLAMA_TOKENS) - 1),
+       "cannot add BOS '<a:b>'"),
   ]
   for index, (fields, message) in enumerate(cases):
     with pytest.raises(ValueError, match=message):
       load_gguf_tokenizer(write_gguf(tmp_path / f"bad{index}.gguf", **fields))
+  with pytest.raises(ValueError, match=r"'bert' in .*bad0.gguf is not supported"):
+    load_gguf_tokenizer(gguf.GGUFReader(str(tmp_path / "bad0.gguf")))  # a reader's file named
   with pytest.raises(ValueError, match="is not a file"):
     load_gguf_tokenizer(str(tmp_path / "missing.gguf"))
   (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 4)

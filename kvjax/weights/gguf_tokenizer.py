@@ -22,8 +22,9 @@ skipped as transformers skips it); user-defined tokens (type 4) become plain add
 the ids name become special too, and so do the default specials of the transformers class
 the conversion goes through (gpt2: <|endoftext|>; llama: <unk> <s> </s>) when the vocabulary
 has them. One deliberate difference: transformers appends such a default as a new id when
-the vocabulary lacks it (past the model's embedding rows); kvjax does not. encode adds BOS when `tokenizer.ggml.add_bos_token` says
-so (default: true for llama, false for gpt2) and EOS when `add_eos_token` says so.
+the vocabulary lacks it (past the model's embedding rows); kvjax does not. encode adds BOS
+when `tokenizer.ggml.add_bos_token` says so (default: true for llama, false for gpt2) and
+EOS when `add_eos_token` says so.
 
 Stop ids: the eos id, then `eot_token_id` / `eom_token_id`, then every vocabulary token
 whose text is one of llama.cpp's end-of-generation names (<|im_end|>, <|eot_id|>,
@@ -99,8 +100,8 @@ def byte_alphabet() -> tuple[str, ...]:
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
   """The BPE merges a SentencePiece vocabulary implies: every split of a token into two
-  vocabulary tokens, best score first (ties: shorter left part, then shorter right part,
-  then vocabulary order), as transformers' generate_merges recovers them."""
+  vocabulary tokens, best score first (ties: the longer left part, then the longer right
+  part, then the order found), as transformers' generate_merges recovers them."""
   ids = {token: index for index, token in enumerate(tokens)}
   merges = []
   for token, score in dict(zip(tokens, scores)).items():
@@ -113,7 +114,8 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
 
 def _open(path_or_reader: Union[str, os.PathLike, gguf.GGUFReader]) -> tuple[gguf.GGUFReader, str]:
   if isinstance(path_or_reader, gguf.GGUFReader):
-    return path_or_reader, str(getattr(path_or_reader, "path", "GGUF file"))
+    # The reader keeps no path; its memory map knows the file's.
+    return path_or_reader, str(getattr(path_or_reader.data, "filename", None) or "GGUF file")
   path = os.fspath(path_or_reader)
   if not os.path.isfile(path):
     raise ValueError(f"GGUF path {path!r} is not a file")
@@ -134,8 +136,6 @@ class _Metadata:
     if field is None:
       return default
     value = field.contents()
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-      value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
       raise ValueError(f"{key} in {self.source} must be a {kind.__name__}, got {value!r}")
     return value
@@ -273,8 +273,11 @@ def _post_processor(tokenizer: tokenizers.Tokenizer, named: dict[str, str], add_
   single = [*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])]
   pair = [*single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])]
   specials = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t]
-  return processors.TemplateProcessing(single=single, pair=pair,
-                                       special_tokens=list(dict.fromkeys(specials)))
+  try:
+    return processors.TemplateProcessing(single=single, pair=pair,
+                                         special_tokens=list(dict.fromkeys(specials)))
+  except Exception as e:  # the template's pieces are "text:type_id"; a ':' in text breaks it
+    raise ValueError(f"cannot add BOS {bos!r} / EOS {eos!r} around a sequence: {e}") from e
 
 
 def _stop_ids(meta: _Metadata, tokenizer: tokenizers.Tokenizer, tokens: list[str]
