@@ -14,7 +14,10 @@ the BPE model (kvjax.weights.gguf_vocab builds it):
   llama   SentencePiece BPE with byte fallback (Llama 2, Mistral); Phi-3's and Gemma 1-3's
           variants by `general.architecture`; BOS unless the file says otherwise
   gemma4  Gemma's SentencePiece BPE; no BOS whatever the file says, as transformers
-Any other model is a ValueError naming it.
+Any other model (t5's Unigram, rwkv, ...) is a ValueError naming it. As in transformers,
+`tokenizer.ggml.add_space_prefix` is not read (the llama flavour always prefixes the first
+word; llama.cpp honours the flag) and named templates (`tokenizer.chat_template.<name>`)
+are not either.
 
 Added tokens: control tokens (token type 3) become special (except, in a byte-level
 vocabulary, a "control" token not spelled in the byte alphabet: a llama.cpp mislabel,
@@ -129,6 +132,7 @@ class _Flavour(NamedTuple):
   add_bos: bool  # whether encode adds BOS when the file does not say
   class_specials: tuple[str, ...]  # the transformers class's default special tokens
   bos_from_file: bool = True  # False: `add_bos` whatever the file says
+  byte_level: bool = False  # tokens spelled in GPT-2's byte alphabet
 
 
 _LLAMA_SPECIALS = ("<unk>", "<s>", "</s>")
@@ -136,7 +140,7 @@ _GEMMA_SPECIALS = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
 _GEMMA = _Flavour(functools.partial(gemma_bpe, respell=True), True, _GEMMA_SPECIALS)
 # tokenizer.ggml.model -> flavour, and a `llama` (SentencePiece) one by architecture.
 _FLAVOURS = {
-    "gpt2": _Flavour(byte_level_bpe, False, ("<|endoftext|>",)),
+    "gpt2": _Flavour(byte_level_bpe, False, ("<|endoftext|>",), byte_level=True),
     "llama": _Flavour(llama_bpe, True, _LLAMA_SPECIALS),
     # Gemma 4 sets add_bos_token, but its chat template writes <bos> itself: transformers
     # follows the reference tokenizer and adds none (llama.cpp adds one).
@@ -235,7 +239,7 @@ def load_gguf_tokenizer(path_or_reader: Union[str, os.PathLike, gguf.GGUFReader]
                             meta.array("tokenizer.ggml.scores", float, len(tokens)),
                             meta.get("tokenizer.ggml.pre", str), source)
   _add_typed_tokens(tokenizer, tokens, meta.array("tokenizer.ggml.token_type", int, len(tokens)),
-                    flavour.class_specials, byte_level=flavour.build is byte_level_bpe)
+                    flavour.class_specials, flavour.byte_level)
   named = _named_special_tokens(meta, tokens)
   tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                 for t in named.values()])
