@@ -1,0 +1,174 @@
+"""GGUF tensor types decoded exactly in numpy, and their blocks as kvjax QuantizedWeights.
+
+A GGUF tensor is rows of contiguous bytes (a 2-D weight: one row per output
+channel, its input elements along the row); a quantized row is a run of blocks.
+Every supported block type decodes to integer codes q with one float scale
+(and for the affine types one bias) per group of the row:
+  Q8_0  32 elements, 34 B: f16 d, 32 int8 q                   w = q d
+  Q4_0  32 elements, 18 B: f16 d, 16 B of nibbles, q - 8       w = (q - 8) d
+  Q4_1  32 elements, 20 B: f16 d, f16 m, 16 B of nibbles       w = q d + m
+  Q4_K  256 elements, 144 B: f16 d, f16 dmin, 12 B of 6-bit scale / min pairs
+        for 8 groups of 32, 128 B of nibbles                  w = q (d sc) - dmin mn
+  Q6_K  256 elements, 210 B: 128 B low nibbles, 64 B high 2-bit pairs, 16 int8
+        scales for groups of 16, f16 d                        w = (q - 32) (d sc)
+(in a 32-element nibble block byte j holds element j low and j + 16 high; Q4_K's
+128 nibble bytes are 4 runs of 32 holding groups 2c and 2c + 1; Q6_K's 256
+elements are two halves of 128 built from 64 low and 32 high bytes each).
+F32, F16 and BF16 are plain floats.  `dequantize` computes each product in the
+order llama.cpp's reference does, so it equals gguf.quants.dequantize bitwise.
+
+`gguf_qweight` keeps a block type's numbers as a QuantizedWeight when its codes
+fit the requested width, with no float round trip: int4 takes Q4_0 (codes
+q - 8), Q4_1 and Q4_K (codes q - 8, offset bias + 8 scale), all at group 32;
+int8 takes those and Q8_0 (group 32) and Q6_K (group 16).  The rest (Q8_0 and
+Q6_K to int4, and float tensors to either) are dequantized and quantized with
+kvjax.weights.quantize's schemes: int8 per output channel, int4 group 32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.quant.symmetric import pack_int4
+
+__all__ = ["SUPPORTED_TYPES", "Blocks", "check_type", "decode_blocks", "dequantize",
+           "gguf_qweight"]
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+_WEIGHT_SCHEMES = {8: None, 4: 32}  # bits -> group of the requantizing fallback
+
+
+class Blocks(NamedTuple):
+  """A quantized tensor's rows as integers: w = q * scale (+ bias), per group."""
+  q: np.ndarray  # [rows, elements] int16 codes in [low, high]
+  scale: np.ndarray  # [rows, elements / group] f32
+  bias: Optional[np.ndarray]  # [rows, elements / group] f32, None for symmetric types
+  group: int
+  low: int
+  high: int
+
+
+def check_type(type_name: str, tensor: str) -> None:
+  if type_name not in SUPPORTED_TYPES:
+    raise ValueError(f"GGUF tensor {tensor} has type {type_name}, which kvjax does not "
+                     f"decode; supported types: {', '.join(SUPPORTED_TYPES)}")
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+  """[n, 1] f32 from the little-endian f16 at byte `start` of each block."""
+  return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+  """[n, c, 16 or 32] bytes -> [n, c, 2 x that] codes: every low nibble, then every high."""
+  return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _q8_0(b: np.ndarray):
+  return b[:, 2:].view(np.int8), _f16(b, 0), None, 32, -128, 127
+
+
+def _q4_0(b: np.ndarray):
+  return _nibbles(b[:, 2:]).astype(np.int16) - 8, _f16(b, 0), None, 32, -8, 7
+
+
+def _q4_1(b: np.ndarray):
+  return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2), 32, 0, 15
+
+
+def _q4_k(b: np.ndarray):
+  n = b.shape[0]
+  packed = b[:, 4:16]  # 8 6-bit scales and 8 6-bit mins
+  lo, mid, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+  sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+  mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+  q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 256)
+  scale = _f16(b, 0) * sc.astype(np.float32)
+  return q, scale, -(_f16(b, 2) * mn.astype(np.float32)), 32, 0, 15
+
+
+def _q6_k(b: np.ndarray):
+  n = b.shape[0]
+  low = _nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+  shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+  high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03  # [n, halves, 4, 32]
+  q = (low | (high << 4)).reshape(n, 256).astype(np.int16) - 32
+  scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+  return q, scale, None, 16, -32, 31
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def decode_blocks(raw: np.ndarray, type_name: str) -> Blocks:
+  """raw uint8 [rows, bytes per row] of a block type -> its Blocks."""
+  _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+  rows = raw.shape[0]
+  blocks = np.ascontiguousarray(raw, np.uint8).reshape(-1, type_size)
+  q, scale, bias, group, low, high = _DECODERS[type_name](blocks)
+  flat = lambda x: None if x is None else x.reshape(rows, -1)
+  return Blocks(flat(q).astype(np.int16), flat(scale), flat(bias), group, low, high)
+
+
+def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+  """A GGUF tensor's stored rows (as gguf.GGUFReader gives them: [..., bytes or
+  elements per row]) -> float32 [..., elements per row]."""
+  check_type(type_name, "data")
+  if type_name == "F32":
+    return np.asarray(raw).view(np.float32)
+  if type_name == "F16":
+    return np.asarray(raw).view(np.float16).astype(np.float32)
+  raw = np.asarray(raw).view(np.uint8)
+  lead = raw.shape[:-1]
+  rows = raw.reshape(-1, raw.shape[-1])
+  if type_name == "BF16":
+    w = (np.ascontiguousarray(rows).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return w.reshape(*lead, -1)
+  b = decode_blocks(rows, type_name)
+  n = b.q.shape[0]
+  w = b.q.reshape(n, -1, b.group).astype(np.float32) * b.scale[..., None]
+  if b.bias is not None:
+    w = w + b.bias[..., None]
+  return w.reshape(*lead, -1)
+
+
+def _shifted_codes(b: Blocks, bits: int) -> Optional[tuple[np.ndarray, Optional[np.ndarray]]]:
+  """(int8 codes [rows, elements] in the signed `bits` range, f32 offsets or None),
+  q shifted by s where q's range needs it (w = (q + s) scale + (bias - s scale));
+  None when q's range is wider than `bits` holds."""
+  top = 2 ** (bits - 1)
+  if b.high - b.low + 1 > 2 * top:
+    return None
+  shift = 0 if (b.low >= -top and b.high < top) else -top - b.low
+  offset = b.bias
+  if shift:
+    offset = (0 if b.bias is None else b.bias) - np.float32(shift) * b.scale
+  return (b.q + shift).astype(np.int8), offset
+
+
+def gguf_qweight(raw: np.ndarray, type_name: str, bits: int, shape: tuple,
+                 num_in: int) -> QuantizedWeight:
+  """A 2-D GGUF weight's rows raw [O, bytes per row] (O outputs, I inputs along each
+  row) -> QuantizedWeight of kvjax shape [*in, *out] (prod(in) = I) at `bits`: its own
+  blocks when they fit (module docstring), else requantized."""
+  check_type(type_name, "weight")
+  mapped = None
+  if type_name in BLOCK_TYPES:
+    b = decode_blocks(raw, type_name)
+    mapped = _shifted_codes(b, bits)
+  if mapped is None:
+    w = dequantize(raw, type_name).T.reshape(shape)  # [O, I] -> [*in, *out]
+    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits,
+                           group_size=_WEIGHT_SCHEMES[bits])
+  codes, offsets = mapped  # [O, I], [O, I / group]
+  packed = pack_int4(jnp.asarray(codes)).T if bits == 4 else jnp.asarray(codes.T)
+  return QuantizedWeight(
+      codes=packed, scales=jnp.asarray(b.scale.T),
+      offsets=None if offsets is None else jnp.asarray(offsets.T, jnp.float32),
+      shape=tuple(shape), num_in=num_in, bits=bits, group_size=b.group)
