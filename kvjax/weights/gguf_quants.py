@@ -17,12 +17,14 @@ elements are two halves of 128 built from 64 low and 32 high bytes each).
 F32, F16 and BF16 are plain floats.  `dequantize` computes each product in the
 order llama.cpp's reference does, so it equals gguf.quants.dequantize bitwise.
 
-`gguf_qweight` keeps a block type's numbers as a QuantizedWeight when its codes
-fit the requested width, with no float round trip: int4 takes Q4_0 (codes
-q - 8), Q4_1 and Q4_K (codes q - 8, offset bias + 8 scale), all at group 32;
-int8 takes those and Q8_0 (group 32) and Q6_K (group 16).  The rest (Q8_0 and
-Q6_K to int4, and float tensors to either) are dequantized and quantized with
-kvjax.weights.quantize's schemes: int8 per output channel, int4 group 32.
+`gguf_qweight` keeps a block type's numbers as a QuantizedWeight under one of
+kvjax.weights.quantize's SCHEMES when its codes fit the scheme's width, with no
+float round trip: int4-g32 takes Q4_0 (codes q - 8), Q4_1 and Q4_K (codes q - 8,
+offset bias + 8 scale); int8 takes those and Q8_0 at group 32 and Q6_K at group
+16 (finer than int8's per-channel scale: the file's own numbers).  The rest are
+dequantized and quantized with the scheme itself: Q8_0 and Q6_K to int4, any
+block type to int4-g64 / int4-g128 (coarser than its 32-element blocks), and
+float tensors to any scheme.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvjax.quant.qweight import QuantizedWeight, quantize_weight
 from kvjax.quant.symmetric import pack_int4
+from kvjax.weights.quantize import SCHEMES
 
 __all__ = ["SUPPORTED_TYPES", "Blocks", "check_type", "decode_blocks", "dequantize",
            "gguf_qweight"]
@@ -41,7 +44,6 @@ __all__ = ["SUPPORTED_TYPES", "Blocks", "check_type", "decode_blocks", "dequanti
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
-_WEIGHT_SCHEMES = {8: None, 4: 32}  # bits -> group of the requantizing fallback
 
 
 class Blocks(NamedTuple):
@@ -152,20 +154,21 @@ def _shifted_codes(b: Blocks, bits: int) -> Optional[tuple[np.ndarray, Optional[
   return (b.q + shift).astype(np.int8), offset
 
 
-def gguf_qweight(raw: np.ndarray, type_name: str, bits: int, shape: tuple,
+def gguf_qweight(raw: np.ndarray, type_name: str, scheme: str, shape: tuple,
                  num_in: int) -> QuantizedWeight:
   """A 2-D GGUF weight's rows raw [O, bytes per row] (O outputs, I inputs along each
-  row) -> QuantizedWeight of kvjax shape [*in, *out] (prod(in) = I) at `bits`: its own
-  blocks when they fit (module docstring), else requantized."""
+  row) -> QuantizedWeight of kvjax shape [*in, *out] (prod(in) = I) under `scheme`:
+  its own blocks when they fit (module docstring), else requantized."""
   check_type(type_name, "weight")
+  bits, group = SCHEMES[scheme]
   mapped = None
   if type_name in BLOCK_TYPES:
     b = decode_blocks(raw, type_name)
-    mapped = _shifted_codes(b, bits)
+    if group is None or group == b.group:
+      mapped = _shifted_codes(b, bits)
   if mapped is None:
     w = dequantize(raw, type_name).T.reshape(shape)  # [O, I] -> [*in, *out]
-    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits,
-                           group_size=_WEIGHT_SCHEMES[bits])
+    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits, group_size=group)
   codes, offsets = mapped  # [O, I], [O, I / group]
   packed = pack_int4(jnp.asarray(codes)).T if bits == 4 else jnp.asarray(codes.T)
   return QuantizedWeight(
