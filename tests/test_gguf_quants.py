@@ -15,9 +15,9 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvjax import sharding
-from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.quant.qweight import QuantizedWeight
 from kvjax.weights import gguf_quants
-from kvjax.weights.quantize import SCHEMES, weight_bytes
+from kvjax.weights.quantize import weight_bytes
 
 _F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
 
@@ -59,8 +59,8 @@ def test_unsupported_type_names_it_and_lists_supported():
     gguf_quants.check_type("Q5_0", "blk.0.ffn_up.weight")
 
 
-# (type, scheme) -> (bits, group, offsets kept) when the file's blocks map without
-# requantizing; None when the loader must requantize.
+# (type, scheme) -> (bits, group, offsets kept) where the file's blocks map without
+# requantizing; the loader requantizes the rest (tests/test_gguf.py checks that).
 _MAPPED = {("Q8_0", "int8"): (8, 32, False), ("Q4_0", "int8"): (8, 32, False),
            ("Q4_1", "int8"): (8, 32, True), ("Q4_K", "int8"): (8, 32, True),
            ("Q6_K", "int8"): (8, 16, False), ("Q4_0", "int4-g32"): (4, 32, False),
@@ -69,21 +69,19 @@ _MAPPED = {("Q8_0", "int8"): (8, 32, False), ("Q4_0", "int8"): (8, 32, False),
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g64"])
 @pytest.mark.parametrize("type_name", gguf_quants.SUPPORTED_TYPES)
-def test_qweight_keeps_blocks_or_requantizes(type_name, scheme):
+def test_blocks_kept_as_quantized_weight(type_name, scheme):
   rows, cols = 6, 512  # O = 6 outputs (3 heads x 2), I = 512 inputs
-  raw = gguf_bytes(type_name, rows, cols, seed=3)
-  ref = reference(raw, type_name).T.reshape(cols, 3, 2)  # [I, O] as [D, N, H]
-  w = gguf_quants.gguf_qweight(raw, type_name, scheme, (cols, 3, 2), 1)
-  assert w.shape == (cols, 3, 2) and w.num_in == 1
   mapped = _MAPPED.get((type_name, scheme))
-  if mapped is None:  # requantized from the exact floats with the scheme itself
-    bits, group = SCHEMES[scheme]
-    want = quantize_weight(jnp.asarray(ref), num_in=1, bits=bits, group_size=group)
-    for leaf, expected in zip((w.codes, w.scales), (want.codes, want.scales)):
-      np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected))
-    assert (w.bits, w.group_size, w.offsets) == (bits, want.group_size, None)
+  assert gguf_quants.maps_blocks(type_name, scheme) == (mapped is not None)
+  raw = gguf_bytes(type_name, rows, cols, seed=3)
+  if mapped is None:
+    with pytest.raises(ValueError, match=f"{type_name} blocks do not fit the {scheme}"):
+      gguf_quants.blocks_qweight(raw, type_name, scheme, (cols, 3, 2), 1)
     return
+  ref = reference(raw, type_name).T.reshape(cols, 3, 2)  # [I, O] as [D, N, H]
+  w = gguf_quants.blocks_qweight(raw, type_name, scheme, (cols, 3, 2), 1)
   bits, group, has_offsets = mapped
+  assert (w.shape, w.num_in) == ((cols, 3, 2), 1)
   assert (w.bits, w.group_size, w.offsets is not None) == mapped
   assert w.codes.dtype == jnp.int8 and w.codes.shape == (cols * bits // 8, rows)
   got = np.asarray(w.dequantize(jnp.float32))
@@ -103,7 +101,7 @@ def test_q8_0_maps_to_int8_exactly():
   blocks = np.concatenate([np.repeat(d, 2)[:, None].view(np.uint8),
                            q.reshape(rows * 2, 32).view(np.uint8)], axis=1)
   raw = blocks.reshape(rows, -1)  # [3, 68]
-  w = gguf_quants.gguf_qweight(raw, "Q8_0", "int8", (cols, rows), 1)
+  w = gguf_quants.blocks_qweight(raw, "Q8_0", "int8", (cols, rows), 1)
   np.testing.assert_array_equal(np.asarray(w.codes), q.T)
   np.testing.assert_array_equal(np.asarray(w.scales), np.repeat(d[None], 2, 0).astype(np.float32))
   np.testing.assert_array_equal(np.asarray(w.dequantize(jnp.float32)),
@@ -114,7 +112,7 @@ def test_int4_codes_packed_even_input_low_nibble():
   """The mapped int4 codes, unpacked here in numpy: byte [i, o] holds input 2i in its
   low nibble and 2i + 1 in its high one (kvjax pack_int4), both sign-extended."""
   raw = gguf_bytes("Q4_0", 4, 64, seed=9)
-  w = gguf_quants.gguf_qweight(raw, "Q4_0", "int4-g32", (64, 4), 1)
+  w = gguf_quants.blocks_qweight(raw, "Q4_0", "int4-g32", (64, 4), 1)
   packed = np.asarray(w.codes).astype(np.int16)  # [32, 4]
   low = ((packed & 0xF) ^ 8) - 8
   high = packed >> 4

@@ -27,9 +27,10 @@ import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, Params
-from kvjax.weights.gguf_quants import check_type, dequantize, gguf_qweight
+from kvjax.quant.qweight import quantize_weight
+from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
 from kvjax.weights.load_checks import raise_first_nonfinite
-from kvjax.weights.quantize import weight_scheme
+from kvjax.weights.quantize import SCHEMES, weight_scheme
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
            "resolve_registry_name", "open_gguf", "config_from_gguf", "read_gguf_config",
@@ -194,9 +195,9 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
       raw = _unpermute_rope_rows(raw, heads)
     return raw, t.tensor_type.name
 
-  def floats(name: str, ne: tuple, heads: Optional[int] = None) -> np.ndarray:
-    raw, type_name = rows(name, ne, heads)
-    w = dequantize(raw, type_name)  # [*ne reversed]
+  def floats(name: str, ne: tuple, heads: Optional[int] = None, stored=None) -> np.ndarray:
+    """The tensor as float32 [*ne reversed] (from its `stored` rows when given)."""
+    w = dequantize(*(stored or rows(name, ne, heads)))
     count(name, w)
     return w
 
@@ -206,12 +207,16 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
   def projection(name: str, shape: tuple, num_in: int, heads: Optional[int] = None):
     """kvjax weight [*in, *out] from GGUF ne [I, O]: float at dtype, or under `scheme`."""
     ne = (int(np.prod(shape[:num_in])), int(np.prod(shape[num_in:])))
-    if scheme is not None:
-      raw, type_name = rows(name, ne, heads)
-      w = gguf_qweight(raw, type_name, scheme, shape, num_in)
-      count(name, w.scales, w.offsets)
+    stored = rows(name, ne, heads)
+    if scheme is not None and maps_blocks(stored[1], scheme):
+      w = blocks_qweight(*stored, scheme, shape, num_in)
+      count(name, w.scales, w.offsets)  # a non-finite value is a non-finite f16 field
       return w
-    return jnp.asarray(floats(name, ne, heads).T.reshape(shape), dtype)
+    w = floats(name, ne, stored=stored).T.reshape(shape)  # [O, I] -> [*in, *out]
+    if scheme is None:
+      return jnp.asarray(w, dtype)
+    bits, group = SCHEMES[scheme]
+    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits, group_size=group)
 
   blocks = []
   for i in range(cfg.num_layers):

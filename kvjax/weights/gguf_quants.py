@@ -17,14 +17,14 @@ elements are two halves of 128 built from 64 low and 32 high bytes each).
 F32, F16 and BF16 are plain floats.  `dequantize` computes each product in the
 order llama.cpp's reference does, so it equals gguf.quants.dequantize bitwise.
 
-`gguf_qweight` keeps a block type's numbers as a QuantizedWeight under one of
-kvjax.weights.quantize's SCHEMES when its codes fit the scheme's width, with no
-float round trip: int4-g32 takes Q4_0 (codes q - 8), Q4_1 and Q4_K (codes q - 8,
-offset bias + 8 scale); int8 takes those and Q8_0 at group 32 and Q6_K at group
-16 (finer than int8's per-channel scale: the file's own numbers).  The rest are
-dequantized and quantized with the scheme itself: Q8_0 and Q6_K to int4, any
-block type to int4-g64 / int4-g128 (coarser than its 32-element blocks), and
-float tensors to any scheme.
+`blocks_qweight` keeps a block type's numbers as a QuantizedWeight under one of
+kvjax.weights.quantize's SCHEMES when `maps_blocks` says its codes fit the
+scheme's width, with no float round trip: int4-g32 takes Q4_0 (codes q - 8),
+Q4_1 and Q4_K (codes q - 8, offset bias + 8 scale); int8 takes those and Q8_0 at
+group 32 and Q6_K at group 16 (finer than int8's per-channel scale: the file's
+own numbers).  The rest are for the loader to dequantize and quantize with the
+scheme itself: Q8_0 and Q6_K to int4, any block type to int4-g64 / int4-g128
+(coarser than its 32-element blocks), float tensors to any scheme.
 """
 from __future__ import annotations
 
@@ -34,26 +34,26 @@ import jax.numpy as jnp
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.quant.qweight import QuantizedWeight
 from kvjax.quant.symmetric import pack_int4
 from kvjax.weights.quantize import SCHEMES
 
 __all__ = ["SUPPORTED_TYPES", "Blocks", "check_type", "decode_blocks", "dequantize",
-           "gguf_qweight"]
+           "maps_blocks", "blocks_qweight"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+# Block type -> (elements per scale, lowest code, highest code) of its decoded q.
+_CODES = {"Q8_0": (32, -128, 127), "Q4_0": (32, -8, 7), "Q4_1": (32, 0, 15),
+          "Q4_K": (32, 0, 15), "Q6_K": (16, -32, 31)}
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(_CODES)
 
 
 class Blocks(NamedTuple):
   """A quantized tensor's rows as integers: w = q * scale (+ bias), per group."""
-  q: np.ndarray  # [rows, elements] int16 codes in [low, high]
+  q: np.ndarray  # [rows, elements] int16 codes in _CODES' range
   scale: np.ndarray  # [rows, elements / group] f32
   bias: Optional[np.ndarray]  # [rows, elements / group] f32, None for symmetric types
   group: int
-  low: int
-  high: int
 
 
 def check_type(type_name: str, tensor: str) -> None:
@@ -73,15 +73,15 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(b: np.ndarray):
-  return b[:, 2:].view(np.int8), _f16(b, 0), None, 32, -128, 127
+  return b[:, 2:].view(np.int8), _f16(b, 0), None
 
 
 def _q4_0(b: np.ndarray):
-  return _nibbles(b[:, 2:]).astype(np.int16) - 8, _f16(b, 0), None, 32, -8, 7
+  return _nibbles(b[:, 2:]).astype(np.int16) - 8, _f16(b, 0), None
 
 
 def _q4_1(b: np.ndarray):
-  return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2), 32, 0, 15
+  return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
 
 
 def _q4_k(b: np.ndarray):
@@ -92,7 +92,7 @@ def _q4_k(b: np.ndarray):
   mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
   q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 256)
   scale = _f16(b, 0) * sc.astype(np.float32)
-  return q, scale, -(_f16(b, 2) * mn.astype(np.float32)), 32, 0, 15
+  return q, scale, -(_f16(b, 2) * mn.astype(np.float32))
 
 
 def _q6_k(b: np.ndarray):
@@ -102,7 +102,7 @@ def _q6_k(b: np.ndarray):
   high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03  # [n, halves, 4, 32]
   q = (low | (high << 4)).reshape(n, 256).astype(np.int16) - 32
   scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
-  return q, scale, None, 16, -32, 31
+  return q, scale, None
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
@@ -113,9 +113,9 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> Blocks:
   _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
   rows = raw.shape[0]
   blocks = np.ascontiguousarray(raw, np.uint8).reshape(-1, type_size)
-  q, scale, bias, group, low, high = _DECODERS[type_name](blocks)
+  q, scale, bias = _DECODERS[type_name](blocks)
   flat = lambda x: None if x is None else x.reshape(rows, -1)
-  return Blocks(flat(q).astype(np.int16), flat(scale), flat(bias), group, low, high)
+  return Blocks(flat(q).astype(np.int16), flat(scale), flat(bias), _CODES[type_name][0])
 
 
 def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
@@ -140,36 +140,39 @@ def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
   return w.reshape(*lead, -1)
 
 
-def _shifted_codes(b: Blocks, bits: int) -> Optional[tuple[np.ndarray, Optional[np.ndarray]]]:
-  """(int8 codes [rows, elements] in the signed `bits` range, f32 offsets or None),
-  q shifted by s where q's range needs it (w = (q + s) scale + (bias - s scale));
-  None when q's range is wider than `bits` holds."""
+def _code_shift(type_name: str, bits: int) -> int:
+  """s with q + s in the signed `bits` range (0 when q's range already is)."""
+  _, low, high = _CODES[type_name]
   top = 2 ** (bits - 1)
-  if b.high - b.low + 1 > 2 * top:
-    return None
-  shift = 0 if (b.low >= -top and b.high < top) else -top - b.low
-  offset = b.bias
-  if shift:
-    offset = (0 if b.bias is None else b.bias) - np.float32(shift) * b.scale
-  return (b.q + shift).astype(np.int8), offset
+  return 0 if (low >= -top and high < top) else -top - low
 
 
-def gguf_qweight(raw: np.ndarray, type_name: str, scheme: str, shape: tuple,
-                 num_in: int) -> QuantizedWeight:
-  """A 2-D GGUF weight's rows raw [O, bytes per row] (O outputs, I inputs along each
-  row) -> QuantizedWeight of kvjax shape [*in, *out] (prod(in) = I) under `scheme`:
-  its own blocks when they fit (module docstring), else requantized."""
-  check_type(type_name, "weight")
+def maps_blocks(type_name: str, scheme: str) -> bool:
+  """Whether `type_name`'s blocks are a QuantizedWeight under `scheme` as they stand:
+  codes that fit its width (after a shift), scales at its group (int8: any group)."""
+  if type_name not in _CODES:
+    return False
   bits, group = SCHEMES[scheme]
-  mapped = None
-  if type_name in BLOCK_TYPES:
-    b = decode_blocks(raw, type_name)
-    if group is None or group == b.group:
-      mapped = _shifted_codes(b, bits)
-  if mapped is None:
-    w = dequantize(raw, type_name).T.reshape(shape)  # [O, I] -> [*in, *out]
-    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits, group_size=group)
-  codes, offsets = mapped  # [O, I], [O, I / group]
+  block_group, low, high = _CODES[type_name]
+  return high - low < 2 ** bits and group in (None, block_group)
+
+
+def blocks_qweight(raw: np.ndarray, type_name: str, scheme: str, shape: tuple,
+                   num_in: int) -> QuantizedWeight:
+  """A 2-D GGUF weight's rows raw [O, bytes per row] (O outputs, I inputs along each
+  row) -> the QuantizedWeight of kvjax shape [*in, *out] (prod(in) = I) holding its
+  blocks' numbers under `scheme` (maps_blocks must hold): w = (q + s) scale + (bias
+  - s scale) for the code shift s."""
+  if not maps_blocks(type_name, scheme):
+    raise ValueError(f"GGUF {type_name} blocks do not fit the {scheme} scheme; dequantize "
+                     "and quantize instead")
+  bits, _ = SCHEMES[scheme]
+  b = decode_blocks(raw, type_name)
+  shift = _code_shift(type_name, bits)
+  codes = (b.q + shift).astype(np.int8)  # [O, I]
+  offsets = b.bias  # [O, I / group]
+  if shift:
+    offsets = (0 if b.bias is None else b.bias) - np.float32(shift) * b.scale
   packed = pack_int4(jnp.asarray(codes)).T if bits == 4 else jnp.asarray(codes.T)
   return QuantizedWeight(
       codes=packed, scales=jnp.asarray(b.scale.T),
