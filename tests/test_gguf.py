@@ -182,6 +182,16 @@ def test_tiny_gguf_quantized_forward(tiny_dir, tokens, arch, type_name):
     assert isinstance(model.params.embed, jax.Array)  # embeddings stay float
 
 
+def test_load_checkpoint_on_a_mesh(tiny_dir):
+  path = str(tiny_dir / "mesh.gguf")
+  want = write_tiny_gguf(path, "qwen2", "Q8_0", seed=2)
+  model = kvjax.load_checkpoint(path, mesh=kvjax.make_mesh(tp=1))
+  assert model.mesh is not None
+  assert_same_params(model.params, want)
+  with pytest.raises(ValueError, match="weight_dtype='int8' with a mesh is unsupported"):
+    kvjax.load_checkpoint(path, mesh=kvjax.make_mesh(tp=1), weight_dtype="int8")
+
+
 def test_load_checkpoint_weight_dtype_on_a_preset():
   model = kvjax.load_checkpoint("tiny", weight_dtype="int4")
   w = model.params.blocks[0].w_up
