@@ -68,7 +68,7 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
-  """[n, c, 16 or 32] bytes -> [n, c, 2 x that] codes: every low nibble, then every high."""
+  """Bytes [..., M] -> codes [..., 2M]: every low nibble, then every high one."""
   return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
