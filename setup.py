@@ -25,6 +25,7 @@ setup(
         "prometheus_client",
         "jinja2",
         "tokenizers",
+        "gguf",
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],

@@ -73,9 +73,17 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
                     seed: int = 0, check_finite: bool = True,
                     available_bytes: Optional[int] = None,
-                    mesh: Optional[jax.sharding.Mesh] = None) -> Model:
+                    mesh: Optional[jax.sharding.Mesh] = None,
+                    weight_dtype: Optional[str] = None) -> Model:
   """Load the built-in default model (no argument), a preset (random init from
-  `seed`), an HF checkpoint directory or a kvjax-native checkpoint directory.
+  `seed`), an HF checkpoint directory, a kvjax-native checkpoint directory, a GGUF
+  file (a path ending in .gguf) or a GGUF model installed as a package (a name in
+  kvjax.weights.gguf.REGISTRY, such as 'smollm2-135m-instruct').
+
+  `weight_dtype` None keeps float weights at `dtype`; "int8", "int4" (int4-g32) or
+  another kvjax.weights.quantize scheme stores the projections as integer codes:
+  a GGUF file's own blocks where they fit (kvjax/weights/gguf_quants.py), other
+  formats through quantize_params after the float load.
 
   With a `mesh` (kvjax.make_mesh(tp=...)) every tensor is placed shard by shard
   in the Megatron layout of kvjax/sharding.py, never whole on one device; kv
@@ -87,10 +95,24 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   figure; kvjax/weights/load_checks.py).  `check_finite` then refuses weights
   with a NaN or inf, naming the first such tensor.
   """
-  from kvjax.weights import hf, load_checks
+  from kvjax.weights import gguf, hf, load_checks
   from kvjax.weights.checkpoint import DEFAULT_MODEL_DIR, read_config, restore
+  from kvjax.weights.quantize import weight_scheme
 
   dtype = resolve_dtype(dtype)
+  scheme = weight_scheme(weight_dtype)
+  if scheme is not None and mesh is not None:
+    raise ValueError(f"weight_dtype={weight_dtype!r} with a mesh is unsupported: quantized "
+                     "weights are not placed by kvjax/sharding.py; pass mesh=None")
+  gguf_file = None if path_or_preset in PRESETS else gguf.gguf_path(path_or_preset)
+  if gguf_file is not None:
+    reader = gguf.open_gguf(gguf_file)
+    _check_fits(gguf.config_from_gguf(reader), dtype, available_bytes, mesh)
+    cfg, params = gguf.load_gguf(reader, dtype, weight_dtype=scheme,
+                                 check_finite=check_finite)
+    if mesh is not None:
+      params = sharding.shard_params(params, mesh)
+    return _model(cfg, params, dtype, _gguf_tokenizer(reader) or _byte_tokenizer(cfg), mesh)
   if path_or_preset in PRESETS:
     cfg = get_preset(path_or_preset)
     _check_fits(cfg, dtype, available_bytes, mesh)
@@ -98,7 +120,7 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
     params = init(key) if mesh is None else sharding.init_on_mesh(init, mesh, key)
     if check_finite:
       load_checks.check_finite_tree(params, f"preset {path_or_preset}")
-    return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
+    return _model(cfg, _quantized(params, cfg, scheme), dtype, _byte_tokenizer(cfg), mesh)
   if path_or_preset is None:
     path_or_preset = DEFAULT_MODEL_DIR
     if not os.path.isdir(path_or_preset):
@@ -106,18 +128,35 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
           f"the built-in default model is missing at {path_or_preset}; train it with "
           "experiments/train.py or pass a preset name such as 'tiny'")
   if not os.path.isdir(path_or_preset):
-    raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a "
-                     "checkpoint directory")
+    raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}), a GGUF "
+                     f"file or GGUF model name ({sorted(gguf.REGISTRY)}) nor a checkpoint "
+                     "directory")
   if hf.is_hf_checkpoint(path_or_preset):
     _check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes, mesh)
     cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite, mesh=mesh)
-    return _model(cfg, params, dtype,
+    return _model(cfg, _quantized(params, cfg, scheme), dtype,
                   load_tokenizer(path_or_preset) or _byte_tokenizer(cfg), mesh)
   _check_fits(read_config(path_or_preset), dtype, available_bytes, mesh)
   cfg, params = restore(path_or_preset, dtype, mesh=mesh)
   if check_finite:
     load_checks.check_finite_tree(params, f"kvjax checkpoint {path_or_preset}")
-  return _model(cfg, params, dtype, _byte_tokenizer(cfg), mesh)
+  return _model(cfg, _quantized(params, cfg, scheme), dtype, _byte_tokenizer(cfg), mesh)
+
+
+def _quantized(params: Params, cfg: ModelConfig, scheme: Optional[str]) -> Params:
+  """A float load's params under weight_dtype's scheme (None: as loaded)."""
+  from kvjax.weights.quantize import quantize_params
+
+  return params if scheme is None else quantize_params(params, cfg, scheme)
+
+
+def _gguf_tokenizer(reader) -> Optional[Tokenizer]:
+  """The GGUF file's own tokenizer, when kvjax/weights/gguf_tokenizer.py is present."""
+  try:
+    from kvjax.weights.gguf_tokenizer import gguf_tokenizer
+  except ImportError:
+    return None
+  return gguf_tokenizer(reader)
 
 
 def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:

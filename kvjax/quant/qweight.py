@@ -12,6 +12,11 @@ codes quantize diag(s) W and dequantization divides row i by s_i again, so a
 salient input channel (large s_i) gets s_i times less rounding error.  AWQ
 proper folds 1/s into the op that produces x; keeping it here applies to every
 projection alike (wo and w_down included) for I extra floats per weight.
+
+`offsets` [ceil(I/group), O] is an affine zero point per group, w = codes * scale
++ offset: GGUF's Q4_1 / Q4_K blocks (d * q + m, q in 0..15) keep their numbers
+exactly as int4 codes q - 8 with offset m + 8d (kvjax/weights/gguf_quants.py);
+kvjax's own symmetric schemes leave it None.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class QuantizedWeight:
   codes: jax.Array  # [I, O] int8, or [I/2, O] packed int4
   scales: jax.Array  # [ceil(I / group), O] f32
   in_scale: Optional[jax.Array] = None  # [I] f32 AWQ scaling, None without AWQ
+  offsets: Optional[jax.Array] = None  # [ceil(I / group), O] f32 zero points, None = symmetric
   shape: tuple = struct.field(pytree_node=False, default=())  # original [*in, *out]
   num_in: int = struct.field(pytree_node=False, default=1)  # leading axes contracted
   bits: int = struct.field(pytree_node=False, default=8)
@@ -44,16 +50,19 @@ class QuantizedWeight:
     rows, cols = codes.shape
     groups = self.scales.shape[0]
     codes = jnp.pad(codes, ((0, groups * self.group_size - rows), (0, 0)))  # ragged last group
-    grouped = codes.reshape(groups, self.group_size, cols)
-    w = (grouped.astype(jnp.float32) * self.scales[:, None]).reshape(-1, cols)[:rows]
+    grouped = codes.reshape(groups, self.group_size, cols).astype(jnp.float32)
+    grouped = grouped * self.scales[:, None]
+    if self.offsets is not None:
+      grouped = grouped + self.offsets[:, None]
+    w = grouped.reshape(-1, cols)[:rows]
     if self.in_scale is not None:
       w = w / self.in_scale[:, None]
     return w.astype(dtype).reshape(self.shape)
 
   @property
   def nbytes(self) -> int:
-    """Bytes a decode step reads for this weight: codes, scales and in_scale."""
-    leaves = [self.codes, self.scales] + ([] if self.in_scale is None else [self.in_scale])
+    """Bytes a decode step reads for this weight: codes, scales, in_scale and offsets."""
+    leaves = [x for x in (self.codes, self.scales, self.in_scale, self.offsets) if x is not None]
     return sum(int(x.size) * x.dtype.itemsize for x in leaves)
 
 

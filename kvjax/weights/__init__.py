@@ -1,1 +1,1 @@
-"""Checkpoint formats: kvjax-native orbax checkpoints, HF safetensors import."""
+"""Checkpoint formats: kvjax-native orbax checkpoints, HF safetensors import, GGUF files."""

