@@ -31,7 +31,7 @@ setup(
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
-                 "openai", "httpx", "scipy", "filelock"],
+                 "openai", "httpx", "scipy", "filelock", "accelerate"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},

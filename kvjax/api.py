@@ -151,12 +151,10 @@ def _quantized(params: Params, cfg: ModelConfig, scheme: Optional[str]) -> Param
 
 
 def _gguf_tokenizer(reader) -> Optional[Tokenizer]:
-  """The GGUF file's own tokenizer, when kvjax/weights/gguf_tokenizer.py is present."""
-  try:
-    from kvjax.weights.gguf_tokenizer import gguf_tokenizer
-  except ImportError:
-    return None
-  return gguf_tokenizer(reader)
+  """The GGUF file's own tokenizer and chat template (kvjax/weights/gguf_tokenizer.py)."""
+  from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
+
+  return load_gguf_tokenizer(reader)
 
 
 def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
