@@ -154,6 +154,8 @@ def _gguf_tokenizer(reader) -> Optional[Tokenizer]:
   """The GGUF file's own tokenizer and chat template (kvjax/weights/gguf_tokenizer.py)."""
   from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
 
+  if "tokenizer.ggml.model" not in reader.fields:  # a file of tensors alone: token ids only
+    return None
   return load_gguf_tokenizer(reader)
 
 
