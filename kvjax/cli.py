@@ -1,4 +1,4 @@
-"""`python -m kvjax generate | memory | bench` (also the `kvjax` console script).
+"""`python -m kvjax generate | chat | serve | bench | memory | diagnose` (also the `kvjax` console script).
 
 Each sub-command registers itself with `add_parser(subparsers)` and runs with
 `run(args) -> exit code`; this file only dispatches.
@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from kvjax import cli_bench, cli_memory
+from kvjax import cli_bench, cli_chat, cli_memory
 from kvjax import cli_diagnose
 from kvjax import cli_serve
 from kvjax import distributed
@@ -127,6 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.splitlines()[0])
   subparsers = parser.add_subparsers(dest="command", required=True)
   _add_generate(subparsers)
+  cli_chat.add_parser(subparsers)
   cli_memory.add_parser(subparsers)
   cli_bench.add_parser(subparsers)
   cli_diagnose.add_parser(subparsers)
