@@ -19,8 +19,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      chat_template, corpus, code_corpus,            training, its corpora and its code
      code_eval, train, distributed                  checks, multi-host start-up
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
-  11 cli, cli_bench, cli_chat, cli_memory,           command lines
-     cli_serve, cli_diagnose, __main__
+  11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared
+     cli_memory, cli_serve, cli_diagnose, __main__  model flags
 Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint

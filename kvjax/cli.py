@@ -15,6 +15,7 @@ import time
 from typing import Optional, Sequence
 
 from kvjax import cli_bench, cli_chat, cli_memory
+from kvjax.cli_checkpoint import add_checkpoint_flags
 from kvjax import cli_diagnose
 from kvjax import cli_serve
 from kvjax import distributed
@@ -35,25 +36,37 @@ def _prompt_ids(text: str) -> list[int]:
 
 def _add_generate(subparsers) -> None:
   p = subparsers.add_parser("generate", help="generate a continuation of one prompt")
-  p.add_argument("--checkpoint", default=None,
-                 help="preset name, HF checkpoint dir or kvjax checkpoint dir "
-                      "(default: the built-in byte-level code model)")
+  add_checkpoint_flags(p)
   source = p.add_mutually_exclusive_group()
   source.add_argument("--prompt", default=None,
-                      help="prompt text, encoded by the checkpoint's tokenizer (default: "
+                      help="prompt text, encoded by the checkpoint's own tokenizer (default: "
                            "'def fibonacci(n):' on a model with a tokenizer)")
   source.add_argument("--prompt-ids", type=_prompt_ids, default=None,
                       help="comma-separated token ids, e.g. 1,2,3")
-  p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-k", type=int, default=None)
-  p.add_argument("--top-p", type=float, default=None)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--cache", default="paged", choices=("paged", "contiguous", "none"))
-  p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--backend", default="reference", help="attention backend name")
+  p.add_argument("--chat", action="store_true",
+                 help="send the prompt as one user message through the checkpoint's chat "
+                      "template and print only the reply (default: continue the raw text)")
+  p.add_argument("--system", default=None,
+                 help="with --chat: a system message (default: none of ours; the template "
+                      "may add its own)")
+  p.add_argument("--max-new-tokens", type=int, default=64,
+                 help="tokens to generate at most; EOS ends sooner (default: %(default)s)")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature; 0 is greedy (default: %(default)s)")
+  p.add_argument("--top-k", type=int, default=None,
+                 help="sample among the k likeliest tokens (default: all)")
+  p.add_argument("--top-p", type=float, default=None,
+                 help="sample within the top-p probability mass (default: all)")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+  p.add_argument("--cache", default="paged", choices=("paged", "contiguous", "none"),
+                 help="KV cache layout (default: %(default)s)")
+  p.add_argument("--page-size", type=int, default=16,
+                 help="tokens per KV page (default: %(default)s)")
+  p.add_argument("--backend", default="reference",
+                 help="attention backend name (default: %(default)s)")
   p.add_argument("--dtype", default="float32",
-                 help="weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)")
+                 help="floating-point weights: float32 | bfloat16 | float16 (or fp32 | bf16 | "
+                      "fp16) (default: %(default)s)")
   p.add_argument("--kv-dtype", default=None,
                  help="KV pages: the weights' dtype (default), fp32 | bf16 | fp16 (or float32 "
                       "| bfloat16 | float16), int8 or int4")
@@ -67,9 +80,12 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
   import kvjax
 
-  models = distributed.load_replicas(args, args.checkpoint, args.dtype)
+  models = distributed.load_replicas(args, args.checkpoint, args.dtype, args.weight_dtype)
   model = models[0]
   tokenizer = model.tokenizer
+  if args.chat and (args.prompt_ids is not None or tokenizer is None):
+    raise ValueError(f"--chat: renders --prompt text through {model.config.name}'s chat "
+                     "template, so it needs --prompt and a checkpoint with a tokenizer")
   if args.prompt_ids is not None:
     prompt = args.prompt_ids
     outside = [t for t in prompt if t >= model.config.vocab_size]
@@ -82,7 +98,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                      "in the checkpoint directory); pass token ids with --prompt-ids 1,2,3")
   else:
     text = "def fibonacci(n):" if args.prompt is None else args.prompt
-    prompt = tokenizer.encode(text, add_special_tokens=True)  # BOS as the model was trained
+    prompt = _chat_prompt(tokenizer, text, args.system) if args.chat else \
+        tokenizer.encode(text, add_special_tokens=True)  # BOS as the model was trained
   # --dp M: the prompt on every replica at once, replica i with seed + i (M samples).
   runs = [functools.partial(kvjax.generate, replica, [prompt], args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -105,6 +122,14 @@ def _run_generate(args: argparse.Namespace) -> int:
   return 0
 
 
+def _chat_prompt(tokenizer, text: str, system: Optional[str]) -> list[int]:
+  """The ids of `text` as the user's message under the tokenizer's chat template."""
+  messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+      {"role": "user", "content": text}]
+  rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+  return tokenizer.encode(rendered, add_special_tokens=False)  # the template writes BOS
+
+
 def _print_generated(args, prompt, tokenizer, result, replica) -> None:
   tokens = result.tokens[0]
   text = None if tokenizer is None else tokenizer.decode(tokens)
@@ -114,7 +139,10 @@ def _print_generated(args, prompt, tokenizer, result, replica) -> None:
     return
   if replica is not None:
     print(f"--- replica {replica} (seed {args.seed + replica})")
-  print(" ".join(map(str, tokens)) if tokenizer is None else tokenizer.decode(prompt) + text)
+  if tokenizer is None:
+    print(" ".join(map(str, tokens)))
+  else:  # --chat: the reply alone, the template's markup unshown
+    print(text if args.chat else tokenizer.decode(prompt) + text)
   stats, warmup_s = result.stats, result.stats["warmup_s"]
   print(f"\n[{len(tokens)} tokens | TTFT {stats['ttft_s'] * 1e3:.1f} ms | TPOT "
         f"{stats['tpot_s'] * 1e3:.2f} ms | {stats['tokens_per_s']:.1f} tok/s | "

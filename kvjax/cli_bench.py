@@ -9,8 +9,9 @@ previous turn finishes):
                         the prefix cache can skip everything but the new turn
 With --range-ratio r (vLLM's random dataset), each request's input and output
 lengths are drawn uniformly from [len x (1 - r), len x (1 + r)] instead.
-Prompt ids are slices of the held-out stdlib code for byte-level models (the
-default model) and random ids otherwise.  A warm-up pass of the same workload
+Prompt ids are slices of the held-out stdlib code: its bytes for byte-level
+models (the default model), its ids under the model's own tokenizer for others
+that have one (a GGUF or HF checkpoint), random ids for a model without one.  A warm-up pass of the same workload
 on a throwaway engine compiles every shape first, so timings exclude compiles.
 Writes <out-dir>/bench_<workload>.json and .png and prints a table.
 
@@ -35,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from kvjax import distributed
+from kvjax.cli_checkpoint import add_checkpoint_flags
 
 __all__ = ["Session", "make_workload", "run_workload", "add_parser", "run", "WORKLOADS"]
 
@@ -49,24 +51,34 @@ class Session:
   max_new_tokens: int
 
 
-def _token_source(vocab_size: int, seed: int) -> np.ndarray:
-  """Real Python text for byte-level models (the stdlib files kvjax.corpus holds out of
-  its own split; the default model trained on the whole stdlib), else random ids."""
+def _token_source(vocab_size: int, seed: int, tokenizer=None) -> np.ndarray:
+  """Real Python text, the stdlib files kvjax.corpus holds out of its own split (the
+  default model trained on the whole stdlib): as byte ids for byte-level models, through
+  `tokenizer` (the model's own) for others that have one; else random ids."""
   from kvjax.tokenizer import ByteTokenizer
 
-  if vocab_size == ByteTokenizer().vocab_size:
+  byte_level = vocab_size == ByteTokenizer().vocab_size
+  if byte_level or tokenizer is not None:
     from kvjax import corpus
     try:
-      return corpus.split_tokens(corpus.load_corpus(), "heldout")
+      heldout = corpus.split_tokens(corpus.load_corpus(), "heldout")
     except (OSError, ValueError):
-      pass
+      heldout = None
+    if heldout is not None and byte_level:
+      return heldout
+    if heldout is not None:
+      text = ByteTokenizer().decode(heldout)  # the files' text, BOS / EOS dropped
+      return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
   return np.random.default_rng(seed).integers(3, vocab_size, 1 << 16).astype(np.int32)
 
 
 def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: int,
                   output_len: int, system_len: int = 256, num_turns: int = 10,
-                  range_ratio: float = 0.0, seed: int = 0) -> list[Session]:
+                  range_ratio: float = 0.0, seed: int = 0, tokenizer=None) -> list[Session]:
   """Sessions of a named workload; deterministic given the arguments.
+
+  tokenizer: the model's own, which encodes the prompt text of a model whose
+  vocabulary is not the byte one (None: random ids for such a model).
 
   range_ratio r in [0, 1): every user message and output length is drawn
   uniformly from [len x (1 - r), len x (1 + r)] (at least 1); 0 = fixed lengths.
@@ -75,7 +87,7 @@ def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: i
     raise ValueError(f"unknown workload {name!r}; use one of {WORKLOADS}")
   if not 0 <= range_ratio < 1:
     raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-  source = _token_source(vocab_size, seed)
+  source = _token_source(vocab_size, seed, tokenizer)
   rng = np.random.default_rng(seed)
 
   def length(mean: int) -> int:
@@ -170,8 +182,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p = subparsers.add_parser("bench", help="serving benchmark through the Engine",
                             description=__doc__.splitlines()[0])
   p.add_argument("--workload", default="random", choices=WORKLOADS)
-  p.add_argument("--checkpoint", default=None,
-                 help="preset, HF or kvjax checkpoint dir (default: the built-in model)")
+  add_checkpoint_flags(p)
   p.add_argument("--num-requests", "--num-prompts", type=int, default=16,
                  help="requests (chats) to serve")
   p.add_argument("--input-len", type=int, default=128, help="prompt (user message) ids")
@@ -288,13 +299,13 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
 
 
 def run(args: argparse.Namespace) -> int:
-  models = distributed.load_replicas(args, args.checkpoint, "float32")
+  models = distributed.load_replicas(args, args.checkpoint, "float32", args.weight_dtype)
   model = models[0]
   sessions = make_workload(args.workload, vocab_size=model.config.vocab_size,
                            num_requests=args.num_requests, input_len=args.input_len,
                            output_len=args.output_len, system_len=args.system_len,
                            num_turns=args.num_turns, range_ratio=args.range_ratio,
-                           seed=args.seed)
+                           seed=args.seed, tokenizer=model.tokenizer)
   if args.url is not None:
     return _run_http(args, sessions, model.tokenizer)
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)

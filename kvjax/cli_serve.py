@@ -2,6 +2,7 @@
 
   python -m kvjax serve --checkpoint ./hf_llama --port 8000 --served-model-name llama \
       --max-waiting 64 --max-num-seqs 16
+  python -m kvjax serve --checkpoint smollm2-135m-instruct --weight-dtype int8
 
 Loads the model, compiles every step program the engine can run (--warm-up
 full: a progress bar, then how many and how long, on stderr; --warm-up minimal:
@@ -17,6 +18,7 @@ import sys
 import threading
 
 from kvjax import distributed
+from kvjax.cli_checkpoint import add_checkpoint_flags
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
 from kvjax.warm_up import WARM_UP_MODES
 
@@ -27,11 +29,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   """Registers the `serve` sub-command on an argparse `subparsers` object."""
   p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                             description=__doc__.splitlines()[0])
-  p.add_argument("--checkpoint", default=None,
-                 help="preset name, HF checkpoint dir or kvjax checkpoint dir "
-                      "(default: the built-in byte-level code model)")
+  add_checkpoint_flags(p)
   p.add_argument("--dtype", default="float32",
-                 help="weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)")
+                 help="floating-point weights: float32 | bfloat16 | float16 (or fp32 | bf16 | "
+                      "fp16) (default: %(default)s)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
   p.add_argument("--port", type=int, default=8000, help="port, 0: any free port (default: %(default)s)")
   p.add_argument("--served-model-name", default=None,
@@ -52,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
   from kvjax.server import serve_in_thread
 
-  models = distributed.load_replicas(args, args.checkpoint, args.dtype)
+  models = distributed.load_replicas(args, args.checkpoint, args.dtype, args.weight_dtype)
   handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting, warm_up=args.warm_up,

