@@ -127,7 +127,7 @@ def _read_line(interactive: bool) -> Optional[str]:
   """The next user line, None at the end of input."""
   if not interactive:
     line = sys.stdin.readline()
-    return line.rstrip("\n") if line else None
+    return line.rstrip("\r\n") if line else None
   try:
     return input(">>> ")
   except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: quit
