@@ -1,4 +1,4 @@
-"""`python -m kvjax generate | chat | serve | bench | memory | diagnose` (also the `kvjax` console script).
+"""`python -m kvjax generate | chat | serve | bench | memory | diagnose` (also `kvjax`).
 
 Each sub-command registers itself with `add_parser(subparsers)` and runs with
 `run(args) -> exit code`; this file only dispatches.
@@ -123,11 +123,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _chat_prompt(tokenizer, text: str, system: Optional[str]) -> list[int]:
-  """The ids of `text` as the user's message under the tokenizer's chat template."""
+  """The ids of `text` as the user's message (after `system`'s) under the chat template."""
   messages = ([] if system is None else [{"role": "system", "content": system}]) + [
       {"role": "user", "content": text}]
-  rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-  return tokenizer.encode(rendered, add_special_tokens=False)  # the template writes BOS
+  return cli_chat.chat_prompt_ids(tokenizer, messages)
 
 
 def _print_generated(args, prompt, tokenizer, result, replica) -> None:

@@ -24,10 +24,16 @@ from typing import Callable, Optional
 
 from kvjax.cli_checkpoint import add_checkpoint_flags
 
-__all__ = ["ChatSession", "add_parser", "run", "DEFAULT_CHECKPOINT"]
+__all__ = ["ChatSession", "chat_prompt_ids", "add_parser", "run", "DEFAULT_CHECKPOINT"]
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 _COMMANDS = ("/reset", "/exit")
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+  """The ids of `messages` under the tokenizer's chat template, the assistant's turn opened."""
+  text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+  return tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS
 
 
 class ChatSession:
@@ -67,8 +73,7 @@ class ChatSession:
 
   def prompt_ids(self, messages: list[dict]) -> list[int]:
     """The ids of `messages` rendered with the assistant's turn opened."""
-    text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS
+    return chat_prompt_ids(self.tokenizer, messages)
 
   def reply(self, user_text: str, write: Callable[[str], object]) -> str:
     """Stream the answer to `user_text` through `write` -> the whole answer.
