@@ -155,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
   model = load_checkpoint(args.checkpoint, weight_dtype=args.weight_dtype)
   session = ChatSession(model, system=args.system, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed)
-  print(f"kvjax chat: {model.config.name} loaded in {time.perf_counter() - start:.1f} s; "
-        "/reset forgets the conversation, /exit or Ctrl-D quits", file=sys.stderr, flush=True)
+  print(f"kvjax chat: {model.config.name} loaded in {time.perf_counter() - start:.1f} s; the "
+        "first replies also wait for XLA to compile each new step shape; /reset forgets the "
+        "conversation, /exit or Ctrl-D quits", file=sys.stderr, flush=True)
 
   def write(text: str) -> None:
     sys.stdout.write(text)
