@@ -3,9 +3,10 @@
 The ids are cut into segments of `context` + 1 tokens (consecutive segments
 share one token, so every id after the first is scored exactly once).  Each
 segment runs as the engine runs a request: its first context - decode_tokens
-inputs as prefill chunks of `chunk` columns, then one input per decode step,
-every step writing its K/V into pages of the variant's store (kv_dtype: a float,
-int8 with scales, int4 KIVI with its full-precision residual) and reading every
+inputs as prefill chunks of `chunk` columns, then one input per decode step
+(padded to the chunk's width, as the engine pads a row group), every step
+writing its K/V into pages of the variant's store (kv_dtype: a float, int8
+with scales, int4 KIVI with its full-precision residual) and reading every
 earlier token back from them through the backend, under the model's sliding
 window.  Every column scores the real next id: log p(x[t+1] | x[<=t]) from that
 step's logits, so the cache's quantization and window are what is measured,
@@ -74,9 +75,11 @@ def score_segments(model: Model, windows: np.ndarray, *, chunk: int = 128,
                                   backend=backend, max_model_len=context)
   pages_per_row = -(-context // page_size)
   prefill_len = context - decode_tokens
-  steps = [(start, min(chunk, prefill_len - start), chunk)
-           for start in range(0, prefill_len, chunk)]
-  steps += [(start, 1, 1) for start in range(prefill_len, context)]
+  # (first position, inputs fed): prefill chunks, then one input per decode step.  Every
+  # step is `chunk` columns wide, a decode step's padding columns writing the null page
+  # as the engine pads a row group, so one compiled program serves both.
+  steps = [(start, min(chunk, prefill_len - start)) for start in range(0, prefill_len, chunk)]
+  steps += [(start, 1) for start in range(prefill_len, context)]
   out = np.zeros((s, context), np.float32)
   for first in range(0, s, batch_size):
     rows = windows[first:first + batch_size]
@@ -86,9 +89,9 @@ def score_segments(model: Model, windows: np.ndarray, *, chunk: int = 128,
                                1 + batch_size * pages_per_row, page_size, model.dtype)
     tables = 1 + np.arange(batch_size * pages_per_row, dtype=np.int32).reshape(batch_size, -1)
     began = time.perf_counter()
-    for start, length, width_t in steps:
-      inputs = np.zeros((batch_size, width_t), np.int32)
-      targets = np.zeros((batch_size, width_t), np.int32)
+    for start, length in steps:
+      inputs = np.zeros((batch_size, chunk), np.int32)
+      targets = np.zeros((batch_size, chunk), np.int32)
       inputs[:, :length] = rows[:, start:start + length]
       targets[:, :length] = rows[:, start + 1:start + 1 + length]
       batch = make_step_batch(inputs, np.full(batch_size, start), np.full(batch_size, length),
