@@ -13,7 +13,6 @@ problem's completion and result are kept.
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,15 +24,20 @@ __all__ = ["STOP_SEQUENCES", "load_problems", "truncate", "check_completion",
 
 STOP_SEQUENCES = ("\ndef", "\nclass", "\nif __name__", "\n#", "\nprint")
 
-# Run before the problem's code: no sockets (connect, DNS) for anything it imports.
-_NO_NETWORK = """\
+# Run before the problem's code: the limits (soft = hard, so the code cannot raise them),
+# then no sockets (connect, DNS) for anything it imports.
+_PRELUDE = """\
+import resource as _resource
+for _limit, _value in (("RLIMIT_AS", {memory_bytes}), ("RLIMIT_CPU", {cpu_seconds}),
+                       ("RLIMIT_FSIZE", 1 << 20)):
+  _resource.setrlimit(getattr(_resource, _limit), (_value, _value))
 import socket as _socket
 def _refuse(*args, **kwargs):
   raise OSError("network access is disabled in the HumanEval sandbox")
 _socket.socket = _refuse
 _socket.create_connection = _refuse
 _socket.getaddrinfo = _refuse
-del _socket, _refuse
+del _resource, _limit, _value, _socket, _refuse
 """
 
 
@@ -55,19 +59,11 @@ def truncate(completion: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
   return completion[:cut]
 
 
-def _limits(memory_bytes: int, cpu_seconds: int):
-  """preexec_fn: the child's resource limits."""
-  def apply():
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-  return apply
-
-
 def check_completion(problem: dict, completion: str, *, timeout_s: float = 10.0,
                      memory_bytes: int = 1 << 30) -> dict:
   """Run the problem's tests on prompt + completion (module doc) -> passed, result, seconds."""
-  program = (_NO_NETWORK + problem["prompt"] + completion + "\n\n" + problem["test"] +
+  prelude = _PRELUDE.format(memory_bytes=memory_bytes, cpu_seconds=int(timeout_s) + 1)
+  program = (prelude + problem["prompt"] + completion + "\n\n" + problem["test"] +
              f"\n\ncheck({problem['entry_point']})\n")
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir:
@@ -76,8 +72,7 @@ def check_completion(problem: dict, completion: str, *, timeout_s: float = 10.0,
       f.write(program)
     child = subprocess.Popen([sys.executable, "-I", path], cwd=workdir, env={},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, start_new_session=True,
-                             preexec_fn=_limits(memory_bytes, int(timeout_s) + 1))
+                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
       _, err = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
