@@ -17,19 +17,19 @@ def get_config(arg=None):
                      "weights-int8", "weights-int4", "weights-int4-g128")
   config.page_size = 16
   # Perplexity (kvjax/eval/perplexity.py) of the stdlib text (kvjax/eval/text_set.py).
-  config.ppl_context = 1536  # > 1024: window-1024 drops context
-  config.ppl_tokens = 1536
-  config.ppl_chunk = 256
-  config.ppl_decode_tokens = 8
+  config.ppl_context = 1280  # > 1024: window-1024 drops context
+  config.ppl_tokens = 1280
+  config.ppl_chunk = 128
+  config.ppl_decode_tokens = 2  # each one a chunk-wide step
   config.ppl_batch_size = 1
   # HumanEval pass@1 (greedy) on the first humaneval_limit problems, these variants.
   config.humaneval_variants = ("float", "kv-int8")
-  config.humaneval_limit = 10
+  config.humaneval_limit = 8
   config.humaneval_new_tokens = 128
   config.humaneval_timeout_s = 10.0
   # Needle retrieval (C16), these variants.
   config.needle_variants = ("float", "window-256", "window-1024")
-  config.needle_lengths = (512, 1536)
+  config.needle_lengths = (512, 1280)
   config.needle_depths = (0.0, 0.5, 1.0)
   config.max_num_seqs = 10
   config.out_dir = "results"
@@ -38,7 +38,6 @@ def get_config(arg=None):
     config.variants = ("float", "kv-int8", "window-256")
     config.ppl_context = 256
     config.ppl_tokens = 256
-    config.ppl_chunk = 128
     config.humaneval_variants = ("float",)
     config.humaneval_limit = 2
     config.humaneval_new_tokens = 32

@@ -17,8 +17,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
                                                     warm-up, data-parallel replicas (router)
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
      chat_template, corpus, code_corpus,            training, its corpora and its code
-     code_eval, train, distributed, eval/           checks, multi-host start-up, quality
-                                                    evals of a variant (eval/)
+     code_eval, train, distributed, eval/           checks, multi-host start-up, quality evals
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_memory, cli_serve,          command lines
      cli_diagnose, cli_eval, __main__

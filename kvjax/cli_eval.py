@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
 
