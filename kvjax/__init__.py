@@ -17,10 +17,11 @@ Layers (imports only go down; tests/test_layering.py checks it):
                                                     warm-up, data-parallel replicas (router)
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
      chat_template, corpus, code_corpus,            training, its corpora and its code
-     code_eval, train, distributed                  checks, multi-host start-up
+     code_eval, train, distributed, eval/           checks, multi-host start-up, quality evals
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared
-     cli_memory, cli_serve, cli_diagnose, __main__  model flags
+     cli_memory, cli_serve, cli_diagnose, cli_eval,  model flags
+     __main__
 Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from kvjax import cli_bench, cli_chat, cli_memory
 from kvjax.cli_checkpoint import add_checkpoint_flags
 from kvjax import cli_diagnose
+from kvjax import cli_eval
 from kvjax import cli_serve
 from kvjax import distributed
 
@@ -159,6 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   cli_bench.add_parser(subparsers)
   cli_diagnose.add_parser(subparsers)
   cli_serve.add_parser(subparsers)
+  cli_eval.add_parser(subparsers)
   args = parser.parse_args(argv)
   try:
     return args.func(args)

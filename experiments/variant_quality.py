@@ -1,0 +1,159 @@
+"""Claims C6, C12, C16 on a real model: what each KV and weight variant costs in quality.
+
+For every variant of the config (configs/variant_quality.py says the names) on
+SmolLM2-135M-Instruct: teacher-forced perplexity of the stdlib text through the
+paged cache the variant uses (prefill chunks + decode steps, kvjax/eval/perplexity.py)
+and its delta against "float", KV bytes per token, HumanEval pass@1 (greedy, a
+subset, kvjax/eval/humaneval.py) and needle accuracy by context length
+(kvjax/eval/needle.py).  kvjax has no attention sinks, so windows are measured
+alone.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
+within 3%, int8 weights within 1%) beside ours, writes results/<name>.json + .png.
+"""
+import time
+
+from absl import app
+from ml_collections import config_flags
+
+from experiments import common
+import kvjax
+from kvjax.eval import humaneval, needle, perplexity, text_set, variant
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/variant_quality.py", "experiment config", lock_config=True)
+
+GOALS = {"kv-int8": 0.5, "kv-int4": 3.0, "weights-int8": 1.0}  # % perplexity over float
+
+
+def parse_variant(name: str) -> dict:
+  """'float' | 'kv-<dtype>' | 'window-<N>' | 'weights-<scheme>' -> load / engine options."""
+  options = dict(weight_dtype=None, kv_dtype=None, sliding_window=None)
+  kind, _, value = name.partition("-")
+  if name == "float":
+    return options
+  if kind == "kv" and value:
+    return options | dict(kv_dtype=value)
+  if kind == "window" and value.isdigit():
+    return options | dict(sliding_window=int(value))
+  if kind == "weights" and value:
+    return options | dict(weight_dtype=value)
+  raise ValueError(f"unknown variant {name!r}: use float, kv-<dtype>, window-<N> or "
+                   "weights-<scheme>")
+
+
+def _row(cfg, name: str, model, ids) -> dict:
+  opts = parse_variant(name)
+  row = dict(variant=name, **opts)
+  row["perplexity"] = perplexity.perplexity(
+      model, ids, context=cfg.ppl_context, chunk=cfg.ppl_chunk,
+      decode_tokens=cfg.ppl_decode_tokens, page_size=cfg.page_size, kv_dtype=opts["kv_dtype"],
+      sliding_window=opts["sliding_window"], batch_size=cfg.ppl_batch_size,
+      max_tokens=cfg.ppl_tokens)
+  row["kv_bytes_per_token"] = row["perplexity"].pop("kv_bytes_per_token")
+  served = variant.with_window(model, opts["sliding_window"])
+  if name in cfg.humaneval_variants:
+    problems = humaneval.load_problems(cfg.humaneval_limit)
+    engine = kvjax.Engine(served, page_size=cfg.page_size, kv_dtype=opts["kv_dtype"],
+                          max_num_seqs=cfg.max_num_seqs, max_model_len=1024)
+    row["humaneval"] = humaneval.evaluate(engine, model.tokenizer, problems,
+                                          max_new_tokens=cfg.humaneval_new_tokens,
+                                          timeout_s=cfg.humaneval_timeout_s)
+  if name in cfg.needle_variants:
+    engine = kvjax.Engine(served, page_size=cfg.page_size, kv_dtype=opts["kv_dtype"],
+                          max_num_seqs=cfg.max_num_seqs,
+                          max_model_len=max(cfg.needle_lengths) + 16)
+    row["needle"] = needle.needle_accuracy(engine, model.tokenizer, cfg.needle_lengths,
+                                           cfg.needle_depths, label=name)
+  return row
+
+
+def _claims(rows: dict, cfg) -> list:
+  base = rows["float"]["perplexity"]["nats_per_token"]
+  ctx = f"SmolLM2-135M, {rows['float']['perplexity']['tokens']}-token stdlib text"
+  out = []
+
+  def delta(name):
+    return 100 * (rows[name]["perplexity"]["perplexity"] / rows["float"]["perplexity"][
+        "perplexity"] - 1)
+
+  for name, claim, seed in (("kv-int8", "C6", "goal <= 0.5%"), ("kv-int4", "C6", "goal <= 3%"),
+                            ("kv-bf16", "C6", "-"), ("weights-int8", "C12", "goal <= 1%"),
+                            ("weights-int4", "C12", "-"), ("weights-int4-g128", "C12", "-"),
+                            ("window-256", "C16", "-"), ("window-1024", "C16", "-")):
+    if name in rows:
+      out.append(dict(claim=claim, what=f"{ctx}: perplexity {name} vs float (paged, "
+                      f"float {base:.4f} nats/token)", seed=seed, ours=f"{delta(name):+.2f}%"))
+  for name, seed in (("kv-int8", "1/4 (int8 / fp32)"), ("kv-int4", "1/8 (int4 / fp32)")):
+    if name in rows:
+      out.append(dict(claim="C6", what=f"SmolLM2-135M: KV bytes/token {name} / fp32 (scales "
+                      "included)", seed=seed,
+                      ours=round(rows[name]["kv_bytes_per_token"]
+                                 / rows["float"]["kv_bytes_per_token"], 4)))
+  he = {n: r["humaneval"] for n, r in rows.items() if "humaneval" in r}
+  if he:
+    out.append(dict(claim="C12", what=f"SmolLM2-135M HumanEval pass@1 (greedy, first "
+                    f"{cfg.humaneval_limit}): " + ", ".join(he), seed="-",
+                    ours=" / ".join(f"{h['passed']}/{h['count']}" for h in he.values())))
+  nd = {n: r["needle"] for n, r in rows.items() if "needle" in r}
+  for n, r in nd.items():
+    out.append(dict(claim="C16", what=f"SmolLM2-135M needle accuracy, {n}, context "
+                    + "/".join(r["by_length"]) + f" (depths {list(cfg.needle_depths)})",
+                    seed="a window loses far context" if n != "float" else "-",
+                    ours=" / ".join(f"{v:.2f}" for v in r["by_length"].values())))
+  return out
+
+
+def _plot(rows: dict, path: str) -> None:
+  with common.figure(path, 1, 2, figsize=(12, 4.5)) as (_, (left, right)):
+    names = list(rows)
+    base = rows["float"]["perplexity"]["perplexity"]
+    deltas = [100 * (rows[n]["perplexity"]["perplexity"] / base - 1) for n in names]
+    left.bar(range(len(names)), deltas)
+    left.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    for n, goal in GOALS.items():
+      if n in names:
+        left.plot([names.index(n) - 0.4, names.index(n) + 0.4], [goal, goal], "r--")
+    left.set(ylabel="perplexity vs float (%)", title="perplexity through the paged cache "
+             "(red: goal)")
+    for n, r in rows.items():
+      if "needle" in r:
+        lengths = list(r["needle"]["by_length"])
+        right.plot([int(x) for x in lengths], list(r["needle"]["by_length"].values()),
+                   marker="o", label=n)
+    right.set(xlabel="context (tokens)", ylabel="needle accuracy", ylim=(-0.05, 1.05),
+              title="needle retrieval (C16; no sinks in kvjax)")
+    right.legend()
+
+
+def main(_):
+  cfg = _CONFIG.value
+  start = time.perf_counter()
+  print("goals: int8 KV perplexity within 0.5% of float, KIVI int4 within 3%, int8 weights "
+        "within 1% (C6, C12); C16: where a window starts to lose far context", flush=True)
+  models, rows = {}, {}
+  for name in cfg.variants:
+    weight_dtype = parse_variant(name)["weight_dtype"]
+    if weight_dtype not in models:
+      models.clear()  # one weight variant in memory at a time
+      models[weight_dtype] = kvjax.load_checkpoint(cfg.model, weight_dtype=weight_dtype)
+      ids = text_set.text_ids(models[weight_dtype].tokenizer)
+    rows[name] = _row(cfg, name, models[weight_dtype], ids)
+    ppl = rows[name]["perplexity"]
+    base = rows["float"]["perplexity"]["perplexity"]
+    goal = GOALS.get(name)
+    print(f"{name:18s} ppl {ppl['perplexity']:.4f} ({100 * (ppl['perplexity'] / base - 1):+.2f}%"
+          f"{'' if goal is None else f', goal <= {goal}%'}) bits/byte "
+          f"{ppl['bits_per_byte']:.4f} KV B/token {rows[name]['kv_bytes_per_token']:.0f}"
+          + (f" pass@1 {rows[name]['humaneval']['pass_at_1']:.2f}" if "humaneval" in
+             rows[name] else "")
+          + (f" needle {rows[name]['needle']['by_length']}" if "needle" in rows[name] else ""),
+          flush=True)
+  results = dict(config=cfg.to_dict(), model=cfg.model, device=common.device_label(),
+                 text=text_set.load_text.__doc__.split("\n")[0], goals_percent=GOALS,
+                 seconds=time.perf_counter() - start, rows=rows, claims=_claims(rows, cfg))
+  for claim in results["claims"]:
+    print(f"{claim['claim']} {claim['what']}: seed {claim['seed']} | ours {claim['ours']}")
+  common.write_results(cfg.out_dir, cfg.name, results, plot=lambda p: _plot(rows, p))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,90 @@
+"""kvjax.eval.humaneval: a real problem's canonical solution passes, a wrong one fails, an
+infinite loop times out, the sandbox refuses sockets and memory; the cut and the count."""
+from __future__ import annotations
+
+import pytest
+
+from kvjax.eval import humaneval
+
+
+@pytest.fixture(scope="module")
+def problem():
+  return humaneval.load_problems(1)[0]
+
+
+def test_problems_are_the_packaged_164_in_order():
+  problems = humaneval.load_problems()
+  assert len(problems) == 164
+  assert [p["task_id"] for p in problems[:3]] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+  assert problems[-1]["task_id"] == "HumanEval/163"
+  for bad in (0, 165, True, "3"):
+    with pytest.raises(ValueError, match="limit must be"):
+      humaneval.load_problems(bad)
+
+
+def test_correct_and_wrong_completions_score_1_and_0(problem):
+  assert problem["entry_point"] == "has_close_elements"
+  right = humaneval.check_completion(problem, problem["canonical_solution"])
+  wrong = humaneval.check_completion(problem, "    return False\n")
+  assert right["passed"] and right["result"] == "passed"
+  assert not wrong["passed"] and "AssertionError" in wrong["result"]
+
+
+def test_an_infinite_loop_times_out(problem):
+  out = humaneval.check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0)
+  assert not out["passed"] and out["result"] == "timed out after 1.0 s"
+  assert out["seconds"] < 10
+
+
+def test_sandbox_has_no_network_and_bounded_memory(problem):
+  net = humaneval.check_completion(
+      problem, "    import socket\n    socket.create_connection(('127.0.0.1', 9))\n")
+  assert "network access is disabled" in net["result"]
+  big = humaneval.check_completion(problem, "    x = bytearray(4 << 30)\n    return True\n",
+                                   memory_bytes=1 << 30)
+  assert not big["passed"] and "MemoryError" in big["result"]
+
+
+def test_truncate_at_the_first_stop_sequence():
+  body = "    return a + b\n"
+  for stop in humaneval.STOP_SEQUENCES:
+    assert humaneval.truncate(body + stop + " rest\n    x = 1\n") == body
+  assert humaneval.truncate(body) == body
+  assert humaneval.truncate("    x = 1\n#c\ndef g(): pass") == "    x = 1"  # the earliest stop
+
+
+class _ScriptedEngine:
+  """Stands in for kvjax.Engine: replies with fixed token lists, records the call."""
+
+  def __init__(self, replies):
+    self.replies, self.calls = replies, []
+
+  def generate(self, prompts, max_new_tokens, stop=None):
+    from kvjax.generation import GenerateResult
+
+    self.calls.append((prompts, max_new_tokens, stop))
+    return GenerateResult(tokens=self.replies, stats={})
+
+
+class _CharTokenizer:
+  eos_ids = (2,)
+
+  def encode(self, text, add_special_tokens=True):
+    return [ord(c) for c in text]
+
+  def decode(self, ids):
+    return "".join(map(chr, ids))
+
+
+def test_evaluate_keeps_every_problem_and_counts_pass_at_1():
+  problems = humaneval.load_problems(2)
+  tok = _CharTokenizer()
+  replies = [tok.encode(problems[0]["canonical_solution"] + "\ndef extra():\n  return 0\n"),
+             tok.encode("    return []\n")]
+  engine = _ScriptedEngine(replies)
+  out = humaneval.evaluate(engine, tok, problems, max_new_tokens=64, progress=False)
+  assert engine.calls[0][0][1] == tok.encode(problems[1]["prompt"])  # raw prompt, no template
+  assert engine.calls[0][1:] == (64, [2])
+  assert [r["passed"] for r in out["problems"]] == [True, False]
+  assert out["problems"][0]["completion"] == problems[0]["canonical_solution"]
+  assert (out["pass_at_1"], out["passed"], out["count"]) == (0.5, 1, 2)
