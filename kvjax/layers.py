@@ -80,6 +80,9 @@ def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
     w.observe(x)
     w = w.weight
   if isinstance(w, QuantizedWeight):
+    # Tied to x, the dequantization stays beside its matmul: left loop-invariant, XLA
+    # hoists it out of a decode loop and every step reads the float weight it made.
+    x, w = jax.lax.optimization_barrier((x, w))
     w = w.dequantize(x.dtype)
   inputs, out_axes = spec.split("->")
   x_axes, w_axes = inputs.split(",")

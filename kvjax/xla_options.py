@@ -16,6 +16,13 @@ bench_decode, medians of 3-5 alternating runs:
     the default set cost an MTP verify+draft step at batch 1 4.55 ms against 2.21.)
   * Prefill chunks run XLA's own dots: with YNNPACK's, a prefill-heavy engine run of
     32 prompts of 512 tokens took 1.54-1.63 s instead of 1.20-1.37 s.
+Both kinds schedule with CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED: the default
+(concurrency-optimized) scheduler starts every independent op early, so a step
+of QuantizedWeights dequantized all 210 SmolLM2-135M projections at the top of
+the decode loop's body, 433 MB of float copies live at once (an int4 model then
+reads more bytes per step than a float one); memory-optimized, 6.6 MB (each
+float weight lives from its dequantization to its dot; the bool option
+xla_cpu_enable_concurrency_optimized_scheduler=False changes nothing in this XLA).
 `jit_step` compiles a step program with these options on a CPU backend whose XLA
 accepts them (checked once with a probe compile: an option this XLA does not know
 would fail every compile), and with none elsewhere (GPU).
@@ -32,8 +39,10 @@ __all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS"]
 # Per program kind (numbers in the module doc): decode and verify steps (a few columns
 # per row: YNNPACK for each dot alone) and prefill chunks (XLA's own dots).
 _CPU_STEP_OPTIONS = {
-    "decode": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
-    "prefill": {"xla_cpu_experimental_ynn_fusion_type": ""},
+    "decode": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+               "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"},
+    "prefill": {"xla_cpu_experimental_ynn_fusion_type": "",
+                "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"},
 }
 # A step program whose StepBatch feeds at most this many columns per row is a decode
 # or verify step (1 + J columns); prefill chunks are wider (kvjax/batching.py buckets).

@@ -7,9 +7,14 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import generation
+from kvjax.backends import get_backend
+from kvjax.caches import create_paged_cache
 from kvjax.quant.qweight import QuantizedWeight, quantize_weight
 from kvjax.weights.quantize import (SCHEMES, decode_step_weight_bytes, quantize_params,
                                     weight_bytes)
+from kvjax.sampling import SamplingParams
+from kvjax.step_batch import make_step_batch
 
 # Relative Frobenius reconstruction error of a Gaussian [256, 64] weight: rounding
 # error is uniform, step/sqrt(12), step = absmax/qmax of each group.
@@ -79,6 +84,27 @@ def test_quantized_model_generates_with_paged_cache(tiny_model):
     length = len(prompt) + i
     logits = kvjax.forward(model, [seq[:length] + [0] * (16 - length)])  # one shape
     assert int(np.argmax(logits[0, length - 1])) == new[i]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_decode_loop_dequantizes_inside_each_step(tiny_model, scheme):
+  """A decode loop's weights are loop-invariant: hoisted out of the loop (or all to the
+  front of its body), their float copies would stay live, temp >= every float weight;
+  dequantized beside each matmul, at most a few of them are live at once."""
+  cfg = tiny_model.config
+  params = quantize_params(tiny_model.params, cfg, scheme)
+  leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+  quantized = [w for w in leaves if isinstance(w, QuantizedWeight)]
+  float_bytes = [4 * int(np.prod(w.shape)) for w in quantized]
+  kv = create_paged_cache(cfg, None, 1, 5, 16, jnp.float32)
+  sampling = SamplingParams.make(1, temperature=0.0, top_k=None, top_p=None, seeds=[0])
+  batch = make_step_batch(np.ones((1, 1), np.int32), [5], [1], np.arange(1, 5)[None],
+                          [0], sampling)
+  compiled = generation._decode_loop.lower(
+      params, kv, batch, jnp.int32(15), jnp.int32(-1), config=cfg,
+      backend=get_backend("reference"), max_steps=16, use_filter=False).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < 3 * max(float_bytes) < sum(float_bytes), (temp, float_bytes)
 
 
 def test_errors_unknown_scheme_and_odd_int4_input(tiny_model):

@@ -16,9 +16,11 @@ _OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}  # every YNN fusion off
 
 def test_cpu_step_programs_keep_ynn_fusions_for_single_dots_only():
   assert jax.default_backend() == "cpu"
+  memory_scheduler = ("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED")
   assert step_compiler_options() == step_compiler_options("decode") == (
-      ("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),)
-  assert step_compiler_options("prefill") == (tuple(_OFF.items())[0],)
+      ("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),
+      memory_scheduler)
+  assert step_compiler_options("prefill") == (tuple(_OFF.items())[0], memory_scheduler)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 192)), jnp.float32)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(192, 512)), jnp.float32)
   step = jit_step(lambda x, w: jnp.dot(x, w, precision="highest"))
