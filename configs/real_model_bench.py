@@ -47,7 +47,7 @@ def get_config(arg=None):
   config.name = "real_model_bench"
   if arg == "runlocal":
     config.prompts = config.prompts[:2]
-    config.weight_dtypes = ("float32", "int8")
+    config.weight_dtypes = ("float32",)
     config.transformers = False  # kvjax alone: importing torch is most of a smoke run
     config.new_tokens = 8
     config.repeats = 1
