@@ -6,8 +6,8 @@ same token ids, on the same machine, in interleaved rounds (experiments/common.p
 
 (a) batch 1, greedy, `new_tokens` per prompt, EOS ignored: TTFT and decode tok/s
     (1 / mean TPOT, TPOT = (last token - first token) / (tokens - 1)).  kvjax: a warm
-    Engine (max_num_seqs 1) per weight dtype, its prefix cache emptied before each
-    round.  HF transformers: the file dequantized by transformers' GGUF loader, float32,
+    Engine (max_num_seqs 1, no prefix cache: each prompt is prefilled in full, as by
+    the peers) per weight dtype.  HF transformers: the file dequantized by transformers' GGUF loader, float32,
     `generate` (min_new_tokens = max_new_tokens).  llama.cpp: llama-cpp-python in its
     own venv, a child process kept for the run (`Llama.generate`, greedy, its cache reset
     before each prompt), at each n_threads; the faster counts.  Greedy agreement: the
@@ -202,7 +202,6 @@ def _load_transformers(model_path: str):
 
 
 def _kvjax_run(engine, prompts, new_tokens: int) -> dict:
-  engine.scheduler.prefix_cache.reset()  # a repeat must prefill again
   run = cli_bench.run_workload(engine, [cli_bench.Session([p], new_tokens) for p in prompts])
   return {"ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"],
           "decode_tokens_per_s": 1.0 / run["tpot_s"], "tokens": [o[0] for o in run["outputs"]]}
@@ -275,7 +274,9 @@ def part_a(models: dict, prompts, c, model_path: str, llamacpp) -> dict:
   longest = max(map(len, prompts)) + c.new_tokens
   runs = {}
   for dtype, model in models.items():
-    engine = Engine(model, max_num_seqs=1, max_model_len=longest,
+    # No prefix cache: the prompts share the template's system turn, and every peer here
+    # prefills each prompt in full.
+    engine = Engine(model, max_num_seqs=1, max_model_len=longest, prefix_cache=False,
                     max_num_batched_tokens=max(c.max_num_batched_tokens, longest))
     runs[f"kvjax {dtype}"] = functools.partial(_kvjax_run, engine, prompts, c.new_tokens)
   if c.transformers:
