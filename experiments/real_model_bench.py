@@ -442,6 +442,8 @@ def main(argv):
   finally:
     if llamacpp is not None:
       llamacpp.close()
+  # Looked up again: part (a) takes minutes, and a peer build may finish meanwhile.
+  peers["llama_server"] = find_peers(c.peers_dir)["llama_server"]
   results["b"] = part_b(models, prompts, c, model_path, peers["llama_server"])
   results["wall_s"] = time.perf_counter() - start
   results["load_average_before_after"] = [load_before, os.getloadavg()]
