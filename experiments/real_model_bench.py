@@ -442,6 +442,8 @@ def main(argv):
   finally:
     if llamacpp is not None:
       llamacpp.close()
+  # Part (a) kept now: on busy cores part (b) (a server's compilations) can take as long.
+  common.write_json(os.path.join(c.out_dir, c.name + ".json"), results)
   # Looked up again: part (a) takes minutes, and a peer build may finish meanwhile.
   peers["llama_server"] = find_peers(c.peers_dir)["llama_server"]
   results["b"] = part_b(models, prompts, c, model_path, peers["llama_server"])
