@@ -9,7 +9,10 @@ set -euo pipefail
 prefix=$(realpath -m "${1:-peers}")
 flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF"
 mkdir -p "$prefix/sdist"
-python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$prefix/sdist"
+# The sdist alone: --no-binary :all: would also build its build tools (scikit-build-core,
+# hatchling, setuptools...) from source just to read its metadata.
+[ -f "$prefix"/sdist/llama_cpp_python-0.3.36.tar.gz ] || python -m pip download -q --no-deps \
+    --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$prefix/sdist"
 if [ ! -x "$prefix/llamacpp-venv/bin/python" ] || ! "$prefix/llamacpp-venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   python -m venv "$prefix/llamacpp-venv"
   "$prefix/llamacpp-venv/bin/pip" install -q --upgrade pip
