@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.draft_policy import AdaptiveDrafts
 from kvjax.ngram import NgramDrafter, NgramIndex
 from kvjax.params import init_params
 from tests import engine_helpers as h
@@ -101,19 +102,21 @@ def repetitive_and_not(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(prefix_match="block", num_draft=3, num_scheduler_steps=1),
-    dict(prefix_match="token", num_draft="auto"),
-    dict(prefix_cache=False)], ids=["block-k3-single", "token-auto-bursts", "off-k4"])
+    dict(prefix_match="block", num_draft=3, num_scheduler_steps=1, num_pages=h.TINY_POOL),
+    # The adaptive policy, quick to measure both of its k (0: plain steps, bursts; 4).
+    dict(prefix_match="token", num_draft=4, draft_policy=AdaptiveDrafts(4, warmup=1)),
+    dict(prefix_cache=False, num_pages=h.TINY_POOL)],
+    ids=["block-k3-single-preempting", "token-auto-bursts", "off-k4-preempting"])
 def test_ngram_greedy_equals_plain_on_a_random_llama(overrides):
-  model = llama()
-  eng = kvjax.Engine(model, **{**h.ENGINE_DEFAULTS, "speculative": "ngram",
-                               "num_pages": h.TINY_POOL, **overrides})
+  eng = kvjax.Engine(llama(), **{**h.ENGINE_DEFAULTS, "speculative": "ngram", **overrides})
   batch = repetitive_and_not(seed=40)
-  finals = h.run_staggered_finals(eng, batch)
-  assert [out.output_ids for out in finals] == [plain(llama, p, h.MAX_NEW) for p in batch]
-  assert eng.scheduler.num_preemptions > 0
+  max_new = 24 if "draft_policy" in overrides else h.MAX_NEW  # steps enough to measure
+  finals = h.run_staggered_finals(eng, batch, max_new)
+  assert [out.output_ids for out in finals] == [plain(llama, p, max_new) for p in batch]
+  if "num_pages" in overrides:  # a tiny pool: requests are preempted and recomputed
+    assert eng.scheduler.num_preemptions > 0
   assert sum(sum(out.metrics.proposed) for out in finals) > 0
-  if overrides.get("num_draft") == "auto":
+  if "draft_policy" in overrides:
     assert max(eng.steps.num_steps) > 1  # the policy's plain steps ran as bursts
   h.assert_no_pages_held(eng)
 
@@ -124,7 +127,7 @@ BYTE_PROMPTS = ["x = f(x)\nx = f(x)\nx = f(", "for i in a:\n  s += i\nfor j in a
 
 
 @pytest.mark.parametrize("overrides", [dict(num_draft=4, num_scheduler_steps=1),
-                                       dict(num_draft="auto", num_pages=h.TINY_POOL)],
+                                       dict(num_draft="auto", num_pages=5)],
                          ids=["k4-single", "auto-preempting"])
 def test_ngram_greedy_equals_plain_on_the_byte_model(overrides):
   model = byte_model()
