@@ -137,10 +137,9 @@ class Engine:
       d = self.draft_model.config
       draft_cache = PagedKVCache.create(d.num_layers, d.num_kv_heads, config.num_pages,
                                         config.page_size, d.head_dim, self.draft_model.dtype)
-    k = self.num_draft
-    vocab = 0 if self.ngram else cfg.vocab_size  # n-gram drafts are point masses: no probs
+    k = 0 if self.ngram else self.num_draft  # n-gram drafts ride in the batch, not the slots
     self.state = EngineState(cache=cache, drafts=jnp.zeros((slots, k), jnp.int32),
-                             draft_probs=jnp.zeros((slots, k, vocab), jnp.float32),
+                             draft_probs=jnp.zeros((slots, k, cfg.vocab_size), jnp.float32),
                              draft_cache=draft_cache)
     self._ids = itertools.count()
     self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
@@ -382,10 +381,10 @@ class Engine:
   def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None):
     """Dispatch serve_step, or serve_burst when burst = (left [B], stop ids [B, E], steps)
     -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
-    draft = self.draft_model
+    draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
-                  logprobs=logprobs, host_drafts=self.ngram is not None)
+                  logprobs=logprobs, host_drafts=bool(self.ngram and num_draft))
     if burst is None:
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
