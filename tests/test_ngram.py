@@ -101,6 +101,7 @@ def repetitive_and_not(seed: int) -> list[list[int]]:
   return repeated + h.prompts(3, seed=seed + 1, shared=12) + h.prompts(2, seed=seed + 2)
 
 
+@pytest.mark.slow  # over a minute on 2 shared cores (compiles included)
 @pytest.mark.parametrize("overrides", [
     dict(prefix_match="block", num_draft=3, num_scheduler_steps=1, num_pages=h.TINY_POOL),
     # The adaptive policy, quick to measure both of its k (0: plain steps, bursts; 4).
@@ -126,6 +127,7 @@ BYTE_PROMPTS = ["x = f(x)\nx = f(x)\nx = f(", "for i in a:\n  s += i\nfor j in a
                 "import os\nimport sys\n", "class Node:\n  def"]
 
 
+@pytest.mark.slow  # over a minute on 2 shared cores (compiles included)
 @pytest.mark.parametrize("overrides", [dict(num_draft=4, num_scheduler_steps=1),
                                        dict(num_draft="auto", num_pages=5)],
                          ids=["k4-single", "auto-preempting"])
@@ -143,6 +145,7 @@ def test_ngram_greedy_equals_plain_on_the_byte_model(overrides):
   h.assert_no_pages_held(eng)
 
 
+@pytest.mark.slow  # over a minute on 2 shared cores (compiles included)
 def test_sampling_with_ngram_drafts_keeps_the_target_distribution():
   # First two emitted tokens at temperature 1: x0 from the prefill, x1 from the first
   # verify step, whose first draft d(x0) is the n-gram proposal after prompt + x0.
