@@ -12,7 +12,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
-  7  scheduler, ledger, metrics, draft_policy        host policy, accounting
+  7  scheduler, ledger, metrics, draft_policy,       host policy, accounting, n-gram
+     draft_choice, ngram                            drafting
   8  engine_config, engine, router, warm_up          the serving engine's request API, its
                                                     warm-up, data-parallel replicas (router)
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,

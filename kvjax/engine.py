@@ -46,10 +46,12 @@ import numpy as np
 
 from kvjax.batching import Packing, StepShape, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
+from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import RequestMetrics, StepLog, summarize
+from kvjax.ngram import NgramDrafter, host_draft_shapes, with_drafts
 from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
@@ -108,6 +110,8 @@ class Engine:
     self.draft_policy = policy_from(config.draft_policy, self.num_draft) if self.num_draft \
         else None
     self._fresh_drafts: dict[str, int] = {}  # drafts a request's slot holds for its next step
+    # Prompt lookup drafts on the host, from each request's tokens (kvjax/ngram.py).
+    self.ngram = NgramDrafter(config.ngram_n) if config.speculative == "ngram" else None
     self.scheduler = Scheduler(
         num_pages=config.num_pages, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
@@ -133,7 +137,7 @@ class Engine:
       d = self.draft_model.config
       draft_cache = PagedKVCache.create(d.num_layers, d.num_kv_heads, config.num_pages,
                                         config.page_size, d.head_dim, self.draft_model.dtype)
-    k = self.num_draft
+    k = 0 if self.ngram else self.num_draft  # n-gram drafts ride in the batch, not the slots
     self.state = EngineState(cache=cache, drafts=jnp.zeros((slots, k), jnp.int32),
                              draft_probs=jnp.zeros((slots, k, cfg.vocab_size), jnp.float32),
                              draft_cache=draft_cache)
@@ -230,10 +234,11 @@ class Engine:
   def _step(self) -> list[RequestOutput]:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
-    # The decode rows' J comes before planning (fewer drafts leave budget to prefill),
-    # prefill rows' after: what their decode group runs now (kvjax/draft_policy.py).
-    k = self._choose_drafts()
-    plan = self.scheduler.schedule(k)
+    # The decode rows' J comes before planning, prefill rows' after (kvjax/draft_choice.py);
+    # host drafts cannot feed a burst's later steps, so n-gram rows burst only at J = 0.
+    k = decode_drafts(self.draft_policy, self.scheduler, self.packing, self.metrics,
+                      self.num_draft)
+    plan = self.scheduler.schedule(k, multi_step=not (self.ngram and k))
     waiting = len(self.scheduler.waiting)
     if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
       # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
@@ -243,7 +248,8 @@ class Engine:
       self._copy_pages(plan.copies)
     decode = [i for i, r in enumerate(plan.rows) if r.is_decode]
     prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
-    k_prefill = self._prefill_drafts() if prefill else self.num_draft  # asked when it runs
+    k_prefill = prefill_drafts(self.draft_policy, self.scheduler, self.packing, self.num_draft,
+                               self.ngram is not None) if prefill else self.num_draft
     # One program for the decode rows; the prefill rows in pieces that pad less.
     groups = [(decode, k)] if decode else []
     groups += [([prefill[j] for j in piece], k_prefill)
@@ -345,64 +351,40 @@ class Engine:
     padded[:len(pages)] = pages
     self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
 
-  def _choose_drafts(self) -> int:
-    """J of this step's decode rows: the draft policy's choice for the running requests
-    that decode (their row bucket and metrics)."""
-    decoding = [r for r in self.scheduler.running if r.is_decoding]
-    if self.draft_policy is None or not decoding:
-      return self.num_draft
-    bucket = self.packing.decode_rows_bucket(len(decoding))
-    return self._checked(self.draft_policy.choose(
-        bucket, [self.metrics[r.request_id] for r in decoding],
-        self._drafts_beside_prefill(len(decoding))))
-
-  def _prefill_drafts(self) -> int:
-    """J of this step's prefill rows: the policy's for the group of every running request."""
-    if self.draft_policy is None:
-      return self.num_draft
-    bucket = self.packing.decode_rows_bucket(len(self.scheduler.running))
-    return self._checked(self.draft_policy.prefill_drafts(bucket), "prefill ")
-
-  def _checked(self, k: int, rows: str = "") -> int:  # a policy object's choice
-    if not 0 <= k <= self.num_draft:
-      raise ValueError(f"draft policy chose {k} {rows}drafts; it may choose 0..{self.num_draft}")
-    return k
-
-  def _drafts_beside_prefill(self, num_decoding: int) -> Optional[int]:
-    """The most drafts per decode row that leave this step's budget to every prefill
-    token that could run in it (running prompts' rest, prompts a free slot could
-    admit); None when no prefill work waits."""
-    s = self.scheduler
-    pending = sum(r.num_tokens - r.num_computed_tokens for r in s.running if not r.is_decoding)
-    admittable = list(s.waiting)[:max(0, s.max_num_seqs - len(s.running))]
-    pending += sum(r.num_tokens for r in admittable)
-    if not pending:
-      return None
-    return max(0, (s.max_num_batched_tokens - pending) // num_decoding - 1)
-
   def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int, snapshots):
     """Pack one row group and dispatch serve_step or serve_burst (no host sync).
 
     Rows verify at most the fresh drafts their slot holds and num_draft; every
-    sampling row drafts num_draft anew.  -> ((B, T), Emitted [U, B, ...],
-    drafted [U, B], steps run), U = 1 unless the plan is a burst.
+    sampling row drafts num_draft anew.  An n-gram row verifies what its history
+    proposes, and counts its every draft slot as drafted (one it could not fill
+    is a rejection to the metrics and the draft policy).  -> ((B, T), Emitted
+    [U, B, ...], drafted [U, B], steps run), U = 1 unless the plan is a burst.
     """
-    verify = [min(num_draft, self._fresh_drafts.get(plan.rows[i].request_id, 0))
-              for i in group]
+    rows = [plan.rows[i] for i in group]
+    if self.ngram is not None:
+      drafts = self.ngram.propose([r.request for r in rows], num_draft, self.scheduler.requests)
+      verify = [len(d) for d in drafts]
+    else:
+      verify = [min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
     batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
+    if self.ngram is not None:
+      batch = with_drafts(batch, drafts)
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
     burst = None if plan.num_steps == 1 else (
         *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
-    return (batch.tokens.shape, *self._run(batch, num_draft, use_filter, logprobs, burst))
+    emitted, drafted, steps = self._run(batch, num_draft, use_filter, logprobs, burst)
+    if self.ngram is not None and burst is None:
+      drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
+    return batch.tokens.shape, emitted, drafted, steps
 
   def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None):
     """Dispatch serve_step, or serve_burst when burst = (left [B], stop ids [B, E], steps)
     -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
-    draft = self.draft_model
+    draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
-                  logprobs=logprobs)
+                  logprobs=logprobs, host_drafts=bool(self.ngram and num_draft))
     if burst is None:
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, **static)
@@ -432,8 +414,11 @@ class Engine:
       if self.config.prefix_cache and self.config.prefix_match == "token":
         self._copy_pages([])
       self._clear([], self.config.max_num_seqs)  # the scratch slot
-      shapes = self.packing.shapes(draft_counts(self.draft_policy, self.num_draft),
+      counts = draft_counts(self.draft_policy, self.num_draft)
+      shapes = self.packing.shapes((0, *counts) if self.ngram else counts,
                                    bursts=self.scheduler.num_scheduler_steps > 1)
+      if self.ngram is not None:
+        shapes = host_draft_shapes(shapes, counts)
       done = warm_up(shapes, self._run_padding, filtered=filtered, logprobs=logprobs,
                      progress=progress)
       jax.block_until_ready(self.state)
@@ -495,6 +480,6 @@ class Engine:
                       num_preemptions=self.scheduler.num_preemptions - preemptions_before)
     stats["finish_reasons"] = [done[rid].finish_reason for rid in ids]
     stats["cache"] = "paged"
-    stats["speculative"] = (None if not self.num_draft else "mtp" if self.draft_model is None
-                            else self.draft_model.config.name)
+    stats["speculative"] = (None if not self.num_draft else self.config.speculative
+                            if self.draft_model is None else self.draft_model.config.name)
     return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)

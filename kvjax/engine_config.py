@@ -15,6 +15,7 @@ from kvjax import speculative as spec
 from kvjax.backends import Backend, get_backend, on_mesh
 from kvjax.caches import check_cache_support, check_hybrid_engine
 from kvjax.config import ModelConfig, short_dtype_name
+from kvjax.ngram import DEFAULT_NGRAM_N, check_ngram
 from kvjax.scheduler import max_pages_held
 from kvjax.sharding import mesh_of
 
@@ -42,10 +43,15 @@ class EngineConfig:
       kvjax/state_snapshots.py); None: 8 per running request, 0 with the
       prefix cache off.  Dense models keep none.
     min_cacheable_tokens: shorter prefix hits are ignored.
-    speculative: None, "mtp" (draft with the model's MTP modules) or a
+    speculative: None, "mtp" (draft with the model's MTP modules), "ngram"
+      (prompt lookup: the tokens that followed the latest occurrence of the
+      longest recent n-gram of the request's own tokens, kvjax/ngram.py) or a
       kvjax.Model of the same vocabulary (a draft model with its own paged KV).
-    num_draft: draft tokens per verify step (J), or "auto": the drafter's most
-      (the MTP modules, or 4 for a draft model) with draft_policy "adaptive".
+    num_draft: draft tokens per verify step (J; None: 2, or 4 with "ngram"), or
+      "auto": the drafter's most (the MTP modules, or 4 for a draft model and
+      for "ngram") with draft_policy "adaptive".
+    ngram_n: with speculative "ngram", the longest n-gram looked up (n from
+      ngram_n down to 1; None: 3).
     draft_policy: None (always num_draft drafts), "adaptive" (choose 0..num_draft
       per step from measured step costs and acceptance, kvjax/draft_policy.py),
       or a policy object with that module's interface.
@@ -76,7 +82,8 @@ class EngineConfig:
   prefix_snapshots: Optional[int] = None
   min_cacheable_tokens: int = 0
   speculative: Any = None
-  num_draft: Union[int, str] = 2
+  num_draft: Union[int, str, None] = None
+  ngram_n: Optional[int] = None
   draft_policy: Any = None
   backend: Union[str, Backend] = "reference"
   num_scheduler_steps: int = 16
@@ -106,12 +113,14 @@ class EngineConfig:
     draft = config.draft_model
     if draft is not None:
       if not (hasattr(draft, "config") and hasattr(draft, "params")):
-        raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
+        raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
                          f"{type(draft).__name__}")
       spec.check_draft_model(cfg, draft.config, config.num_draft)
-    elif self.speculative not in (None, "mtp"):
-      raise ValueError(f"speculative must be None, 'mtp' or a kvjax.Model, got "
+    elif self.speculative not in (None, "mtp", "ngram"):
+      raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
                        f"{self.speculative!r}")
+    elif self.speculative == "ngram":
+      check_ngram(config.ngram_n, config.num_draft)
     elif self.speculative:
       spec.check_mtp(cfg, model.params, config.num_draft)
     if self.prefix_match not in ("block", "token"):
@@ -135,22 +144,32 @@ class EngineConfig:
                                num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
 
   def _resolve_drafts(self, model) -> "EngineConfig":
-    """num_draft "auto" -> the drafter's most drafts with the adaptive policy."""
-    if isinstance(self.num_draft, bool) or not (self.num_draft == "auto"
+    """num_draft None -> its default, "auto" -> the drafter's most drafts with the
+    adaptive policy; ngram_n None -> its default with "ngram"."""
+    if isinstance(self.num_draft, bool) or not (self.num_draft in ("auto", None)
                                                 or isinstance(self.num_draft, int)):
       raise ValueError(f"num_draft must be an int or 'auto', got {self.num_draft!r}")
+    ngram = self.speculative == "ngram"
+    if self.ngram_n is not None and not ngram:
+      raise ValueError(f"ngram_n={self.ngram_n!r} needs speculative='ngram', got "
+                       f"speculative={self.speculative!r}")
+    config = dataclasses.replace(self, ngram_n=DEFAULT_NGRAM_N if ngram and self.ngram_n is None
+                                 else self.ngram_n)
+    if self.num_draft is None:
+      config = dataclasses.replace(config, num_draft=_NGRAM_DRAFTS if ngram else 2)
     if self.speculative is None:
       if self.draft_policy is not None:
         raise ValueError(f"draft_policy={self.draft_policy!r} needs speculative decoding "
-                         "(speculative='mtp' or a draft model)")
-      return self
-    if self.num_draft != "auto":
-      return self
+                         "(speculative='mtp', 'ngram' or a draft model)")
+      return config
+    if config.num_draft != "auto":
+      return config
     if self.speculative == "mtp":
       most = min(model.config.mtp_num_hidden_layers, len(model.params.mtp))
     else:
-      most = _AUTO_DRAFT_MODEL_DRAFTS
-    return dataclasses.replace(self, num_draft=most, draft_policy=self.draft_policy or "adaptive")
+      most = _NGRAM_DRAFTS if ngram else _AUTO_DRAFT_MODEL_DRAFTS
+    return dataclasses.replace(config, num_draft=most,
+                               draft_policy=self.draft_policy or "adaptive")
 
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""
@@ -188,6 +207,7 @@ class EngineConfig:
 
 
 _AUTO_DRAFT_MODEL_DRAFTS = 4  # num_draft "auto" with a separate draft model
+_NGRAM_DRAFTS = 4  # num_draft None or "auto" with speculative "ngram"
 
 
 def _int_or_auto(text: str):
@@ -206,8 +226,11 @@ _FLAGS = {
     "prefix_snapshots": (int, None, "hybrid models: recurrent-state snapshots kept for the "
                                     "prefix cache (default: 8 per running request)"),
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
-    "speculative": (str, ("mtp",), "draft with the model's MTP modules"),
-    "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive)"),
+    "speculative": (str, ("mtp", "ngram"), "draft with the model's MTP modules, or by "
+                                           "prompt lookup (n-gram)"),
+    "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive) "
+                                      "(default: 2, 4 with ngram)"),
+    "ngram_n": (int, None, "speculative ngram: longest n-gram looked up (default: 3)"),
     "draft_policy": (str, ("adaptive",), "choose 0..num_draft drafts per step from measured "
                                          "costs and acceptance"),
     "backend": (str, None, "attention + verification backend"),

@@ -142,8 +142,7 @@ class Scheduler:
     if not prompt:
       raise ValueError(f"request {request_id!r}: empty prompt")
     if min(prompt) < 0:
-      raise ValueError(
-          f"request {request_id!r}: negative token id {min(prompt)}")
+      raise ValueError(f"request {request_id!r}: negative token id {min(prompt)}")
     if max_new_tokens < 1:
       raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, "
                        f"got {max_new_tokens}")
@@ -208,13 +207,14 @@ class Scheduler:
 
   # -- one step ---------------------------------------------------------------
 
-  def schedule(self, num_lookahead: Optional[int] = None) -> SchedulerOutput:
-    """Plans one step (or a decode burst): decode rows, then prefill chunks.  Decode rows
-    get num_lookahead draft slots (a draft policy's k; default num_lookahead_slots)."""
+  def schedule(self, num_lookahead: Optional[int] = None, multi_step: bool = True
+               ) -> SchedulerOutput:
+    """Plans one step (or, unless multi_step is False, a decode burst): decode rows, then
+    prefill chunks.  Decode rows get num_lookahead draft slots (a draft policy's k)."""
     k = self.num_lookahead_slots if num_lookahead is None else num_lookahead
     if not 0 <= k <= self.num_lookahead_slots:
       raise ValueError(f"num_lookahead must be in 0..{self.num_lookahead_slots}, got {k}")
-    burst = self._plan_burst(k)
+    burst = self._plan_burst(k) if multi_step else None
     if burst is not None:
       return burst
     budget = self.max_num_batched_tokens

@@ -67,25 +67,30 @@ class EngineState:
 
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, *, config: ModelConfig, draft_config: Optional[ModelConfig],
-                backend, num_draft: int, use_filter: bool, logprobs: bool):
+                backend, num_draft: int, use_filter: bool, logprobs: bool,
+                host_drafts: bool = False):
   """Run one row group -> (state, Emitted).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
   num_draft = J: rows verify their drafts (C9-C10) and every row drafts anew, with
-  the MTP modules (draft_config None) or the draft model.
+  the MTP modules (draft_config None) or the draft model; with host_drafts, the
+  drafts are the batch's own draft columns (n-gram drafts the host proposed,
+  kvjax/ngram.py), verified as point masses, and nothing drafts on the device.
   failed[b]: row b's target logits (the ones it samples from, or would sample
   from at the end of its chunk) hold a NaN or inf: the model broke on this
   request, whose tokens are then meaningless; the engine finishes it with an
   error and the other rows are unaffected.
   logprobs: also return each emitted id's log-probability and the likeliest ids.
   """
-  # A slot keeps up to the engine's most drafts; this program verifies and drafts J.
-  pending = state.drafts[batch.slot_ids, :num_draft]  # [B, J]
-  if num_draft:
-    batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, pending, batch.num_draft))
+  base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
+  if host_drafts:
+    pending = spec.gather_rows(batch.tokens, base + 1, num_draft)  # [B, J]
+  else:  # a slot keeps up to the engine's most drafts; this program verifies and drafts J
+    pending = state.drafts[batch.slot_ids, :num_draft]  # [B, J]
+    if num_draft:
+      batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, pending, batch.num_draft))
   cache, hidden = model_step(params, state.cache, batch, config=config,
                              backend=backend)  # hidden [B, T, D]
-  base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
   first = batch.starts + base + 1  # sequence index of the first emitted token
   if not num_draft:
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
@@ -98,9 +103,12 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
   failed = jnp.any(verified & ~jnp.all(jnp.isfinite(raw), axis=-1), axis=1)
   logits = spec.target_logits_for_accept(raw, batch.sampling, use_filter)  # [B, J+1, V]
-  emitted, accepted = spec.accept(logits, pending, state.draft_probs[batch.slot_ids, :num_draft],
-                                  batch.num_draft, batch.sampling, first, backend)
+  draft_probs = None if host_drafts else state.draft_probs[batch.slot_ids, :num_draft]
+  emitted, accepted = spec.accept(logits, pending, draft_probs, batch.num_draft,
+                                  batch.sampling, first, backend)
   cache = cache.keep_accepted(batch, accepted)  # a recurrent state forgets rejected drafts
+  if host_drafts:
+    return state.replace(cache=cache), _emitted(emitted, accepted + 1, failed, raw, logprobs)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
@@ -121,7 +129,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   return state, _emitted(emitted, accepted + 1, failed, raw, logprobs)
 
 
-_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs")
+_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs",
+           "host_drafts")
 serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC,
                       donate_argnames=("state",))
 
@@ -142,7 +151,8 @@ def _empty_history(u: int, b: int, t: int, vocab: int, logprobs: bool) -> Emitte
 def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, left: jax.Array, stop_ids: jax.Array, num_steps: jax.Array,
                 *, config: ModelConfig, draft_config: Optional[ModelConfig], backend,
-                num_draft: int, use_filter: bool, logprobs: bool, max_steps: int):
+                num_draft: int, use_filter: bool, logprobs: bool, max_steps: int,
+                host_drafts: bool = False):
   """Up to num_steps decode steps of one row group in one device loop (multi-step).
 
   batch: the first step's decode rows ([B, 1 + J]); each later step feeds a
@@ -152,8 +162,13 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   step are min(J, tokens still allowed - 1), as the scheduler plans a single
   step.  A row whose logits go non-finite stops there (counts 0 from that
   step).  -> (state, Emitted stacked over steps ([U, B, ...]; counts 0 once a
-  row stopped), drafted [U, B], steps run), U = max_steps.
+  row stopped), drafted [U, B], steps run), U = max_steps.  Drafts come from the
+  device: host drafts (n-gram) with num_draft > 0 are refused, since every later
+  step would verify the first step's columns again.
   """
+  if host_drafts and num_draft:
+    raise ValueError(f"serve_burst drafts on the device; host drafts (n-gram) verify in "
+                     f"single steps, got num_draft={num_draft}")
   b, t = batch.tokens.shape
   scratch = state.drafts.shape[0] - 1  # the padding rows' slot
   col = jnp.arange(t)[None, :]

@@ -14,7 +14,9 @@ before anything attends to it.
 
 A separate draft model (same vocabulary) is the other drafter: it keeps its own
 paged K/V on the same pages and block tables, and proposes d1..dJ
-autoregressively from x_{L+1} (`model_draft`).
+autoregressively from x_{L+1} (`model_draft`).  Prompt lookup (kvjax/ngram.py)
+drafts on the host from the row's own tokens; its drafts arrive in the batch's
+draft columns and verify as point masses (`accept` with no draft_probs).
 
 The MTP modules attend over their own K/V (cache layers num_layers + depth,
 the C11 memory cost), written for every position the trunk computes, with the
@@ -34,6 +36,8 @@ Shapes: docs/DIMENSIONS.md (B rows, T columns, J drafts per row, V vocab, D
 model dim).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 from jax import lax
@@ -135,14 +139,15 @@ def target_logits_for_accept(logits: jax.Array, sampling: SamplingParams,
   return jnp.where(jnp.isfinite(kept.reshape(b, r, v)), logits, -jnp.inf)
 
 
-def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
+def accept(logits: jax.Array, drafts: jax.Array, draft_probs: Optional[jax.Array],
            num_draft: jax.Array, sampling: SamplingParams, positions: jax.Array,
            backend: Backend):
   """Rejection-sample every row (C10) in one call of the backend's verifier, a key per row.
 
   logits [B, J+1, V] (target at the fed token and each draft), drafts [B, J],
-  draft_probs [B, J, V], num_draft [B], positions [B] = sequence index of the
-  first token emitted -> (tokens [B, J+1] padded with -1, num_accepted [B]).
+  draft_probs [B, J, V] (None: point masses on the drafts, as for n-gram drafts that
+  a deterministic rule proposed), num_draft [B], positions [B] = sequence index of
+  the first token emitted -> (tokens [B, J+1] padded with -1, num_accepted [B]).
   A draft whose distribution holds a NaN or inf (broken MTP or draft weights) is
   rejected: the row verifies only the drafts before it, and its token there is
   drawn from the target, so the output keeps the target distribution.
@@ -152,6 +157,9 @@ def accept(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
 
   def mixed():
     keys = _row_key(sampling.seeds, positions, _ACCEPT_STREAM)
+    if draft_probs is None:  # built here: an all-greedy batch never needs them
+      return backend.verify(drafts, jax.nn.one_hot(drafts, logits.shape[-1], dtype=jnp.float32),
+                            logits, num_draft, keys, temperature=sampling.temperature)
     usable = jnp.all(jnp.isfinite(draft_probs), axis=-1)  # [B, J]
     first_bad = jnp.argmin(jnp.concatenate(
         [usable, jnp.zeros_like(usable[:, :1])], axis=1), axis=1)  # [B]: J if all usable

@@ -123,7 +123,8 @@ def test_speculative_needs_the_mtp_modules():
     kvjax.Engine(kvjax.load_checkpoint("tiny"), speculative="mtp", num_draft=2)
   with pytest.raises(ValueError, match="num_draft=3 needs 3 MTP modules"):
     h.engine(speculative="mtp", num_draft=3)
-  with pytest.raises(ValueError, match="speculative must be None, 'mtp' or a kvjax.Model"):
+  with pytest.raises(ValueError,
+                     match="speculative must be None, 'mtp', 'ngram' or a kvjax.Model"):
     h.engine(speculative="eagle")
 
 
