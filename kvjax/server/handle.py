@@ -103,7 +103,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
                           max_num_seqs=engine.config.max_num_seqs)
   tokenizer = model.tokenizer
   loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
-  state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len),
+  state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len,
+                                   max_choices=loop.capacity),
                       tokenizer, metrics, created=int(time.time()))
   server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port,
                                          log_level="warning", access_log=False,
