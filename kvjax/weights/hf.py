@@ -247,8 +247,8 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   `check_finite` then names the first kvjax parameter with a NaN or inf.
   """
   hf_config, cfg = read_hf_config(path)
-  check_hf_tensors(path, hf_config, cfg,
-                   shapes=hf_config.get("model_type") not in QWEN3_5_MODEL_TYPES)
+  cfg = check_hf_tensors(path, hf_config, cfg,
+                         shapes=hf_config.get("model_type") not in QWEN3_5_MODEL_TYPES)
   # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
   interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
       hf_config.get("rope_interleave", True))

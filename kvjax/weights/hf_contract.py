@@ -8,8 +8,9 @@ naming the tensor, what the config expects and what the file holds; a tensor
 kvjax would not use raises naming it too, since ignoring it would compute
 something else than the checkpoint means (an o_proj bias, a layer beyond
 num_hidden_layers), except the ones transformers itself ignores (rotary
-inv_freq buffers, DeepSeek-V3's next-token-prediction layers, a tied
-lm_head.weight), which a warning names.  The dense (llama, mistral, qwen2,
+inv_freq buffers, DeepSeek-V3's next-token-prediction layers), which a warning
+names.  A config that ties the head to the embedding over a checkpoint that
+stores lm_head.weight gets that head, as transformers loads it (a warning says so).  The dense (llama, mistral, qwen2,
 qwen3) and DeepSeek MLA layouts are checked tensor by tensor; the qwen3_5
 hybrids' dtypes only.
 """
@@ -110,8 +111,6 @@ def _ignored_by_transformers(name: str, cfg: ModelConfig, hf: dict[str, Any]) ->
   """Tensors transformers itself skips for this architecture, so kvjax may too."""
   if _IGNORED.match(name):
     return True
-  if name == "lm_head.weight" and cfg.tie_word_embeddings:
-    return True  # tied: the head is the embedding
   layer = _LAYER.match(name)
   extra_layers = hf.get("num_nextn_predict_layers") or 0
   return (hf.get("model_type") == "deepseek_v3" and layer is not None
@@ -119,10 +118,11 @@ def _ignored_by_transformers(name: str, cfg: ModelConfig, hf: dict[str, Any]) ->
 
 
 def check_hf_tensors(path: str, hf: dict[str, Any], cfg: ModelConfig,
-                     shapes: bool = True) -> None:
+                     shapes: bool = True) -> ModelConfig:
   """Raise ValueError unless the checkpoint at `path` holds exactly the float tensors
   `cfg` (read from `hf`, its config.json) implies, at their shapes (`shapes` False:
-  dtypes only); warn naming the tensors transformers also ignores."""
+  dtypes only); warn naming the tensors transformers also ignores.  -> `cfg`, untied
+  when it ties the head but the checkpoint stores one."""
   found = safetensors_headers(path)
   where = f"HF checkpoint {path}"
   for name, (_, dtype) in found.items():
@@ -130,7 +130,11 @@ def check_hf_tensors(path: str, hf: dict[str, Any], cfg: ModelConfig,
       raise ValueError(f"{where}: tensor {name} has dtype {dtype}; expected a float dtype "
                        f"({', '.join(FLOAT_DTYPES)})")
   if not shapes:
-    return
+    return cfg
+  if cfg.tie_word_embeddings and "lm_head.weight" in found:
+    warnings.warn(f"{where}: config.json ties the head to the embedding but the checkpoint "
+                  "stores lm_head.weight; using it, as transformers does", stacklevel=3)
+    cfg = cfg.replace(tie_word_embeddings=False)
   expected = expected_tensors(cfg)
   for name, shape in expected.items():
     if name not in found:
@@ -149,3 +153,4 @@ def check_hf_tensors(path: str, hf: dict[str, Any], cfg: ModelConfig,
   if ignored:
     warnings.warn(f"{where}: ignoring tensors {ignored} (unused by this architecture, as in "
                   "transformers)", stacklevel=3)
+  return cfg
