@@ -35,7 +35,7 @@ __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_co
 MAX_N = 128
 MAX_BODY_BYTES = 16 << 20  # 16 MiB: far above a max_model_len prompt of ids
 MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content parts -> part)
-# A JSON string (escapes included), and the brackets the depth scan counts.
+# A JSON string (escapes included); every byte but the brackets the depth scan counts.
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
