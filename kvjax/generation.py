@@ -247,7 +247,7 @@ def _generate_without_cache(params, cfg, tokens, lens, sampling, max_new_tokens,
     new, failed = jax.device_get(_recompute_next(
         params, jnp.asarray(buffer[:, :width]), jnp.asarray(lens), sampling, config=cfg,
         use_filter=use_filter))
-    failed &= ~done
+    failed = failed & ~done  # device_get arrays are read-only
     valid[failed] = step
     if step == 0:
       ttft = time.perf_counter() - start
