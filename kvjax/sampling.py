@@ -57,9 +57,11 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
   kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
   sorted_logits = jnp.where(jnp.arange(vocab)[None] < k[:, None], sorted_logits, -jnp.inf)
   probs = jax.nn.softmax(sorted_logits, axis=-1)
-  # Keep the smallest prefix whose mass reaches top_p (the first token always).
+  # Keep the smallest prefix whose mass reaches top_p, and the first token always: as a
+  # rank, not through `0 < top_p`, which a denormal top_p (1e-39) fails once XLA flushes
+  # it to zero, masking every token.
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < top_p[:, None]
+  keep = (mass_before < top_p[:, None]) | (jnp.arange(vocab)[None] == 0)
   cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
   threshold = jnp.maximum(kth, cutoff)
   return jnp.where(logits >= threshold, logits, -jnp.inf)

@@ -104,6 +104,45 @@ def test_the_failed_requests_blocks_leave_the_prefix_cache():
   assert out.finish_reason == "error" and out.metrics.prefix_hit_tokens == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _nan_keys_model():
+  """mtp_model whose first layer's K projection is NaN: the NaN reaches the logits only
+  through the K/V pages (a forward without a cache is NaN everywhere)."""
+  model = h.mtp_model()
+  first = model.params.blocks[0]
+  first = first.replace(attn=first.attn.replace(wk=jnp.full_like(first.attn.wk, jnp.nan)))
+  return kvjax.Model(model.config, model.params.replace(blocks=(first,) + model.params.blocks[1:]))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                      pytest.param("fp16", marks=pytest.mark.slow), "int8",
+                                      "int4"])
+def test_nan_keys_error_under_every_kv_dtype(kv_dtype):
+  # Issue 33: int8 pages quantized NaN keys to finite codes, so the request finished
+  # "length" and its blocks stayed in the prefix cache; int4 gave the static path 0s.
+  model = _nan_keys_model()
+  assert not np.isfinite(np.asarray(kvjax.forward(model, np.array([CLEAN[0]])))).any()
+  eng = kvjax.Engine(model, **h.ENGINE_DEFAULTS, kv_dtype=kv_dtype)
+  rid = eng.add_request(CLEAN[0], h.MAX_NEW)  # 17+ tokens: one full page to cache
+  out = h.run_to_end(eng)[rid]
+  assert (out.finish_reason, out.output_ids) == ("error", [])
+  assert eng.scheduler.prefix_cache.num_cached_pages == 0
+  h.assert_no_pages_held(eng)
+  result = kvjax.generate(model, [CLEAN[0]], h.MAX_NEW, kv_dtype=kv_dtype)
+  assert (result.tokens, result.stats["finish_reasons"]) == ([[]], ["error"])
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous", "none"])
+def test_static_generate_reports_the_error_finish(cache):
+  # Issue 33: the static path had no finish reasons; a NaN mid-decode now ends the row
+  # with "error" after the tokens sampled from finite logits, as the Engine does.
+  model, bad = broken_model()
+  result = kvjax.generate(model, [CLEAN[0], VICTIM], h.MAX_NEW, cache=cache)
+  want = h.reference(VICTIM)
+  assert result.stats["finish_reasons"] == ["length", "error"]
+  assert result.tokens == [h.reference(CLEAN[0]), want[:want.index(bad) + 1]]
+
+
 # -- broken draft distributions ----------------------------------------------------------
 
 def _nan_mtp_model():

@@ -131,6 +131,36 @@ def test_top_k_top_p_filter_matches_brute_force(k, p):
     np.testing.assert_array_equal(np.isfinite(got[row]), _brute_force_filter(logits[row], k, p))
 
 
+# top_p over the float32 range: the float64 smallest denormal (0 in float32), float32's
+# smallest denormal, issue 33's 1e-39 (a denormal XLA flushes to 0), the smallest normal,
+# then ordinary values (1.0 is in the test above: near 1 the oracle's float64 mass and
+# the filter's float32 one round the tail differently).
+TINY_TO_ONE = [5e-324, float(np.nextafter(np.float32(0), np.float32(1))), 1e-39,
+               float(np.finfo(np.float32).tiny), 1e-30, 1e-10, 1e-3, 0.1, 0.5, 0.9]
+
+
+@pytest.mark.parametrize("p", TINY_TO_ONE)
+def test_top_p_keeps_the_top_token_over_the_float32_range(p):
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(4, 64)).astype(np.float32) * 3
+  for k in (0, 5):
+    got = np.asarray(filtered_logits(jnp.asarray(logits), jnp.full((4,), k, jnp.int32),
+                                     jnp.full((4,), p, jnp.float32)))
+    for row in range(4):
+      want = _brute_force_filter(logits[row], k, float(np.float32(p)))
+      np.testing.assert_array_equal(np.isfinite(got[row]), want)
+
+
+@pytest.mark.parametrize("p", [5e-324, 1e-39, 1e-37])
+def test_a_tiny_top_p_samples_the_greedy_tokens(tiny_model, p):
+  # A nucleus of one: whatever the seed, the draw is the argmax (issue 33: 1e-39 drew id 0).
+  greedy = kvjax.generate(tiny_model, PROMPTS, 6).tokens
+  assert kvjax.generate(tiny_model, PROMPTS, 6, temperature=1.0, top_p=p,
+                        seed=[1, 2, 3]).tokens == greedy
+  engine = kvjax.Engine(tiny_model, max_num_seqs=4, max_model_len=64, page_size=16)
+  assert engine.generate(PROMPTS, 6, temperature=1.0, top_p=p, seed=[1, 2, 3]).tokens == greedy
+
+
 def test_greedy_tokens_pick_the_first_largest_logit():
   """Oracle: numpy's argmax (first maximum) after NaN -> -inf; ties, infinities, NaN rows."""
   rng = np.random.default_rng(7)

@@ -58,6 +58,20 @@ def test_symmetric_codes_round_trip():
   np.testing.assert_array_equal(unpack_int4(pack_int4(codes)), codes)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_nonfinite_slice_dequantizes_to_nan_and_the_rest_round_trips(bits):
+  # Issue 33: a NaN slice got scale 1 and codes 0 (finite), hiding it from the engine.
+  x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+  x[1, 3], x[2, 0] = np.nan, np.inf
+  codes, scale = quantize(jnp.asarray(x), bits, axis=-1)
+  back = np.asarray(codes, np.float32) * np.asarray(scale)[:, None]
+  assert np.isnan(back[1:3]).all()
+  top = 2 ** (bits - 1) - 1
+  for row in (0, 3):  # oracle: absmax / qmax steps, rounding error at most half a step
+    step = np.abs(x[row]).max() / top
+    assert np.abs(back[row] - x[row]).max() <= step / 2 + 1e-6
+
+
 def test_int8_attention_relative_error_is_small():
   q, k, v = _random_kv(0, 18)
   ref = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.float32)

@@ -53,7 +53,7 @@ def test_missing_tensor_is_named(llama_dir, tmp_path):
   tensors = load_file(os.path.join(broken, "model.safetensors"))
   del tensors["model.layers.1.mlp.up_proj.weight"]
   save_file(tensors, os.path.join(broken, "model.safetensors"), metadata={"format": "pt"})
-  with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+  with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight is missing"):
     kvjax.load_checkpoint(broken)
 
 

@@ -20,11 +20,19 @@ def qmax(bits: int) -> int:
 
 
 def quantize(x: jax.Array, bits: int, axis) -> tuple[jax.Array, jax.Array]:
-  """x -> (int8 codes, f32 scales with `axis` reduced away); all-zero slices get scale 1."""
+  """x -> (int8 codes, f32 scales with `axis` reduced away); all-zero slices get scale 1.
+
+  A slice holding NaN or inf gets a NaN scale (and codes 0), so it dequantizes to NaN:
+  codes alone would turn a non-finite slice into finite values and hide it from the
+  engine's non-finite check (kvjax/serve_steps.py) behind an int8/int4 KV cache.
+  """
   top = qmax(bits)
-  absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-  scale = jnp.where(absmax > 0, absmax / top, 1.0)
-  codes = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -top, top).astype(jnp.int8)
+  x = x.astype(jnp.float32)
+  absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  finite = jnp.isfinite(absmax)
+  scale = jnp.where(finite, jnp.where(absmax > 0, absmax / top, 1.0), jnp.nan)
+  safe = jnp.where(finite, scale, 1.0)
+  codes = jnp.where(finite, jnp.clip(jnp.round(x / safe), -top, top), 0).astype(jnp.int8)
   return codes, jnp.squeeze(scale, axis)
 
 

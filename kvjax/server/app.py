@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvjax.server.engine_loop import EngineLoop, Failed, Submission
 from kvjax.server.prom import ServerMetrics
-from kvjax.server.protocol import (Limits, OpenAIError, parse_chat, parse_completion,
-                                   parse_json)
+from kvjax.server.protocol import (MAX_BODY_BYTES, Limits, OpenAIError, parse_chat,
+                                   parse_completion, parse_json)
 from kvjax.server.responses import Responses, sse
 
 __all__ = ["ServerState", "create_app"]
@@ -75,7 +75,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _generate(state: ServerState, http_request: Request, parse):
-  request = parse(parse_json(await http_request.body()), state.limits, state.tokenizer)
+  request = parse(parse_json(await _body(http_request)), state.limits, state.tokenizer)
   events: asyncio.Queue = asyncio.Queue()
   loop = asyncio.get_running_loop()
 
@@ -89,9 +89,9 @@ async def _generate(state: ServerState, http_request: Request, parse):
   if not state.loop.alive:
     raise OpenAIError("the engine is not running", status=503, kind="server_error")
   if not state.loop.submit(submission):
-    raise OpenAIError(f"the server is at capacity (max_waiting={state.loop.max_waiting} "
-                      "requests waiting); retry later", status=503, kind="server_overloaded",
-                      code="queue_full")
+    raise OpenAIError(f"the server is at capacity ({state.loop.capacity} sequences: "
+                      f"max_num_seqs + max_waiting={state.loop.max_waiting}); retry later",
+                      status=503, kind="server_overloaded", code="queue_full")
   try:
     first = await events.get()
   except BaseException:
@@ -104,6 +104,21 @@ async def _generate(state: ServerState, http_request: Request, parse):
     return StreamingResponse(_stream(state.loop, submission, events, responses),
                              media_type="text/event-stream")
   return await _collect(state.loop, submission, events, responses, http_request)
+
+
+async def _body(http_request: Request) -> bytes:
+  """The request body, read no further than MAX_BODY_BYTES + 1 (parse_json refuses more)."""
+  declared = http_request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    raise OpenAIError(f"the request body is {declared} bytes; the limit is {MAX_BODY_BYTES}",
+                      code="body_too_large")
+  chunks, size = [], 0
+  async for chunk in http_request.stream():
+    chunks.append(chunk)
+    size += len(chunk)
+    if size > MAX_BODY_BYTES:
+      break
+  return b"".join(chunks)
 
 
 async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,

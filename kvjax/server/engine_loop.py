@@ -11,11 +11,12 @@ which frees their pages.  Detokenization and stop strings run here
 (kvjax/server/text.py), so a stop string aborts its request in the engine
 before the next step.
 
-Admission is bounded: unfinished requests stay within max_num_seqs (what can
-run) + max_waiting (what may wait), and `submit` returns False at once when
-the bound is reached, so a full server answers 503 instead of queueing
-without end.  (A submission of n choices is admitted whole while the count is
-below the bound.)
+Admission is bounded in sequences, not requests: unfinished choices (n per
+prompt, every prompt of a request) stay within max_num_seqs (what can run) +
+max_waiting (what may wait), `capacity`.  `submit` returns False at once when a
+submission's choices do not fit beside the unfinished ones, so a full server
+answers 503 instead of queueing without end; a request asking for more than
+`capacity` choices is refused earlier, as a 400 naming `n` (Limits.max_choices).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ class EngineLoop:
     self.error: Optional[BaseException] = None  # what stopped the loop, if it failed
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()  # guards the admission counts
-    self._capacity = engine.config.max_num_seqs + max_waiting
+    self.capacity = engine.config.max_num_seqs + max_waiting  # unfinished choices at most
     self._unfinished = 0  # choices submitted and not finished (queued here included)
     self._queued = 0  # choices submitted, not yet added to the engine
     self._engine_waiting = 0  # the scheduler's waiting queue when last published
@@ -124,7 +125,7 @@ class EngineLoop:
   def submit(self, submission: Submission) -> bool:
     """Queue a submission -> False (nothing queued) when the waiting bound is reached."""
     with self._lock:
-      if not self.alive or self._unfinished >= self._capacity:
+      if not self.alive or self._unfinished + submission.request.num_choices > self.capacity:
         return False
       self._queued += submission.request.num_choices
       self._unfinished += submission.request.num_choices
@@ -147,6 +148,9 @@ class EngineLoop:
           outputs = self.engine.step()
           self._note_scheduled(start)
           self._dispatch(outputs)
+          # Delivered: drop them now, not at the next step (after a mass abort the idle
+          # loop would hold every aborted request's RequestOutput while it waits).
+          del outputs
         self._publish()
       reason = OpenAIError("the server is shutting down", status=503, kind="server_error")
     except Exception as error:  # a bug: fail every request instead of hanging them

@@ -74,9 +74,9 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
 
   model: a kvjax.Model, or a list of them, one per data-parallel replica (each
   on its own devices), served behind a kvjax.Router with `router_policy`.
-  max_waiting: requests that may wait beyond the max_num_seqs running ones (of every
-  replica);
-  beyond that the server answers 503 at once.  served_model_name: the `model` field clients
+  max_waiting: sequences (each prompt's n choices) that may wait beyond the max_num_seqs
+  running ones (of every replica); beyond that the server answers 503 at once, and a
+  request of more sequences than both together gets 400 naming `n`.  served_model_name: the `model` field clients
   send (default: the model config's name).  warm_up: "full" (every step program, with
   a progress bar; `python -m kvjax serve`'s default) or "minimal" (see the module doc).
   """
@@ -103,7 +103,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
                           max_num_seqs=engine.config.max_num_seqs)
   tokenizer = model.tokenizer
   loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
-  state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len),
+  state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len,
+                                   max_choices=loop.capacity),
                       tokenizer, metrics, created=int(time.time()))
   server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port,
                                          log_level="warning", access_log=False,

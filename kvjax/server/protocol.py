@@ -4,6 +4,13 @@ Every check runs before anything reaches the engine, and every error names
 the request field (`param`) it is about, as OpenAI's error JSON does:
   {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
 Sampling fields go through kvjax/validation.py, the Engine's own checks.
+Text fields (prompt strings, chat roles and content, stop strings) must be
+encodable UTF-8 (no lone surrogates such as "\\ud800", which JSON can spell)
+and hold no NUL character (the NUL policy: tokenizers and templates treat it
+as a terminator or drop it, so a prompt with one would not mean what it
+says).  A body is refused before it is parsed when it exceeds MAX_BODY_BYTES
+or nests deeper than MAX_JSON_DEPTH: the depth is measured by an iterative
+scan, so no parser ever recurses on hostile input.
 Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and "up to
 max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
 random seed when none is given), so n > 1 choices differ and a seeded request
@@ -14,15 +21,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import re
 import secrets
 from typing import Optional
+
+import numpy as np
 
 from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
-           "parse_chat", "engine_error_param"]
+           "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH"]
 
 MAX_N = 128
+MAX_BODY_BYTES = 16 << 20  # 16 MiB: far above a max_model_len prompt of ids
+MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content parts -> part)
+# A JSON string (escapes included); every byte but the brackets the depth scan counts.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
                 "tools")
@@ -33,6 +48,8 @@ class OpenAIError(Exception):
 
   def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
                kind: str = "invalid_request_error", code: Optional[str] = None):
+    # Echoed client text must not break the UTF-8 answer (a lone surrogate is escaped).
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     super().__init__(message)
     self.message, self.param, self.status, self.kind, self.code = (message, param, status,
                                                                   kind, code)
@@ -49,6 +66,7 @@ class Limits:
   model_name: str
   vocab_size: int
   max_model_len: int
+  max_choices: Optional[int] = None  # choices (prompts x n) one request may ask for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +95,26 @@ class GenerationRequest:
     return len(self.prompts) * self.n
 
 
+def json_depth(raw: bytes) -> int:
+  """The deepest nesting of arrays and objects in JSON text `raw`: a running sum over
+  its brackets outside strings, no recursion (malformed text gets some depth;
+  json.loads refuses it afterwards)."""
+  brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
+  if brackets.size == 0:
+    return 0
+  steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)  # [brackets]
+  return int(np.cumsum(steps).max())
+
+
 def parse_json(raw: bytes) -> dict:
-  """The request body as a JSON object."""
+  """The request body as a JSON object; too large or too deep -> 400 before parsing."""
+  if len(raw) > MAX_BODY_BYTES:
+    raise OpenAIError(f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+                      code="body_too_large")
+  depth = json_depth(raw)
+  if depth > MAX_JSON_DEPTH:
+    raise OpenAIError(f"the request body nests {depth} levels deep; the limit is "
+                      f"{MAX_JSON_DEPTH}", code="invalid_json")
   try:
     body = json.loads(raw)
   except (ValueError, UnicodeDecodeError) as error:
@@ -134,6 +170,19 @@ def _checked(param: str, check, *args, **kwargs):
     raise OpenAIError(str(error), param) from None
 
 
+def _text(value: str, param: str, what: str) -> str:
+  """`value` if it is UTF-8-encodable text without NUL; else a 400 naming `param`."""
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as error:
+    raise OpenAIError(f"{what} is not valid Unicode: lone surrogate "
+                      f"{ascii(value[error.start])} at character {error.start}", param) from None
+  if "\0" in value:
+    raise OpenAIError(f"{what} holds a NUL character (at character {value.index(chr(0))}); "
+                      "NUL is not allowed in text", param)
+  return value
+
+
 def _is_token_id(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -152,7 +201,7 @@ def _prompt_item(item, limits: Limits, tokenizer) -> list[int]:
   if isinstance(item, str):
     if tokenizer is None:
       raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
-    item = tokenizer.encode(item, add_special_tokens=True)  # BOS where the tokenizer has one
+    item = tokenizer.encode(_text(item, "prompt", "the prompt"), add_special_tokens=True)  # BOS where the tokenizer has one
   return _token_ids(item, limits, "prompt")
 
 
@@ -180,7 +229,8 @@ def _message(index: int, message) -> dict:
   if not isinstance(content, str):
     raise OpenAIError(f"{where}.content must be a string or a list of text parts, got "
                       f"{content!r:.200}", "messages")
-  return {"role": message["role"], "content": content}
+  return {"role": _text(message["role"], "messages", f"{where}.role"),
+          "content": _text(content, "messages", f"{where}.content")}
 
 
 def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
@@ -211,6 +261,10 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
   n = 1 if body.get("n") is None else _checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
+  if limits.max_choices is not None and n * len(prompts) > limits.max_choices:
+    raise OpenAIError(f"n={n} choices for each of {len(prompts)} prompts is {n * len(prompts)} "
+                      f"sequences; this server takes at most {limits.max_choices} per request",
+                      "n")
   seed = body.get("seed")
   if seed is None:
     seeds = [secrets.randbelow(SEED_RANGE[1]) for _ in range(n)]
@@ -271,7 +325,7 @@ def _stops(stop, limits: Limits) -> tuple[tuple, tuple]:
   if not isinstance(items, list):
     raise OpenAIError(f"stop must be a string or a list of strings and token ids, got "
                       f"{stop!r:.200}", "stop")
-  strings = tuple(s for s in items if isinstance(s, str))
+  strings = tuple(_text(s, "stop", "a stop string") for s in items if isinstance(s, str))
   if "" in strings:
     raise OpenAIError("stop strings must not be empty", "stop")
   ids = _checked("stop", stop_ids, [s for s in items if not isinstance(s, str)],

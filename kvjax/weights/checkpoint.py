@@ -87,7 +87,10 @@ def read_config(path: str) -> ModelConfig:
   if not os.path.exists(config_path):
     raise FileNotFoundError(f"{os.path.abspath(path)} is not a kvjax checkpoint: no config.json")
   with open(config_path) as f:
-    return config_from_dict(json.load(f))
+    try:
+      return config_from_dict(json.load(f))
+    except (TypeError, ValueError) as error:  # bad JSON, unknown or bad ModelConfig fields
+      raise ValueError(f"{config_path}: {error}") from None
 
 
 def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[ModelConfig, Params]:
@@ -95,19 +98,44 @@ def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[Model
   into their shardings on `mesh` if given."""
   path = os.path.abspath(path)
   cfg = read_config(path)
-  with ocp.StandardCheckpointer() as ckptr:
-    stored = ckptr.metadata(os.path.join(path, "params"))
-    stored_dtype = jax.tree_util.tree_leaves(stored.item_metadata.tree)[0].dtype
+  params_dir = os.path.join(path, "params")
+  stored_dtype = _stored_dtype(params_dir)
   target = _abstract_params(cfg, stored_dtype, mesh)
   # Partial: a checkpoint saved before Params grew an optional field (None for its
   # config, e.g. the gated-attention `wg`) has no entry for it.
-  with ocp.PyTreeCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(path, "params"), args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
+  try:
+    with ocp.PyTreeCheckpointer() as ckptr:
+      params = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True))
+  except Exception as error:  # orbax / TensorStore: a missing array, truncated data
+    first_line = str(error).split("\n")[0][:300]
+    raise ValueError(f"{params_dir}: the stored arrays do not restore into the Params "
+                     f"{path}/config.json describes (missing, truncated or corrupt data?): "
+                     f"{type(error).__name__}: {first_line}") from error
   if dtype is not None:
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
   return cfg, params
+
+
+def _stored_dtype(params_dir: str):
+  """The dtype the params were saved at, from orbax's metadata; a missing params/ or
+  unreadable metadata raise naming the path and what is missing."""
+  if not os.path.isdir(params_dir):
+    raise FileNotFoundError(f"{params_dir} does not exist: a kvjax checkpoint holds "
+                            "config.json, metadata.json and params/ (kvjax.weights.checkpoint"
+                            ".save writes them)")
+  with ocp.StandardCheckpointer() as ckptr:
+    try:
+      stored = ckptr.metadata(params_dir)
+    except Exception as error:  # orbax's own parse errors
+      raise ValueError(f"{params_dir}: orbax metadata unreadable: {error}") from error
+  item = getattr(stored, "item_metadata", None)
+  leaves = jax.tree_util.tree_leaves(getattr(item, "tree", None))
+  if not leaves:
+    raise ValueError(f"{params_dir}: no readable orbax tree metadata (its _METADATA file is "
+                     "missing or garbled), so the stored arrays cannot be found")
+  return leaves[0].dtype
 
 
 def train_state_manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:

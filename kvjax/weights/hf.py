@@ -5,7 +5,9 @@ window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
 deepseek_v2 / deepseek_v3 with MLA and dense MLPs only (MoE layers raise),
 qwen3_5 / qwen3_5_text / dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
-split out ([D, N, H] etc.), so each tensor is transposed once here.
+split out ([D, N, H] etc.), so each tensor is transposed once here, after
+kvjax/weights/hf_contract.py has checked every tensor's shape and dtype against
+the config (and config.json errors name the file).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 from kvjax.sharding import place_host_params
+from kvjax.weights.hf_contract import check_hf_tensors
 from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, hf_eos_id, load_qwen3_5, qwen3_5_config
 from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
 
@@ -44,10 +47,36 @@ def is_hf_checkpoint(path: str) -> bool:
 
 
 def read_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
-  """-> (config.json as a dict, its ModelConfig), reading no tensor."""
-  with open(os.path.join(path, "config.json")) as f:
-    hf_config = json.load(f)
-  return hf_config, config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
+  """-> (config.json as a dict, its ModelConfig), reading no tensor; a malformed file, a
+  missing or bad field raise ValueError naming the file (and the field)."""
+  file = os.path.join(path, "config.json")
+  with open(file) as f:
+    try:
+      hf_config = json.load(f)
+    except ValueError as error:
+      raise ValueError(f"{file} is not valid JSON: {error}") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"{file} must hold a JSON object, got {type(hf_config).__name__}")
+  try:
+    cfg = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
+  except KeyError as error:
+    raise ValueError(f"{file} has no field {error.args[0]!r}, which its model_type "
+                     f"{hf_config.get('model_type')!r} needs") from None
+  except (TypeError, ValueError) as error:
+    raise ValueError(f"{file}: {error}") from None
+  _check_token_ids(hf_config, cfg, file)
+  return hf_config, cfg
+
+
+def _check_token_ids(hf: dict[str, Any], cfg: ModelConfig, file: str) -> None:
+  """bos/eos/pad ids (where set) inside the vocabulary the embedding has."""
+  for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    value = hf.get(field)
+    for token in value if isinstance(value, list) else [value]:
+      if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                or not 0 <= token < cfg.vocab_size):
+        raise ValueError(f"{file}: {field} {value!r} is not a token id in [0, vocab_size="
+                         f"{cfg.vocab_size})")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -218,6 +247,8 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   `check_finite` then names the first kvjax parameter with a NaN or inf.
   """
   hf_config, cfg = read_hf_config(path)
+  cfg = check_hf_tensors(path, hf_config, cfg,
+                         shapes=hf_config.get("model_type") not in QWEN3_5_MODEL_TYPES)
   # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
   interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
       hf_config.get("rope_interleave", True))
