@@ -38,8 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--served-model-name", default=None,
                  help="the `model` clients send (default: the model config's name)")
   p.add_argument("--max-waiting", type=int, default=256,
-                 help="requests that may wait beyond the --max-num-seqs running ones; "
-                      "more get 503 (default: %(default)s)")
+                 help="sequences (prompts x n) that may wait beyond the --max-num-seqs running "
+                      "ones; more get 503 (default: %(default)s)")
   p.add_argument("--warm-up", choices=WARM_UP_MODES, default="full",
                  help="full: compile every step program before serving, so no request "
                       "waits on XLA; minimal: only two short requests' programs, a faster "
