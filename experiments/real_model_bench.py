@@ -48,9 +48,6 @@ from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
 from kvjax.weights.gguf import gguf_path
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/real_model_bench.py", "experiment config", lock_config=True)
-
 INSTALL = "bash experiments/install_cpu_peers.sh {peers_dir}"
 
 # The llama-cpp-python peer, run by its venv's python: one JSON request a line on stdin
@@ -458,4 +455,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: tests import this module beside other launchers,
+  # and absl allows one --config per process.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/real_model_bench.py", "experiment config", lock_config=True)
   app.run(main)

@@ -105,3 +105,23 @@ def step_static(eng):
   """The static arguments of eng's serve_step (top-k/top-p and logprobs off)."""
   return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
               num_draft=eng.num_draft, use_filter=False, logprobs=False)
+
+
+def sample_first_two(eng: Engine, model: kvjax.Model, prompt: list[int], n: int):
+  """Sample n requests of 4 tokens at temperature 1 (seeds 0..n-1) after `prompt`, and
+  check their first two tokens against the exact float64 marginals of the target model
+  (within 6 sigma + 5 per token id).  Returns (finals, first [n, 2], p0 [V],
+  p1_given [V, V]), p1_given[a] the distribution after prompt + [a]."""
+  vocab = model.config.vocab_size
+  ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
+  finals = run_to_end(eng)
+  first = np.array([finals[rid].output_ids[:2] for rid in ids])  # [n, 2]
+  p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
+  extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
+  p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
+  # P(x1 = b) = sum_a p(a | prompt) p(b | prompt, a).
+  for k, probs in enumerate((p0, p0 @ p1_given)):
+    counts = np.bincount(first[:, k], minlength=vocab)
+    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
+    assert np.all(np.abs(counts - n * probs) <= bound), k
+  return finals, first, p0, p1_given

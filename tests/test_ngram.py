@@ -156,16 +156,7 @@ def test_sampling_with_ngram_drafts_keeps_the_target_distribution():
   n, vocab = 1000, model.config.vocab_size
   eng = kvjax.Engine(model, **{**h.ENGINE_DEFAULTS, "speculative": "ngram", "num_draft": 3,
                                "prefix_cache": False})
-  ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
-  finals = h.run_to_end(eng)
-  first = np.array([finals[rid].output_ids[:2] for rid in ids])  # [n, 2]
-  p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
-  extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
-  p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
-  for k, probs in enumerate((p0, p0 @ p1_given)):
-    counts = np.bincount(first[:, k], minlength=vocab)
-    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
-    assert np.all(np.abs(counts - n * probs) <= bound), k
+  finals, first, p0, p1_given = h.sample_first_two(eng, model, prompt, n)
   draft = [(brute_force_drafts(prompt + [a], 3, 1) or [-1])[0] for a in range(vocab)]
   accept = sum(p0[a] * p1_given[a, d] for a, d in enumerate(draft) if d >= 0)
   assert 0.2 < accept < 0.8  # the prompt exercises acceptance both ways

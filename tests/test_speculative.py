@@ -98,19 +98,8 @@ def test_sampling_with_speculation_keeps_the_target_distribution():
   # P(x1 = b) = sum_a p(a | prompt) p(b | prompt, a).
   model = h.mtp_model()
   prompt = [17, 4, 250, 61, 9]  # one page with its 4 new tokens: 3 requests at a time
-  n, vocab = 1000, model.config.vocab_size
   eng = spec_engine(prefix_cache=False)
-  ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
-  finals = h.run_to_end(eng)
-  first = np.array([finals[rid].output_ids[:2] for rid in ids])  # [n, 2]
-  p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
-  extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
-  p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
-  p1 = p0 @ p1_given
-  for k, probs in enumerate((p0, p1)):
-    counts = np.bincount(first[:, k], minlength=vocab)
-    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
-    assert np.all(np.abs(counts - n * probs) <= bound), k
+  finals = h.sample_first_two(eng, model, prompt, 1000)[0]
   # Acceptance was exercised both ways.
   metrics = [out.metrics for out in finals.values()]
   accepted = sum(m.accepted[0] for m in metrics if m.proposed)

@@ -43,8 +43,8 @@ def _record_pages(eng):
   """Wrap the scheduler: per step, (decode step?, allocator.num_used) as it runs."""
   used, schedule = [], eng.scheduler.schedule
 
-  def schedule_and_record(*args):
-    plan = schedule(*args)
+  def schedule_and_record(*args, **kwargs):
+    plan = schedule(*args, **kwargs)
     used.append((all(row.is_decode for row in plan.rows), eng.scheduler.allocator.num_used))
     eng.scheduler.allocator.check_invariants()
     return plan
