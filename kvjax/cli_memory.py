@@ -19,12 +19,13 @@ import jax
 
 from kvjax import ledger
 from kvjax.api import resolve_dtype
-from kvjax.caches import create_paged_cache
+from kvjax.caches import create_paged_cache, layout_names
 from kvjax.config import PRESETS, ModelConfig, get_preset
 
 __all__ = ["add_parser", "run", "allocated_pool"]
 
 _DTYPES = "|".join(ledger.DTYPE_BITS)
+_LAYOUTS = "|".join(name for name in layout_names() if name not in ("float", "latent"))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,7 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--context", type=int, required=True, help="tokens per request")
   p.add_argument("--batch", type=int, default=1,
                  help="target concurrency for the total-memory line (default 1)")
-  p.add_argument("--kv-dtype", default="bf16", help=f"{_DTYPES} (default bf16)")
+  p.add_argument("--kv-dtype", default="bf16",
+                 help=f"KV layout: {_LAYOUTS} (default bf16; kvjax/caches/layout.py)")
   p.add_argument("--weight-dtype", default="bf16", help=f"{_DTYPES} (default bf16)")
   p.add_argument("--weight-gib", type=float, default=None,
                  help="weight size in GiB, overriding the size computed from the config")

@@ -119,7 +119,8 @@ class Engine:
         max_model_len=config.max_model_len, enable_prefix_caching=config.prefix_cache,
         prefix_match=config.prefix_match, min_cacheable_tokens=config.min_cacheable_tokens,
         num_lookahead_slots=self.num_draft, num_scheduler_steps=config.num_scheduler_steps,
-        eos_token_id=cfg.eos_token_id, sliding_window=config.widest_window(cfg))
+        eos_token_id=cfg.eos_token_id, sliding_window=config.widest_window(cfg),
+        page_release=config.page_release(cfg))
     self.packing = Packing.create(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,

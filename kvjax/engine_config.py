@@ -13,10 +13,10 @@ from typing import Any, Optional, Union
 
 from kvjax import speculative as spec
 from kvjax.backends import Backend, get_backend, on_mesh
-from kvjax.caches import check_cache_support, check_hybrid_engine
+from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
+from kvjax.caches.layout import PageRelease
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.ngram import DEFAULT_NGRAM_N, check_ngram
-from kvjax.scheduler import max_pages_held
 from kvjax.sharding import mesh_of
 
 __all__ = ["EngineConfig", "add_engine_flags", "engine_config_from_flags"]
@@ -62,14 +62,15 @@ class EngineConfig:
       admitted meanwhile, emitted tokens feed the next step on device, so host
       scheduling and dispatch are paid once per burst.  Outputs do not change;
       a burst's tokens stream out together.  1: one step per call.
-    kv_dtype: how pages store K/V: None (the model dtype), "fp32", "bf16",
-      "fp16", "int8" or "int4" (kvjax/caches/).  int4 (KIVI) keeps each slot's
-      incomplete page in a per-slot full-precision residual, not in the pool,
-      so it refuses what would resume a slot mid-page on stale residual data:
-      token-mode prefix hits and speculative decoding.  Its outputs also depend
-      on chunking (a query reads its own incomplete page in full precision), so
-      they match the static batch only for unchunked prompts; int8 matches it
-      always.
+    kv_dtype: the KV layout, by name or as a KVLayout record (kvjax/caches/layout.py):
+      None (the model dtype), "fp32", "bf16", "fp16", "int8", "int4" or any
+      registered layout (e.g. "streaming": attention sinks + a window).  A layout
+      declares what it refuses: int4 (KIVI) keeps each slot's incomplete page in
+      a per-slot full-precision residual, not in the pool, so it refuses what
+      would resume a slot mid-page on stale residual data: token-mode prefix hits
+      and speculative decoding.  Its outputs also depend on chunking (a query
+      reads its own incomplete page in full precision), so they match the static
+      batch only for unchunked prompts; int8 matches it always.
   """
 
   page_size: int = 16
@@ -87,7 +88,7 @@ class EngineConfig:
   draft_policy: Any = None
   backend: Union[str, Backend] = "reference"
   num_scheduler_steps: int = 16
-  kv_dtype: Optional[str] = None
+  kv_dtype: Union[str, KVLayout, None] = None
 
   @property
   def draft_model(self):
@@ -103,12 +104,12 @@ class EngineConfig:
     """Validated against `model`, defaults filled; ValueError naming a bad option."""
     cfg: ModelConfig = model.config
     backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
-    check_cache_support(self.kv_dtype, cfg, "paged", backend)
+    layout = check_cache_support(self.kv_dtype, cfg, "paged", backend)
     check_hybrid_engine(speculative=self.speculative)
     if not isinstance(self.prefix_cache, bool):
       raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
     config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
-    config._check_int4()
+    config._check_layout(layout)
     config = config._resolve_drafts(model)
     draft = config.draft_model
     if draft is not None:
@@ -136,10 +137,8 @@ class EngineConfig:
                        f"(the model context), got {max_model_len}")
     num_pages = self.num_pages
     if num_pages is None:  # a windowed model's requests hold a bounded number of pages
-      num_pages = 1 + self.max_num_seqs * max_pages_held(
-          max_model_len, page_size=self.page_size,
-          max_num_batched_tokens=self.max_num_batched_tokens,
-          sliding_window=self.widest_window(cfg))
+      num_pages = 1 + self.max_num_seqs * self.page_release(cfg).max_pages_held(
+          max_model_len, self.max_num_batched_tokens)
     return dataclasses.replace(config, backend=backend, max_model_len=max_model_len,
                                num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
 
@@ -171,6 +170,10 @@ class EngineConfig:
     return dataclasses.replace(config, num_draft=most,
                                draft_policy=self.draft_policy or "adaptive")
 
+  def page_release(self, cfg: ModelConfig) -> PageRelease:
+    """The layout's host-side page manager: which pages a request may release."""
+    return get_layout(self.kv_dtype, cfg).release(self.page_size, self.widest_window(cfg))
+
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""
     draft = self.draft_model
@@ -190,20 +193,15 @@ class EngineConfig:
       return 0
     return 8 * self.max_num_seqs if given is None else given
 
-  def _check_int4(self) -> None:
-    """ValueError for what int4 (KIVI) pages cannot serve; see kv_dtype."""
-    if short_dtype_name(self.kv_dtype) != "int4":
-      return
-    if self.speculative is not None:
+  def _check_layout(self, layout: KVLayout) -> None:
+    """ValueError for what the KV layout declares it cannot serve; see kv_dtype."""
+    if self.speculative is not None and layout.no_speculation:
       drafter = self.speculative if isinstance(self.speculative, str) else "a draft model"
-      raise ValueError(f"kv_dtype 'int4' cannot verify drafts (speculative={drafter!r}): a "
-                       "rejected draft that completed a page leaves the slot's full-precision "
-                       "residual holding the wrong page; use kv_dtype='int8' or no speculation")
-    if self.prefix_cache and self.prefix_match == "token":
-      raise ValueError("kv_dtype 'int4' cannot reuse partial pages (prefix_match='token'): a "
-                       "resumed page's leading tokens must sit in the slot's full-precision "
-                       "residual, not in a copied, already-quantized page; use "
-                       "prefix_match='block' or prefix_cache=False")
+      raise ValueError(f"kv_dtype {layout.name!r} cannot verify drafts (speculative="
+                       f"{drafter!r}): {layout.no_speculation}")
+    if self.prefix_cache and self.prefix_match == "token" and layout.no_token_prefix:
+      raise ValueError(f"kv_dtype {layout.name!r} cannot reuse partial pages "
+                       f"(prefix_match='token'): {layout.no_token_prefix}")
 
 
 _AUTO_DRAFT_MODEL_DRAFTS = 4  # num_draft "auto" with a separate draft model
@@ -235,7 +233,8 @@ _FLAGS = {
                                          "costs and acceptance"),
     "backend": (str, None, "attention + verification backend"),
     "num_scheduler_steps": (int, None, "most decode steps per device call"),
-    "kv_dtype": (str, None, "KV pages: fp32 | bf16 | fp16 (or float32 ...), int8, int4"),
+    "kv_dtype": (str, None, "KV layout: fp32 | bf16 | fp16 (or float32 ...), int8, int4, "
+                            "or another registered layout (kvjax/caches/layout.py)"),
 }
 
 

@@ -4,24 +4,26 @@ Claims C4-C6 are arithmetic, so they live here as pure Python over
 `ModelConfig` (no JAX, no allocation): a planner must be able to size a card for
 a 236B model on a laptop.
 
-What a token costs.  GQA/MHA/MQA layers cache K and V, `2 * K * H` values per
-layer; MLA layers cache one latent plus the decoupled rope key,
-`kv_lora_rank + qk_rope_head_dim` values per layer (no factor 2: K and V are both
-decompressed from the same latent).  Hybrid models cache only their
-`num_full_attention_layers`; linear-attention layers keep a fixed-size state
-that does not grow with context: not a per-token cost, but a constant per
-request (`state_bytes_per_request`: each Gated DeltaNet layer's conv state,
-Kc - 1 inputs of its X channels at the model dtype, and its float32 delta-rule
-state Nv x Hk x Hv, as kvjax/caches/recurrent.py allocates them).  A sliding-window layer
-holds at most `window` tokens, so `kv_bytes_per_request` caps it while
-`kv_bytes_per_token` (the seed's per-token figure) does not.
+What a token costs is read from the KV layout's own array specs
+(kvjax/caches/layout.py; no second formula): GQA/MHA/MQA float pages hold K and
+V, `2 * K * H` values per layer; MLA's latent pages hold one latent plus the
+decoupled rope key, `kv_lora_rank + qk_rope_head_dim` values per layer.  Hybrid
+models cache only their `num_full_attention_layers`; linear-attention layers keep
+a fixed-size state that does not grow with context: not a per-token cost, but a
+constant per request (`state_bytes_per_request`, kvjax/caches/recurrent.py's
+`state_arrays`), as is any other per-slot array of a layout (int4's residual).
+A sliding-window layer holds at most `window` tokens, so `kv_bytes_per_request`
+caps it while `kv_bytes_per_token` (the seed's per-token figure) does not; a
+layout that releases pages itself (attention sinks + window) holds what its
+page manager keeps.
 
 Quantized KV.  int8 is 1 and int4 1/2 byte per value: the ideal 2x and 4x of
-claim C6.  A real quantized cache also stores scales; `kv_scale_bytes_per_token`
-counts one float32 scale per cached vector (per token, layer, kv head and K or V;
-per layer for an MLA latent), the per-token-per-head layout.  Scales are
-reported separately and enter a plan's per-request bytes only with
-`count_scales=True`, so the default reproduces the seed's ideal ratios.
+claim C6.  A real quantized cache also stores scales, the layout's arrays marked
+`scales`: int8 one float32 per token, layer, kv head and K or V; int4 (KIVI) one
+per token for values and one per channel per page for keys (sized at the
+Engine's default `PAGE_SIZE`).  Scales are reported separately and enter a
+plan's per-request bytes only with `count_scales=True`, so the default
+reproduces the seed's ideal ratios.
 
 Units.  Functions return bytes.  KiB and GiB are binary.  The seeds write "GB"
 loosely, but their KV arithmetic is binary (128 KiB x 4096 = 0.5 GiB exactly;
@@ -34,23 +36,26 @@ counts parameters from the config instead, and the experiment prints both.
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from typing import Optional
 
+from kvjax.caches.layout import FLOAT_STORES, PoolSizes, sizing_layout
+from kvjax.caches.recurrent import state_arrays
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.sharding import param_spec, replicated_kv_heads
 
-__all__ = ["KIB", "GIB", "DTYPE_BITS", "SCALE_BYTES", "MemoryPlan", "bytes_for",
+__all__ = ["KIB", "GIB", "DTYPE_BITS", "PAGE_SIZE", "MemoryPlan", "bytes_for",
            "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
-           "kv_bytes_per_request", "state_bytes_per_request", "param_count", "weight_bytes", "max_concurrency",
+           "kv_bytes_per_request", "slot_bytes_per_request", "state_bytes_per_request",
+           "param_count", "weight_bytes", "max_concurrency",
            "plan", "TPPlan", "weight_bytes_per_device", "kv_bytes_per_token_per_device",
            "tp_plan", "smallest_tp"]
 
 KIB, GIB = 1 << 10, 1 << 30
 
-# Storage width of one value; int4 packs two values per byte.
+# Storage width of one weight value; int4 packs two values per byte.
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
-_QUANTIZED = ("int8", "int4")
-SCALE_BYTES = 4  # one float32 scale per quantized cached vector.
+PAGE_SIZE = 16  # the Engine's default page_size: sizes per-page scales and int4's residual
 
 
 def _check_dtype(dtype: str, what: str) -> int:
@@ -82,52 +87,78 @@ def _cache_layer_windows(cfg: ModelConfig, include_mtp: bool) -> list:
   return windows
 
 
-def _values_per_layer_token(cfg: ModelConfig) -> int:
-  if cfg.attention_type == "mla":
-    return cfg.kv_lora_rank + cfg.qk_rope_head_dim  # one latent + rope key.
-  return 2 * cfg.num_kv_heads * cfg.head_dim  # K and V.
+def _whole(x: Fraction):
+  return int(x) if x.denominator == 1 else float(x)
 
 
-def _vectors_per_layer_token(cfg: ModelConfig) -> int:
-  """Cached vectors per layer and token: what one quantization scale covers."""
-  return 1 if cfg.attention_type == "mla" else 2 * cfg.num_kv_heads
+def _layout_arrays(cfg: ModelConfig, kv_dtype, include_mtp: bool = False,
+                   num_slots: int = 1):
+  """(layout, its array specs for one page of PAGE_SIZE tokens and num_slots slots)."""
+  layout = sizing_layout(kv_dtype, cfg)
+  specs = layout.arrays(cfg, layout.store or "bf16", PoolSizes(1, PAGE_SIZE, num_slots,
+                                                               include_mtp))
+  return layout, specs
 
 
-def _kv_dtype(kv_dtype: str) -> str:
-  _check_dtype(kv_dtype, "kv")
-  return short_dtype_name(kv_dtype)
+def _per_layer_token(cfg: ModelConfig, kv_dtype, scales: bool) -> Fraction:
+  """Page bytes per cache layer and token: values (scales False) or scales."""
+  _, specs = _layout_arrays(cfg, kv_dtype)
+  layers = cfg.cache_layers(False)
+  return sum((Fraction(a.nbytes, PAGE_SIZE * layers) for a in specs.values()
+              if a.role == "page" and a.scales == scales), Fraction(0))
 
 
 def kv_values_per_token(cfg: ModelConfig, include_mtp: bool = False) -> int:
-  """Cached values per token of history, over every cache layer (C4's formula)."""
-  return len(_cache_layer_windows(cfg, include_mtp)) * _values_per_layer_token(cfg)
+  """Cached values per token of history, over every cache layer (C4's formula): the
+  default layout's page elements."""
+  _, specs = _layout_arrays(cfg, None)
+  per_layer = sum(a.size for a in specs.values() if a.role == "page" and not a.scales)
+  return len(_cache_layer_windows(cfg, include_mtp)) * per_layer // (
+      PAGE_SIZE * cfg.cache_layers(False))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
                        include_mtp: bool = False) -> int:
   """Ideal KV bytes per token (values only, no quantization scales)."""
-  return bytes_for(kv_values_per_token(cfg, include_mtp), _kv_dtype(kv_dtype))
+  layers = len(_cache_layer_windows(cfg, include_mtp))
+  return _whole(layers * _per_layer_token(cfg, kv_dtype, scales=False))
 
 
 def kv_scale_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
                              include_mtp: bool = False) -> int:
   """Bytes of quantization scales per token; 0 for float caches."""
-  if _kv_dtype(kv_dtype) not in _QUANTIZED:
-    return 0
   layers = len(_cache_layer_windows(cfg, include_mtp))
-  return layers * _vectors_per_layer_token(cfg) * SCALE_BYTES
+  return _whole(layers * _per_layer_token(cfg, kv_dtype, scales=True))
+
+
+def _tokens_held(cfg: ModelConfig, context: int, kv_dtype, include_mtp: bool) -> int:
+  """Layer-tokens one request of `context` tokens holds: each layer's window caps it,
+  and the layout's page manager drops the pages it releases on its own."""
+  layout = sizing_layout(kv_dtype, cfg)
+  released = len(layout.release(PAGE_SIZE, None).dead_pages(context)) * PAGE_SIZE
+  return sum(context - released if w is None else min(context - released, w)
+             for w in _cache_layer_windows(cfg, include_mtp))
 
 
 def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
                          include_mtp: bool = False, count_scales: bool = False) -> int:
   """KV bytes one request of `context` tokens holds; windowed layers are capped."""
   _check_positive_int(context, "context")
-  tokens = sum(context if w is None else min(context, w)
-               for w in _cache_layer_windows(cfg, include_mtp))  # layer-tokens held.
-  total = bytes_for(tokens * _values_per_layer_token(cfg), _kv_dtype(kv_dtype))
-  if count_scales and _kv_dtype(kv_dtype) in _QUANTIZED:
-    total += tokens * _vectors_per_layer_token(cfg) * SCALE_BYTES
-  return total
+  tokens = _tokens_held(cfg, context, kv_dtype, include_mtp)
+  total = tokens * _per_layer_token(cfg, kv_dtype, scales=False)
+  if count_scales:
+    total += tokens * _per_layer_token(cfg, kv_dtype, scales=True)
+  return _whole(total)
+
+
+def slot_bytes_per_request(cfg: ModelConfig, kv_dtype: str = "bf16",
+                           state_dtype: str = "bf16") -> int:
+  """Bytes one request's slot holds whatever its length: the layout's per-slot arrays
+  (int4's residual at `state_dtype`, the model's) plus a hybrid's recurrent state."""
+  layout = sizing_layout(kv_dtype, cfg)
+  specs = layout.arrays(cfg, layout.store or state_dtype, PoolSizes(1, PAGE_SIZE, 1))
+  return sum(a.nbytes for a in specs.values() if a.role == "slot") + \
+      state_bytes_per_request(cfg, state_dtype)
 
 
 def state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "bf16") -> int:
@@ -135,9 +166,8 @@ def state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "bf16") -> int:
   conv states at `state_dtype` (the model's) plus float32 delta-rule states."""
   if not cfg.is_hybrid:
     return 0
-  conv = (cfg.linear_conv_kernel - 1) * _linear_channels(cfg)
-  delta = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-  return cfg.num_linear_layers * (bytes_for(conv, state_dtype) + bytes_for(delta, "fp32"))
+  return sum(a.nbytes for a in state_arrays(cfg, state_dtype, PoolSizes(0, 1, 1)).values()
+             if a.role == "slot")
 
 
 def _linear_channels(cfg: ModelConfig) -> int:
@@ -226,7 +256,7 @@ class MemoryPlan:
   kv_bytes_per_token: int  # ideal, values only.
   kv_scale_bytes_per_token: int  # quantization scales, reported separately.
   kv_bytes_per_request: int  # scales included only if count_scales.
-  state_bytes_per_request: int  # hybrids' recurrent state, constant per request.
+  state_bytes_per_request: int  # per-slot state (recurrent, int4 residual), constant.
   scales_counted: bool
   param_count: int
   weight_bytes: int  # computed from param_count, or --weight-gib.
@@ -253,8 +283,8 @@ def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
   _check_positive_int(batch, "batch")
   _check_dtype(weight_dtype, "weight")
   per_request = kv_bytes_per_request(cfg, context, kv_dtype, include_mtp, count_scales)
-  state = state_bytes_per_request(cfg, weight_dtype if weight_dtype in ("fp32", "bf16", "fp16")
-                                  else "bf16")  # conv states: the float model dtype
+  state = slot_bytes_per_request(cfg, kv_dtype, weight_dtype if weight_dtype in FLOAT_STORES
+                                 else "bf16")  # slot state: the float model dtype
   weights = (weight_bytes(cfg, weight_dtype) if weight_gib is None
              else _gib_to_bytes(weight_gib, "weight_gib"))
   gpu = _gib_to_bytes(gpu_gib, "gpu_gib")
@@ -334,18 +364,15 @@ def weight_bytes_per_device(cfg: ModelConfig, tp: int, weight_dtype: str = "bf16
 def kv_bytes_per_token_per_device(cfg: ModelConfig, tp: int, kv_dtype: str = "bf16",
                                   include_mtp: bool = False,
                                   count_scales: bool = False) -> int:
-  """KV bytes per token of history on each device: K'/tp kv heads (GQA) or the
-  whole replicated latent (MLA); int8/int4 scales follow their pages."""
+  """KV bytes per token of history on each device: K'/tp kv heads of a layout whose
+  cache splits kv heads (`HEAD_AXES`, kvjax/sharding.py), else the whole replicated
+  pages (MLA's latent); scales follow their pages."""
   _check_tp_sizing(cfg, tp)
-  layers = len(_cache_layer_windows(cfg, include_mtp))
-  if cfg.attention_type == "mla":
-    values, vectors = _values_per_layer_token(cfg), 1
-  else:
-    heads = _stored_kv_heads(cfg, tp) // tp
-    values, vectors = 2 * heads * cfg.head_dim, 2 * heads
-  total = bytes_for(layers * values, _kv_dtype(kv_dtype))
-  if count_scales and _kv_dtype(kv_dtype) in _QUANTIZED:
-    total += layers * vectors * SCALE_BYTES
+  if getattr(sizing_layout(kv_dtype, cfg).cache, "HEAD_AXES", None):
+    cfg = cfg.replace(num_kv_heads=_stored_kv_heads(cfg, tp) // tp)
+  total = kv_bytes_per_token(cfg, kv_dtype, include_mtp)
+  if count_scales:
+    total += kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp)
   return total
 
 

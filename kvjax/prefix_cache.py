@@ -186,15 +186,15 @@ class PrefixCache:
       return PrefixHit(num_queried=hit.num_queried)
     return dataclasses.replace(hit, num_tokens=num_tokens, copy_src=None, copy_tokens=0)
 
-  def acquire(self, hit: PrefixHit, first_page: int = 0) -> None:
-    """Holds the hit's full-block pages from `first_page` on and counts the hit.
+  def acquire(self, hit: PrefixHit, dead: range = range(0)) -> None:
+    """Holds the hit's full-block pages but the `dead` ones and counts the hit.
 
-    Pages before `first_page` lie wholly outside the request's attention
-    window (kvjax/scheduler.py): their tokens count as hit, but nothing reads
+    Dead pages lie wholly outside the request's attention window
+    (kvjax/scheduler.py): their tokens count as hit, but nothing reads
     them, so they are not held.  The token-mode `copy_src` is not held here
     either: the scheduler pins it only until the engine has copied it.
     """
-    self.allocator.incref(hit.pages[first_page:])
+    self.allocator.incref([p for i, p in enumerate(hit.pages) if i not in dead])
     self.hit_tokens += hit.num_tokens
     self.queried_tokens += hit.num_queried
 

@@ -43,6 +43,9 @@ row of n positions starting at s then holds pages (s - W + 1) // G through
 (`max_pages_held`).  Prefix hits acquire only the live part of their chain;
 released blocks reach the LRU before the request's live ones and are evicted
 first, and a lookup stops at its first missing block, so no hit has holes.
+Which pages are dead is the KV layout's host-side manager (`page_release`, a
+kvjax/caches/layout.py PageRelease; the window rule above by default): a layout
+may keep some early pages (attention sinks) and release a range after them.
 
 Protocol: schedule() and update_from_output() alternate; the engine applies `copies`
 before this step's forward (their sources are pinned until the next schedule()).
@@ -55,23 +58,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from kvjax.caches.layout import PageRelease, WindowRelease
 from kvjax.pages import NULL_PAGE, BlockAllocator
 from kvjax.prefix_cache import PrefixCache, PrefixHit, root_hash
 from kvjax.requests import PageCopy, Request, RequestStatus, ScheduledRow, SchedulerOutput
 
-__all__ = ["Scheduler", "max_pages_held"]
-
-
-def max_pages_held(num_tokens: int, *, page_size: int, max_num_batched_tokens: int,
-                   sliding_window: Optional[int] = None) -> int:
-  """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
-  # The last generated token is never fed, so num_tokens - 1 positions hold KV.
-  pages = -(-(num_tokens - 1) // page_size)
-  if sliding_window is None:
-    return pages
-  # A row writes n <= max_num_batched_tokens positions (see the module doc).
-  span = sliding_window + max_num_batched_tokens - 2
-  return min(pages, -(-span // page_size) + 1)
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -92,6 +84,7 @@ class Scheduler:
     sliding_window: widest attention window W of every layer that reads these
       pages; pages wholly before the window of a request's next query are
       released.  None (some layer attends to the whole prefix): keep them all.
+    page_release: the KV layout's page manager (default: the sliding_window rule).
   """
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
@@ -99,7 +92,8 @@ class Scheduler:
                enable_prefix_caching: bool = True, prefix_match: str = "block",
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
                num_scheduler_steps: int = 1, eos_token_id: Optional[int] = None,
-               sliding_window: Optional[int] = None):
+               sliding_window: Optional[int] = None,
+               page_release: Optional[PageRelease] = None):
     for name, value, least in (
         ("page_size", page_size, 1), ("max_num_seqs", max_num_seqs, 1),
         ("num_scheduler_steps", num_scheduler_steps, 1),
@@ -117,6 +111,7 @@ class Scheduler:
     self.num_scheduler_steps = num_scheduler_steps
     self.eos_token_id = eos_token_id
     self.sliding_window = sliding_window
+    self.page_release = page_release or WindowRelease(page_size, sliding_window)
     self.allocator = BlockAllocator(num_pages)
     self.prefix_cache = (
         PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
@@ -201,9 +196,7 @@ class Scheduler:
 
   def max_pages_held(self, num_tokens: int) -> int:
     """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
-    return max_pages_held(num_tokens, page_size=self.page_size,
-                          max_num_batched_tokens=self.max_num_batched_tokens,
-                          sliding_window=self.sliding_window)
+    return self.page_release.max_pages_held(num_tokens, self.max_num_batched_tokens)
 
   # -- one step ---------------------------------------------------------------
 
@@ -257,14 +250,14 @@ class Scheduler:
       n, need, dead = fit
       self.waiting.popleft()
       if self.prefix_cache:
-        self.prefix_cache.acquire(hit, first_page=dead)
+        self.prefix_cache.acquire(hit, dead=dead)
       if hit.copy_tokens:
         self.allocator.incref([hit.copy_src])
         pins.append(hit.copy_src)
       new_pages = self.allocator.allocate(need)
       if hit.copy_tokens:
         copies.append(PageCopy(hit.copy_src, new_pages[0], hit.copy_tokens))
-      req.pages = [NULL_PAGE] * dead + list(hit.pages[dead:]) + new_pages
+      req.pages = [NULL_PAGE if i in dead else p for i, p in enumerate(hit.pages)] + new_pages
       req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
       req.block_hashes = list(hit.block_hashes)
       req.num_cached_blocks = len(hit.pages)
@@ -395,9 +388,11 @@ class Scheduler:
       assert r.status is RequestStatus.RUNNING and r.slot is not None
       assert self._pages_for(r.num_computed_tokens) <= len(r.pages)
       assert len(r.pages) <= self.max_pages_per_seq
-      dead = self._first_live_page(r.num_computed_tokens)
-      assert set(r.pages[:dead]) <= {NULL_PAGE}, f"{r.request_id} holds a dead page"
-      assert NULL_PAGE not in r.pages[dead:], f"{r.request_id} lost a live page"
+      dead = self.page_release.dead_pages(r.num_computed_tokens)
+      assert {p for i, p in enumerate(r.pages) if i in dead} <= {NULL_PAGE}, \
+          f"{r.request_id} holds a dead page"
+      assert NULL_PAGE not in [p for i, p in enumerate(r.pages) if i not in dead], \
+          f"{r.request_id} lost a live page"
     for r in self.waiting:
       assert not r.pages and r.slot is None and r.num_computed_tokens == 0
     slots = sorted([r.slot for r in self.running] + self._free_slots)
@@ -409,17 +404,12 @@ class Scheduler:
   def _pages_for(self, num_tokens: int) -> int:
     return -(-num_tokens // self.page_size)
 
-  def _first_live_page(self, start: int) -> int:
-    """Pages before this one are unseen by every query at positions >= start."""
-    if self.sliding_window is None:
-      return 0
-    return max(0, start - self.sliding_window + 1) // self.page_size
-
   def _release_out_of_window(self, req: Request) -> None:
     """Frees the pages no future query of `req` sees (see the module doc)."""
-    dead = self._first_live_page(req.num_computed_tokens)
-    self.allocator.decref(p for p in reversed(req.pages[:dead]) if p != NULL_PAGE)
-    req.pages[:dead] = [NULL_PAGE] * dead
+    dead = self.page_release.dead_pages(req.num_computed_tokens)
+    self.allocator.decref(req.pages[i] for i in reversed(dead) if req.pages[i] != NULL_PAGE)
+    for i in dead:
+      req.pages[i] = NULL_PAGE
 
   def _row(self, req: Request, n: int, num_draft: int,
            decoding: bool) -> ScheduledRow:
@@ -431,12 +421,13 @@ class Scheduler:
                         is_decode=decoding)
 
   def _admission(self, req: Request, hit: PrefixHit,
-                 budget: int) -> Optional[tuple[int, int, int]]:
-    """(tokens to prefill now, new pages, first live hit page) if `req` fits now, else None."""
+                 budget: int) -> Optional[tuple[int, int, range]]:
+    """(tokens to prefill now, new pages, dead hit pages) if `req` fits now, else None."""
     n = min(req.num_tokens - hit.num_tokens, budget)
     need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
-    dead = self._first_live_page(hit.num_tokens)  # <= len(hit.pages)
-    pin = hit.pages[dead:] + ((hit.copy_src,) if hit.copy_tokens else ())
+    dead = self.page_release.dead_pages(hit.num_tokens)  # within hit.pages
+    pin = tuple(p for i, p in enumerate(hit.pages) if i not in dead) + (
+        (hit.copy_src,) if hit.copy_tokens else ())
     if not self.allocator.can_allocate(need, pinning=pin):
       return None
     return n, need, dead

@@ -10,7 +10,7 @@ the loop; each step writes its K/V into the dense copy and attends it through
 the backend's `gathered_attention` (the same core its paged attention runs
 after its gather, so every step sees the keys and values the pages would give
 it), and the loop's `settle` writes the positions the loop computed back to
-the pages.  Only float pages (`PagedKVCache.GATHERS_ROWS`) of a backend that
+the pages.  Only float pages (`PagedKVCache.gathers_rows`) of a backend that
 has `gathered_attention` loop this way, and only while the copy stays under
 `MAX_GATHERED_BYTES`; kernels that read pages in place, int8 / int4 pages, MLA
 latents and hybrid state read pages every step.  Shapes: docs/DIMENSIONS.md.
@@ -107,7 +107,7 @@ def decode_loop_cache(cache, block_tables: jax.Array, backend, num_layers: Optio
   [B], span) -> the cache after it): a GatheredKVCache of the first num_layers layers
   (None: all; fewer when the loop runs no MTP module) and its write-back where the cache
   and backend allow (module doc), else the cache itself and no-op."""
-  gathers = (getattr(cache, "GATHERS_ROWS", False) and cache.k_scales is None
+  gathers = (getattr(cache, "gathers_rows", False)
              and get_backend(backend).gathered_attention is not None)
   if gathers:
     all_layers, num_kv, _, z, h = cache.k_pages.shape

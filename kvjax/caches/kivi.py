@@ -15,10 +15,13 @@ Codes are packed two per int8 byte along H (kvjax/quant/symmetric.py), so the
 values take the ledger's ideal 1/2 byte; scales add 4H/Z bytes per token per
 head for keys (per page, amortized over Z tokens) and 4 for values, and the
 residual a fixed L x M x Z x K x H x 2 floats independent of context length.
+Registered as layout "int4" (kvjax/caches/layout.py).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,9 @@ from flax import struct
 
 from kvjax.attention.dense import masked_attention, padded_visibility
 from kvjax.backends import Backend
+from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import NULL_PAGE, PagedLayout, physical_pages
+from kvjax.config import ModelConfig
 from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
 from kvjax.step_batch import StepBatch
 
@@ -52,15 +57,8 @@ class KIVIPagedKVCache(PagedLayout):
   @classmethod
   def create(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
              head_dim: int, *, num_slots: int, residual_dtype) -> "KIVIPagedKVCache":
-    if head_dim % 2:
-      raise ValueError(f"int4 KV packs pairs along head_dim; got odd head_dim {head_dim}")
-    pages = (num_layers, num_kv_heads, num_pages, page_size, head_dim // 2)
-    residual = (num_layers, num_slots, page_size, num_kv_heads, head_dim)
-    return cls(k_pages=jnp.zeros(pages, jnp.int8), v_pages=jnp.zeros(pages, jnp.int8),
-               k_scales=jnp.ones(pages[:3] + (head_dim,), jnp.float32),
-               v_scales=jnp.ones(pages[:4], jnp.float32),
-               k_residual=jnp.zeros(residual, residual_dtype),
-               v_residual=jnp.zeros(residual, residual_dtype))
+    return cls(**allocate(_arrays(num_layers, num_kv_heads, num_pages, page_size, head_dim,
+                                  num_slots, store_name(residual_dtype))))
 
   def write(self, layer: int, k: jax.Array, v: jax.Array, batch: StepBatch):
     """Append k, v [B, T, K, H]; quantize every page this step completes.
@@ -72,29 +70,29 @@ class KIVIPagedKVCache(PagedLayout):
     use distinct slots (rows with q_len 0 leave their slot untouched).
     """
     b, t = k.shape[:2]
-    g = self.page_size
+    z = self.page_size
     start = batch.positions[:, 0]  # [B] tokens cached before this step
     end = start + batch.q_lens  # [B]
-    base = start // g * g  # [B] first position of the buffer
-    n_buf = (t - 1) // g + 2  # pages covering the residual plus T tokens
+    base = start // z * z  # [B] first position of the buffer
+    n_buf = (t - 1) // z + 2  # pages covering the residual plus T tokens
     rows = jnp.arange(b)[:, None]
-    index = jnp.where(batch.valid, (start - base)[:, None] + jnp.arange(t)[None], n_buf * g)
-    tail = lambda x: x.reshape((b, n_buf, g) + x.shape[2:])  # [B, n_buf, Z, K, H]
+    index = jnp.where(batch.valid, (start - base)[:, None] + jnp.arange(t)[None], n_buf * z)
+    tail = lambda x: x.reshape((b, n_buf, z) + x.shape[2:])  # [B, n_buf, Z, K, H]
 
     def buffer(residual, new):
-      buf = jnp.zeros((b, n_buf * g) + new.shape[2:], residual.dtype)
-      buf = buf.at[:, :g].set(residual[layer, batch.slot_ids])
+      buf = jnp.zeros((b, n_buf * z) + new.shape[2:], residual.dtype)
+      buf = buf.at[:, :z].set(residual[layer, batch.slot_ids])
       return tail(buf.at[rows, index].set(new.astype(residual.dtype), mode="drop"))
 
     k_buf, v_buf = buffer(self.k_residual, k), buffer(self.v_residual, v)
     k_codes, k_scale = quantize(k_buf, 4, axis=2)  # scales [B, n_buf, K, H]: per channel
     v_codes, v_scale = quantize(v_buf, 4, axis=4)  # scales [B, n_buf, Z, K]: per token
-    first_page = base // g  # [B]
+    first_page = base // z  # [B]
     logical = first_page[:, None] + jnp.arange(n_buf)[None]  # [B, n_buf]
-    complete = (logical + 1) * g <= end[:, None]
+    complete = (logical + 1) * z <= end[:, None]
     physical = jnp.where(complete, physical_pages(batch.block_tables, logical), NULL_PAGE)
     to_pages = lambda codes: pack_int4(codes.transpose(0, 1, 3, 2, 4))  # [B, n_buf, K, Z, H/2]
-    current = (end - base) // g  # [B] buffer page that becomes the residual
+    current = (end - base) // z  # [B] buffer page that becomes the residual
     take = lambda buf: jnp.take_along_axis(buf, current[:, None, None, None, None], 1)[:, 0]
     slots = jnp.where(batch.q_lens > 0, batch.slot_ids, self.k_residual.shape[1])
     return self.replace(
@@ -125,8 +123,36 @@ class KIVIPagedKVCache(PagedLayout):
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              window: Optional[int], backend: Backend):
     """Write k, v [B, T, K, H]; q [B, T, N, H] attends the dequantized pages densely."""
-    backend.check_kv_dtype("int4")
+    del backend  # dequantized here, attended densely
     cache = self.write(layer, k, v, batch)
     keys, values = cache.read(layer, batch)  # [B, S, K, H] f32
     visible = padded_visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
     return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)
+
+
+def _arrays(layers: int, num_kv: int, p: int, z: int, h: int, num_slots: int,
+            store: str) -> dict:
+  """Packed int4 pages, their scales (module doc) and the per-slot residual at `store`."""
+  if h % 2:
+    raise ValueError(f"int4 KV packs pairs along head_dim; got odd head_dim {h}")
+  pages = ArraySpec((layers, num_kv, p, z, h // 2), "int8")
+  residual = ArraySpec((layers, num_slots, z, num_kv, h), store, role="slot")
+  return {"k_pages": pages, "v_pages": pages,
+          "k_scales": ArraySpec((layers, num_kv, p, h), "fp32", scales=True, fill=1),
+          "v_scales": ArraySpec((layers, num_kv, p, z), "fp32", scales=True, fill=1),
+          "k_residual": residual, "v_residual": residual}
+
+
+def kivi_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
+  return _arrays(cfg.cache_layers(sizes.with_mtp), cfg.num_kv_heads, sizes.num_pages,
+                 sizes.page_size, cfg.head_dim, sizes.num_slots, store)
+
+
+register(KVLayout(
+    "int4", kivi_arrays, KIVIPagedKVCache,
+    check_backend=functools.partial(Backend.check_kv_dtype, kv_dtype="int4"),
+    no_speculation="a rejected draft that completed a page leaves the slot's full-precision "
+                   "residual holding the wrong page; use kv_dtype='int8' or no speculation",
+    no_token_prefix="a resumed page's leading tokens must sit in the slot's full-precision "
+                    "residual, not in a copied, already-quantized page; use "
+                    "prefix_match='block' or prefix_cache=False"))

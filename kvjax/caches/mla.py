@@ -5,7 +5,8 @@ What is cached per token and layer: the compressed latent c = RMSNorm(x W_dkv)
 2 N H (DeepSeek-V2: 576 vs 32,768; claim C6).  The block (kvjax/model.py
 `mla_attention`) hands `attend` keys k [B, T, 1, R + Hr] with v = k[..., :R];
 only k is stored, one page array instead of two, and the backend's
-`mla_attention` reads it (kvjax/attention/mla.py for the reference).
+`mla_attention` reads it (kvjax/attention/mla.py for the reference).  Registered
+as layout "latent", the default of attention_type "mla" (kvjax/caches/layout.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.backends import Backend
+from kvjax.caches.contiguous import ContiguousKVCache
+from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import PagedLayout, token_slots
 from kvjax.config import ModelConfig
 from kvjax.step_batch import StepBatch
@@ -33,10 +36,13 @@ class MLAPagedCache(PagedLayout):
   @classmethod
   def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
              with_mtp: bool = False) -> "MLAPagedCache":
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    layers = cfg.cache_layers(with_mtp)
-    return cls(pages=jnp.zeros((layers, num_pages, page_size, width), dtype),
-               value_dim=cfg.kv_lora_rank)
+    sizes = PoolSizes(num_pages, page_size, 0, with_mtp)
+    return cls(**allocate(latent_arrays(cfg, store_name(dtype), sizes)),
+               **cls.static_fields(cfg))
+
+  @staticmethod
+  def static_fields(cfg: ModelConfig) -> dict:
+    return {"value_dim": cfg.kv_lora_rank}
 
   def write(self, layer: int, entry: jax.Array, batch: StepBatch) -> "MLAPagedCache":
     """Scatter entry [B, T, R + Hr] to its pages; padding columns go to the null page."""
@@ -53,3 +59,22 @@ class MLAPagedCache(PagedLayout):
     out = backend.mla_attention(q, cache.pages[layer], batch, value_dim=self.value_dim,
                                 sm_scale=sm_scale, sliding_window=window)
     return cache, out
+
+
+def latent_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
+  """pages [L, P, Z, R + Hr] at `store`."""
+  shape = (cfg.cache_layers(sizes.with_mtp), sizes.num_pages, sizes.page_size,
+           cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+  return {"pages": ArraySpec(shape, store)}
+
+
+def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> ContiguousKVCache:
+  """One latent "kv head": keys [latent; rope key], values the latent (stored twice; the
+  contiguous cache is a baseline, MLAPagedCache stores it once)."""
+  r = cfg.kv_lora_rank
+  return ContiguousKVCache.create(cfg.num_layers, 1, num_slots, max_len,
+                                  r + cfg.qk_rope_head_dim, dtype, value_dim=r)
+
+
+register(KVLayout("latent", latent_arrays, MLAPagedCache, attention="mla", default=True,
+                  check_backend=Backend.check_mla, contiguous=_contiguous))

@@ -9,27 +9,34 @@ built-in backend reads.  int4 pages are kvjax/caches/kivi.py.
 
 The page lookup every paged cache shares is here: `physical_pages` (logical
 page -> physical page through the block table) and `token_slots` (each
-column's page and offset, padding sent to the null page).
+column's page and offset, padding sent to the null page).  The layouts "float"
+(the model dtype, the default), "fp32", "bf16", "fp16" and "int8" are
+registered at the end (kvjax/caches/layout.py).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from kvjax.backends import Backend
+from kvjax.caches.contiguous import ContiguousKVCache
+from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
+from kvjax.config import ModelConfig
 from kvjax.pages import NULL_PAGE
 from kvjax.quant.symmetric import quantize
 from kvjax.step_batch import StepBatch
 
 __all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_slots",
-           "copy_cache_pages", "clear_cache_pages"]
+           "copy_cache_pages", "clear_cache_pages", "kv_page_arrays"]
 
 
 def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
-  """block_tables [B, W], logical page ids [B, X] -> physical page ids [B, X] (clipped into W)."""
+  """block_tables [B, W], logical page ids [B, n] -> physical page ids [B, n] (clipped into W)."""
   logical = jnp.clip(logical, 0, block_tables.shape[1] - 1)
   return jnp.take_along_axis(block_tables, logical, axis=1)
 
@@ -70,7 +77,7 @@ class PagedLayout:
 class PagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
   PAGE_AXIS = 2
-  GATHERS_ROWS = True  # float pages (int8 ones have scales, which the loop would not carry)
+  GATHERS_ROWS = True  # float pages (see gathers_rows)
   HEAD_AXES = {name: 1 for name in PAGE_ARRAYS}  # kv heads split over tp (kvjax/sharding.py)
   k_pages: jax.Array  # [L, K, P, Z, H]
   v_pages: jax.Array  # [L, K, P, Z, H]
@@ -80,11 +87,16 @@ class PagedKVCache(PagedLayout):
   @classmethod
   def create(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
              head_dim: int, dtype) -> "PagedKVCache":
-    """`dtype` int8 quantizes every write; any float dtype stores K/V as is."""
-    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    scales = lambda: jnp.ones(shape[:-1], jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
-    return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
-               k_scales=scales(), v_scales=scales())  # distinct buffers: both are donated
+    """`dtype` int8 quantizes every write (with scales); any float dtype stores K/V as is."""
+    store = store_name(dtype)
+    specs = _kv_arrays((num_layers, num_kv_heads, num_pages, page_size, head_dim), store)
+    return cls(**allocate(_with_scales(specs) if store == "int8" else specs))
+
+  @property
+  def gathers_rows(self) -> bool:
+    """Whether a decode loop may keep its rows gathered: float pages (int8 ones have
+    scales, which the gathered copy does not carry)."""
+    return self.GATHERS_ROWS and self.k_scales is None
 
   def write(self, layer: int, k: jax.Array, v: jax.Array, batch: StepBatch) -> "PagedKVCache":
     """Scatter k, v [B, T, K, H] to their pages; padding columns go to the null page."""
@@ -112,7 +124,7 @@ class PagedKVCache(PagedLayout):
 
 
 def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
-  """Copy pages src [C] -> dst [C], every layer, in each array of `cache.PAGE_ARRAYS`.
+  """Copy pages src -> dst (page ids, one per copy), every layer, in each array of `cache.PAGE_ARRAYS`.
 
   A paged cache lists its per-page arrays (pages, scales; None ones are
   skipped) and their page axis `PAGE_AXIS`; per-slot state is not a page and
@@ -127,7 +139,8 @@ def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
 
 
 def clear_cache_pages(cache, pages: jax.Array, slots: jax.Array):
-  """Zero pages [C] in every array of `cache.PAGE_ARRAYS` and slots [C'] in `SLOT_ARRAYS`.
+  """Zero `pages` (page ids) in every array of `cache.PAGE_ARRAYS` and `slots` (slot ids)
+  in `SLOT_ARRAYS`.
 
   A request whose logits went non-finite has written NaN or inf K/V; attention
   weighs a masked position by exactly 0, but 0 * NaN is NaN, so a stale
@@ -144,3 +157,43 @@ def clear_cache_pages(cache, pages: jax.Array, slots: jax.Array):
   cleared.update({name: clear(getattr(cache, name), (slice(None),), slots)
                   for name in cache.SLOT_ARRAYS})
   return cache.replace(**cleared)
+
+
+def _kv_arrays(shape: tuple, store: str) -> dict:
+  """k_pages, v_pages of `shape` [L, K, P, Z, H] stored as `store`."""
+  return {"k_pages": ArraySpec(shape, store), "v_pages": ArraySpec(shape, store)}
+
+
+def _with_scales(specs: dict) -> dict:
+  """int8 pages plus one f32 scale [L, K, P, Z] per token per kv head (claim C6)."""
+  scales = ArraySpec(specs["k_pages"].shape[:-1], "fp32", scales=True, fill=1)
+  return {**specs, "k_scales": scales, "v_scales": scales}
+
+
+def kv_page_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
+  """cfg's k_pages, v_pages [L, K, P, Z, H] stored as `store`."""
+  return _kv_arrays((cfg.cache_layers(sizes.with_mtp), cfg.num_kv_heads, sizes.num_pages,
+                     sizes.page_size, cfg.head_dim), store)
+
+
+def _int8_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
+  return _with_scales(kv_page_arrays(cfg, "int8", sizes))
+
+
+def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> ContiguousKVCache:
+  """The C7 baseline: every slot reserves max_len tokens of the trunk's layers."""
+  return ContiguousKVCache.create(cfg.cache_layers(False), cfg.num_kv_heads, num_slots,
+                                  max_len, cfg.head_dim, dtype)
+
+
+def _reads(kv_dtype):
+  return functools.partial(Backend.check_kv_dtype, kv_dtype=kv_dtype)
+
+
+register(KVLayout("float", kv_page_arrays, PagedKVCache, default=True, hybrid=True,
+                  contiguous=_contiguous))
+for _store in ("fp32", "bf16", "fp16"):
+  register(KVLayout(_store, kv_page_arrays, PagedKVCache, store=_store, hybrid=True,
+                    contiguous=_contiguous, check_backend=_reads(_store)))
+register(KVLayout("int8", _int8_arrays, PagedKVCache, store="int8", hybrid=True,
+                  check_backend=_reads("int8")))

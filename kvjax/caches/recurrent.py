@@ -48,14 +48,15 @@ from flax import struct
 
 from kvjax.attention.gated_delta import LinearInputs, gated_delta_mix
 from kvjax.caches.contiguous import ContiguousKVCache
+from kvjax.caches.layout import ArraySpec, PoolSizes, allocate
 from kvjax.caches.paged import PagedKVCache
 from kvjax.config import ModelConfig
 from kvjax.step_batch import StepBatch
 
 __all__ = ["RecurrentState", "HybridPagedCache", "HybridContiguousCache", "state_shapes",
-           "with_recurrent_state", "check_hybrid_engine"]
+           "state_arrays", "with_recurrent_state", "check_hybrid_engine"]
 
-STATE_DTYPE = jnp.float32  # the delta-rule state accumulates over the whole context
+STATE_DTYPE = "fp32"  # the delta-rule state accumulates over the whole context
 
 
 def state_shapes(cfg: ModelConfig, num_slots: int) -> tuple[tuple, tuple]:
@@ -142,11 +143,11 @@ class RecurrentState:
     reach: column t ends logical page (start + t + 1) / page_size - 1 when that is
     whole.  A boundary without a snapshot (or past q_lens) gets column -1 and target Q,
     which `.at[].set(mode="drop")` skips."""
-    g = self.page_size
+    z = self.page_size
     t = batch.positions.shape[1]
-    first = (-batch.starts - 1) % g  # [B] the first column ending a page
-    columns = first[:, None] + g * jnp.arange(-(-t // g))[None, :]  # [B, Y]
-    page = (batch.starts[:, None] + columns + 1) // g - 1
+    first = (-batch.starts - 1) % z  # [B] the first column ending a page
+    columns = first[:, None] + z * jnp.arange(-(-t // z))[None, :]  # [B, Y]
+    page = (batch.starts[:, None] + columns + 1) // z - 1
     targets = jnp.take_along_axis(batch.snapshot_tables,
                                   jnp.clip(page, 0, batch.snapshot_tables.shape[1] - 1), axis=1)
     keep = (columns < batch.q_lens[:, None]) & (targets >= 0)
@@ -177,26 +178,35 @@ class HybridContiguousCache(RecurrentState, ContiguousKVCache):
   delta_state: jax.Array = None  # [Ll, M, Nv, Hk, Hv] f32
 
 
-def with_recurrent_state(kv, cfg: ModelConfig, num_slots: int, dtype, num_snapshots: int = 0,
-                         num_verify_states: int = 0):
+def state_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes, paged: bool = True) -> dict:
+  """The recurrent arrays of a hybrid's cache: per slot ("slot": conv states at `store`,
+  the model dtype, and f32 delta states), paged only: `num_snapshots` prefix-cache
+  snapshots ("snapshot") and, with speculation, `num_verify_states` = J + 1 states per
+  slot ("verify")."""
+  conv_shape, delta_shape = state_shapes(cfg, sizes.num_slots)
+  arrays = {"conv_state": ArraySpec(conv_shape, store, role="slot"),
+            "delta_state": ArraySpec(delta_shape, STATE_DTYPE, role="slot")}
+  if not paged:
+    if sizes.num_snapshots or sizes.num_verify_states:
+      raise ValueError("prefix-cache snapshots and verify states need a paged cache")
+    return arrays
+  conv_snap, delta_snap = state_shapes(cfg, sizes.num_snapshots)
+  arrays.update(snapshot_conv=ArraySpec(conv_snap, store, role="snapshot"),
+                snapshot_delta=ArraySpec(delta_snap, STATE_DTYPE, role="snapshot"))
+  if sizes.num_verify_states:
+    verify = lambda shape: shape[:2] + (sizes.num_verify_states,) + shape[2:]
+    arrays.update(verify_conv=ArraySpec(verify(conv_shape), store, role="verify"),
+                  verify_delta=ArraySpec(verify(delta_shape), STATE_DTYPE, role="verify"))
+  return arrays
+
+
+def with_recurrent_state(kv, cfg: ModelConfig, store: str, sizes: PoolSizes):
   """A dense KV cache `kv` (paged or contiguous) -> its hybrid twin with zero states
-  (and, paged, `num_snapshots` prefix-cache snapshots and `num_verify_states` = J + 1
-  states per slot for speculation)."""
+  (`state_arrays` at `store`, the model dtype's short name)."""
   hybrid = {PagedKVCache: HybridPagedCache, ContiguousKVCache: HybridContiguousCache}[type(kv)]
-  conv_shape, delta_shape = state_shapes(cfg, num_slots)
   fields = {name: getattr(kv, name) for name in kv.__dataclass_fields__}
-  if hybrid is HybridPagedCache:
-    conv_snap, delta_snap = state_shapes(cfg, num_snapshots)
-    fields.update(snapshot_conv=jnp.zeros(conv_snap, dtype),
-                  snapshot_delta=jnp.zeros(delta_snap, STATE_DTYPE))
-    if num_verify_states:
-      verify = lambda shape: shape[:2] + (num_verify_states,) + shape[2:]
-      fields.update(verify_conv=jnp.zeros(verify(conv_shape), dtype),
-                    verify_delta=jnp.zeros(verify(delta_shape), STATE_DTYPE))
-  elif num_snapshots or num_verify_states:
-    raise ValueError("prefix-cache snapshots and verify states need a paged cache")
-  return hybrid(**fields, conv_state=jnp.zeros(conv_shape, dtype),
-                delta_state=jnp.zeros(delta_shape, STATE_DTYPE))
+  return hybrid(**fields, **allocate(state_arrays(cfg, store, sizes,
+                                                  paged=hybrid is HybridPagedCache)))
 
 
 def check_hybrid_engine(*, speculative) -> None:

@@ -1,0 +1,218 @@
+"""KV layouts as spec records, registered by name: the one place a layout is declared.
+
+A `KVLayout` says everything the rest of kvjax needs about one way of storing
+K/V (float pages, int8, KIVI int4, MLA latents, StreamingLLM's sinks + window):
+  arrays(cfg, store, sizes) -> {field: ArraySpec}   every array of its cache, with
+      its shape, stored dtype and role ("page": pages on axis PAGE_AXIS, tokens on
+      the next; "slot": slots on axis 1), so the pool is allocated from it
+      (kvjax/caches/__init__.py) and the ledger and `kvjax memory` count bytes from
+      it (kvjax/ledger.py): no second formula anywhere;
+  cache: the pytree class built from those arrays; its `attend` is the layout's
+      attention (the contract in kvjax/caches/__init__.py);
+  capabilities: which backends read it (`check_backend`), whether a hybrid's
+      recurrent state rides along (`hybrid`), a contiguous twin (`contiguous`),
+      what it refuses (speculation, token-mode prefix hits: the reason, or None);
+  release: its host-side manager, the `PageRelease` of a request (which logical
+      pages no future query reads, so the scheduler may free them).
+A layout module registers its records at import (`register`); the package
+imports every module in kvjax/caches/, so a new layout is one new file.
+A record may also be passed where a name goes (`kv_dtype=KVLayout(...)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import jax.numpy as jnp
+
+from kvjax.backends import Backend
+from kvjax.config import ModelConfig, short_dtype_name
+
+__all__ = ["ArraySpec", "PoolSizes", "KVLayout", "PageRelease", "WindowRelease", "register",
+           "layout_names", "get_layout", "sizing_layout", "FLOAT_STORES", "STORE_DTYPES", "store_name", "allocate"]
+
+# Stored dtypes of cache arrays by short name (kvjax/config.py's vocabulary).
+FLOAT_STORES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+STORE_DTYPES = {**FLOAT_STORES, "int8": jnp.int8}
+
+
+def store_name(dtype) -> str:
+  """A jnp dtype (the model's) -> its short name ('bf16')."""
+  return next(name for name, d in STORE_DTYPES.items() if jnp.dtype(d) == jnp.dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+  """One cache array: shape, stored dtype (short name), role ("page" or "slot"), whether
+  it holds quantization scales (the ledger reports those apart), initial value."""
+
+  shape: tuple
+  dtype: str
+  role: str = "page"
+  scales: bool = False
+  fill: int = 0
+
+  @property
+  def size(self) -> int:
+    size = 1
+    for dim in self.shape:
+      size *= dim
+    return size
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * jnp.dtype(STORE_DTYPES[self.dtype]).itemsize
+
+  def allocate(self):
+    return jnp.full(self.shape, self.fill, STORE_DTYPES[self.dtype])
+
+
+def allocate(specs: dict) -> dict:
+  """{field: ArraySpec} -> {field: its initial array} (distinct buffers: all are donated)."""
+  return {field: spec.allocate() for field, spec in specs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+  """What a pool is sized by: P pages of Z tokens, M slots, cache layers with MTP or not
+  (and a hybrid's state snapshots and verify states)."""
+
+  num_pages: int
+  page_size: int
+  num_slots: int
+  with_mtp: bool = False
+  num_snapshots: int = 0  # a hybrid's prefix-cache state snapshots (Q)
+  num_verify_states: int = 0  # a hybrid's states per slot for speculation (J + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRelease:
+  """Host-side page manager of a layout: `dead_pages(start)` are the logical pages no
+  query at a position >= start reads (freed, their block-table entries the null page);
+  `max_pages_held` bounds what a request holds at once.  This base keeps every page."""
+
+  page_size: int
+
+  def dead_pages(self, start: int) -> range:
+    return range(0)
+
+  def max_pages_held(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+    """Most pages a request of num_tokens (prompt + max_new_tokens) holds at once."""
+    return -(-(num_tokens - 1) // self.page_size)  # the last token is never fed
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowRelease(PageRelease):
+  """Sliding window W (every layer's): a query at p sees keys j > p - W, so pages
+  wholly before start - W + 1 are dead (kvjax/scheduler.py's module doc)."""
+
+  window: Optional[int] = None
+
+  def dead_pages(self, start: int) -> range:
+    if self.window is None:
+      return range(0)
+    return range(max(0, start - self.window + 1) // self.page_size)
+
+  def max_pages_held(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+    pages = super().max_pages_held(num_tokens, max_num_batched_tokens)
+    if self.window is None:
+      return pages
+    # A row writes n <= max_num_batched_tokens positions; it holds ceil((W + n - 2) / Z) + 1.
+    span = self.window + max_num_batched_tokens - 2
+    return min(pages, -(-span // self.page_size) + 1)
+
+
+def _window_release(page_size: int, window: Optional[int]) -> PageRelease:
+  return WindowRelease(page_size, window)
+
+
+def _any_backend(backend: Backend) -> None:
+  del backend  # the cache reads its pages itself
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """One KV layout (module doc).  `store`: the float dtype pages keep (None: the model's);
+  `attention`: the ModelConfig.attention_type it serves, `default` for that type when
+  kv_dtype is None."""
+
+  name: str
+  arrays: Callable  # (cfg, store: str, sizes: PoolSizes) -> {field: ArraySpec}
+  cache: type
+  store: Optional[str] = None
+  attention: str = "gqa"
+  default: bool = False
+  check_backend: Callable = _any_backend  # ValueError naming the backend that cannot read it
+  hybrid: bool = False  # a hybrid's recurrent state may ride beside it (caches/recurrent.py)
+  contiguous: Optional[Callable] = None  # (cfg, num_slots, max_len, dtype) -> contiguous twin
+  no_speculation: Optional[str] = None  # why drafts cannot be verified on it (None: they can)
+  no_token_prefix: Optional[str] = None  # why prefix_match="token" cannot resume on it
+  release: Callable = _window_release  # (page_size, model window) -> PageRelease
+  check_model: Callable = lambda cfg: None  # ValueError for a model it cannot serve
+
+  def create(self, cfg: ModelConfig, sizes: PoolSizes, dtype):
+    """The empty cache for cfg (model dtype `dtype`) sized by `sizes`."""
+    specs = self.arrays(cfg, self.store or store_name(dtype), sizes)
+    return self.cache(**allocate(specs), **self.static_fields(cfg))
+
+  def static_fields(self, cfg: ModelConfig) -> dict:
+    """Non-array fields of the cache record (e.g. MLA's value width)."""
+    return getattr(self.cache, "static_fields", lambda cfg: {})(cfg)
+
+
+_LAYOUTS: dict = {}
+
+
+def register(layout: KVLayout) -> KVLayout:
+  """Adds `layout` under its name (ValueError if the name is taken by another record)."""
+  if _LAYOUTS.get(layout.name, layout) != layout:
+    raise ValueError(f"kv layout {layout.name!r} is already registered")
+  _LAYOUTS[layout.name] = layout
+  return layout
+
+
+def layout_names() -> tuple:
+  return tuple(_LAYOUTS)
+
+
+def sizing_layout(kv_dtype: Union[None, str, KVLayout], cfg: ModelConfig) -> KVLayout:
+  """The layout the ledger sizes (kvjax/ledger.py): a float dtype name means cfg's default
+  layout storing that float (MLA latents at bf16 are what the seeds size), anything else
+  the registered layout; None: the default at its store.  Checks only the name."""
+  name = short_dtype_name(kv_dtype)
+  if isinstance(name, str) and name in FLOAT_STORES:
+    return dataclasses.replace(_default(cfg), store=name)
+  return get_layout(kv_dtype, cfg, check_model=False)
+
+
+def _default(cfg: ModelConfig) -> KVLayout:
+  return next(l for l in _LAYOUTS.values() if l.default and l.attention == cfg.attention_type)
+
+
+def get_layout(kv_dtype: Union[None, str, KVLayout], cfg: ModelConfig, *,
+               check_model: bool = True) -> KVLayout:
+  """The layout kv_dtype names for cfg (None: cfg's default), checked against cfg's
+  attention (and, check_model, against what else cfg needs); ValueError naming the bad
+  kv_dtype."""
+  if isinstance(kv_dtype, KVLayout):
+    layout = kv_dtype
+  elif kv_dtype is None:
+    layout = _default(cfg)
+  else:
+    layout = _LAYOUTS.get(short_dtype_name(kv_dtype))
+    if layout is None:
+      raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; use None or one of "
+                       f"{layout_names()}")
+  if layout.attention != cfg.attention_type:
+    raise ValueError(f"kv_dtype {layout.name!r} is not supported for "
+                     f"{cfg.attention_type.upper()} (that layout stores "
+                     f"{layout.attention.upper()} K/V; the default keeps the model dtype); "
+                     "use kv_dtype=None")
+  if not check_model:
+    return layout
+  if cfg.is_hybrid and not layout.hybrid:
+    raise ValueError(f"kv_dtype {layout.name!r} is not supported for hybrid model "
+                     f"{cfg.name!r} (its per-slot arrays and recurrent state are not "
+                     "combined); use int8")
+  layout.check_model(cfg)
+  return layout
