@@ -172,7 +172,7 @@ class EngineConfig:
 
   def page_release(self, cfg: ModelConfig) -> PageRelease:
     """The layout's host-side page manager: which pages a request may release."""
-    return get_layout(self.kv_dtype, cfg).release(self.page_size, self.widest_window(cfg))
+    return get_layout(self.kv_dtype, cfg).page_release(self.page_size, self.widest_window(cfg))
 
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""

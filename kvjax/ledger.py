@@ -135,7 +135,7 @@ def _tokens_held(cfg: ModelConfig, context: int, kv_dtype, include_mtp: bool) ->
   """Layer-tokens one request of `context` tokens holds: each layer's window caps it,
   and the layout's page manager drops the pages it releases on its own."""
   layout = sizing_layout(kv_dtype, cfg)
-  released = len(layout.release(PAGE_SIZE, None).dead_pages(context)) * PAGE_SIZE
+  released = len(layout.page_release(PAGE_SIZE, None).dead_pages(context)) * PAGE_SIZE
   return sum(context - released if w is None else min(context - released, w)
              for w in _cache_layer_windows(cfg, include_mtp))
 

@@ -107,9 +107,8 @@ def create_contiguous_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtyp
                             kv_dtype: KVDtype = None):
   """Every slot reserves max_len tokens (the C7 baseline), in kv_dtype's contiguous twin."""
   layout = get_layout(kv_dtype, cfg)
-  if layout.contiguous is None:
-    raise ValueError(f"kv_dtype {layout.name!r} needs cache='paged', got cache='contiguous'")
-  buffers = layout.contiguous(cfg, num_slots, max_len, STORE_DTYPES.get(layout.store, dtype))
+  buffers = layout.create_contiguous(cfg, num_slots, max_len,
+                                     STORE_DTYPES.get(layout.store, dtype))
   if not cfg.is_hybrid:
     return buffers
   return with_recurrent_state(buffers, cfg, store_name(dtype), PoolSizes(0, 1, num_slots))

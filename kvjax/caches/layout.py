@@ -122,7 +122,7 @@ class WindowRelease(PageRelease):
     return min(pages, -(-span // self.page_size) + 1)
 
 
-def _window_release(page_size: int, window: Optional[int]) -> PageRelease:
+def _window_release(page_size: int, window: Optional[int], **options) -> PageRelease:
   return WindowRelease(page_size, window)
 
 
@@ -144,20 +144,32 @@ class KVLayout:
   default: bool = False
   check_backend: Callable = _any_backend  # ValueError naming the backend that cannot read it
   hybrid: bool = False  # a hybrid's recurrent state may ride beside it (caches/recurrent.py)
-  contiguous: Optional[Callable] = None  # (cfg, num_slots, max_len, dtype) -> contiguous twin
+  contiguous: Optional[Callable] = None  # (cfg, num_slots, max_len, dtype, **options) -> twin
   no_speculation: Optional[str] = None  # why drafts cannot be verified on it (None: they can)
   no_token_prefix: Optional[str] = None  # why prefix_match="token" cannot resume on it
-  release: Callable = _window_release  # (page_size, model window) -> PageRelease
+  release: Callable = _window_release  # (page_size, model window, **options) -> PageRelease
   check_model: Callable = lambda cfg: None  # ValueError for a model it cannot serve
+  options: tuple = ()  # (field, value) pairs: static fields of its cache (e.g. a window)
 
   def create(self, cfg: ModelConfig, sizes: PoolSizes, dtype):
     """The empty cache for cfg (model dtype `dtype`) sized by `sizes`."""
     specs = self.arrays(cfg, self.store or store_name(dtype), sizes)
     return self.cache(**allocate(specs), **self.static_fields(cfg))
 
+  def page_release(self, page_size: int, window: Optional[int]) -> PageRelease:
+    """The host-side manager for pages of `page_size` tokens under the model's widest
+    window (None: some layer sees everything)."""
+    return self.release(page_size, window, **dict(self.options))
+
+  def create_contiguous(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype):
+    """The contiguous twin: every slot reserves max_len tokens (at `dtype`)."""
+    if self.contiguous is None:
+      raise ValueError(f"kv_dtype {self.name!r} needs cache='paged', got cache='contiguous'")
+    return self.contiguous(cfg, num_slots, max_len, dtype, **dict(self.options))
+
   def static_fields(self, cfg: ModelConfig) -> dict:
-    """Non-array fields of the cache record (e.g. MLA's value width)."""
-    return getattr(self.cache, "static_fields", lambda cfg: {})(cfg)
+    """Non-array fields of the cache record (e.g. MLA's value width, the options)."""
+    return {**getattr(self.cache, "static_fields", lambda cfg: {})(cfg), **dict(self.options)}
 
 
 _LAYOUTS: dict = {}

@@ -68,7 +68,8 @@ def latent_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
   return {"pages": ArraySpec(shape, store)}
 
 
-def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> ContiguousKVCache:
+def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
+                **options) -> ContiguousKVCache:
   """One latent "kv head": keys [latent; rope key], values the latent (stored twice; the
   contiguous cache is a baseline, MLAPagedCache stores it once)."""
   r = cfg.kv_lora_rank

@@ -180,7 +180,8 @@ def _int8_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
   return _with_scales(kv_page_arrays(cfg, "int8", sizes))
 
 
-def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> ContiguousKVCache:
+def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
+                **options) -> ContiguousKVCache:
   """The C7 baseline: every slot reserves max_len tokens of the trunk's layers."""
   return ContiguousKVCache.create(cfg.cache_layers(False), cfg.num_kv_heads, num_slots,
                                   max_len, cfg.head_dim, dtype)
