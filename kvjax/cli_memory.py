@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
   print(f"  KV per token     {r.kv_bytes_per_token / ledger.KIB:g} KiB{scales}")
   print(f"  KV per request   {_gib(r.kv_bytes_per_request)}")
   if r.state_bytes_per_request:
-    print(f"  state / request  {r.state_bytes_per_request / 2**20:.2f} MiB (recurrent, any "
-          "context)")
+    print(f"  state / request  {r.state_bytes_per_request / 2**20:.2f} MiB (per-slot: "
+          "recurrent state, int4 residual; any context)")
+  if pool["snapshot_bytes"]:
     print(f"  state snapshot   {pool['snapshot_bytes'] / 2**20:.2f} MiB per cached page "
           "boundary (prefix cache; --prefix-snapshots bounds them)")
   print(f"  allocated pool   {pool['kv_bytes_per_token']:,.0f} B/token of pages, "

@@ -91,37 +91,21 @@ def _whole(x: Fraction):
   return int(x) if x.denominator == 1 else float(x)
 
 
-def _layout_arrays(cfg: ModelConfig, kv_dtype, include_mtp: bool = False,
-                   num_slots: int = 1):
-  """(layout, its array specs for one page of PAGE_SIZE tokens and num_slots slots)."""
-  layout = sizing_layout(kv_dtype, cfg)
-  specs = layout.arrays(cfg, layout.store or "bf16", PoolSizes(1, PAGE_SIZE, num_slots,
-                                                               include_mtp))
-  return layout, specs
-
-
-def _per_layer_token(cfg: ModelConfig, kv_dtype, scales: bool) -> Fraction:
-  """Page bytes per cache layer and token: values (scales False) or scales."""
-  _, specs = _layout_arrays(cfg, kv_dtype)
-  layers = cfg.cache_layers(False)
-  return sum((Fraction(a.nbytes, PAGE_SIZE * layers) for a in specs.values()
-              if a.role == "page" and a.scales == scales), Fraction(0))
+def _per_layer_token(cfg: ModelConfig, kv_dtype, scales: bool = False) -> Fraction:
+  return sizing_layout(kv_dtype, cfg).bytes_per_layer_token(cfg, PAGE_SIZE, scales)
 
 
 def kv_values_per_token(cfg: ModelConfig, include_mtp: bool = False) -> int:
   """Cached values per token of history, over every cache layer (C4's formula): the
-  default layout's page elements."""
-  _, specs = _layout_arrays(cfg, None)
-  per_layer = sum(a.size for a in specs.values() if a.role == "page" and not a.scales)
-  return len(_cache_layer_windows(cfg, include_mtp)) * per_layer // (
-      PAGE_SIZE * cfg.cache_layers(False))
+  default layout's page values (a 1-byte store would hold one per byte)."""
+  per_layer = _per_layer_token(cfg, None) / 2  # at the bf16 store
+  return _whole(len(_cache_layer_windows(cfg, include_mtp)) * per_layer)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
                        include_mtp: bool = False) -> int:
   """Ideal KV bytes per token (values only, no quantization scales)."""
-  layers = len(_cache_layer_windows(cfg, include_mtp))
-  return _whole(layers * _per_layer_token(cfg, kv_dtype, scales=False))
+  return _whole(len(_cache_layer_windows(cfg, include_mtp)) * _per_layer_token(cfg, kv_dtype))
 
 
 def kv_scale_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
@@ -131,33 +115,24 @@ def kv_scale_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
   return _whole(layers * _per_layer_token(cfg, kv_dtype, scales=True))
 
 
-def _tokens_held(cfg: ModelConfig, context: int, kv_dtype, include_mtp: bool) -> int:
-  """Layer-tokens one request of `context` tokens holds: each layer's window caps it,
-  and the layout's page manager drops the pages it releases on its own."""
-  layout = sizing_layout(kv_dtype, cfg)
-  released = len(layout.page_release(PAGE_SIZE, None).dead_pages(context)) * PAGE_SIZE
-  return sum(context - released if w is None else min(context - released, w)
-             for w in _cache_layer_windows(cfg, include_mtp))
-
-
 def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
                          include_mtp: bool = False, count_scales: bool = False) -> int:
-  """KV bytes one request of `context` tokens holds; windowed layers are capped."""
+  """KV bytes one request of `context` tokens holds: each windowed layer caps it, and
+  a layout that releases pages itself (sinks + window) holds what it keeps."""
   _check_positive_int(context, "context")
-  tokens = _tokens_held(cfg, context, kv_dtype, include_mtp)
-  total = tokens * _per_layer_token(cfg, kv_dtype, scales=False)
-  if count_scales:
-    total += tokens * _per_layer_token(cfg, kv_dtype, scales=True)
-  return _whole(total)
+  held = sizing_layout(kv_dtype, cfg).tokens_held(context, PAGE_SIZE)
+  tokens = sum(held if w is None else min(held, w)
+               for w in _cache_layer_windows(cfg, include_mtp))
+  per_token = _per_layer_token(cfg, kv_dtype) + (
+      _per_layer_token(cfg, kv_dtype, scales=True) if count_scales else 0)
+  return _whole(tokens * per_token)
 
 
 def slot_bytes_per_request(cfg: ModelConfig, kv_dtype: str = "bf16",
                            state_dtype: str = "bf16") -> int:
   """Bytes one request's slot holds whatever its length: the layout's per-slot arrays
   (int4's residual at `state_dtype`, the model's) plus a hybrid's recurrent state."""
-  layout = sizing_layout(kv_dtype, cfg)
-  specs = layout.arrays(cfg, layout.store or state_dtype, PoolSizes(1, PAGE_SIZE, 1))
-  return sum(a.nbytes for a in specs.values() if a.role == "slot") + \
+  return sizing_layout(kv_dtype, cfg).slot_bytes(cfg, PAGE_SIZE, state_dtype) + \
       state_bytes_per_request(cfg, state_dtype)
 
 

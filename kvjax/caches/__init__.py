@@ -31,7 +31,6 @@ layout is one new file (docs/EXTENDING.md).
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import pkgutil
 from typing import Optional, Union

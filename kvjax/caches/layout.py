@@ -21,6 +21,7 @@ A record may also be passed where a name goes (`kv_dtype=KVLayout(...)`).
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from typing import Callable, Optional, Union
 
 import jax.numpy as jnp
@@ -166,6 +167,24 @@ class KVLayout:
     if self.contiguous is None:
       raise ValueError(f"kv_dtype {self.name!r} needs cache='paged', got cache='contiguous'")
     return self.contiguous(cfg, num_slots, max_len, dtype, **dict(self.options))
+
+  def bytes_per_layer_token(self, cfg: ModelConfig, page_size: int, scales: bool = False,
+                            store: str = "bf16") -> Fraction:
+    """Page bytes per cache layer and token (pages of page_size tokens): values, or with
+    `scales` the quantization scales.  `store`: the model dtype where the layout has none."""
+    specs = self.arrays(cfg, self.store or store, PoolSizes(1, page_size, 1))
+    return sum((Fraction(a.nbytes, page_size * cfg.cache_layers(False)) for a in specs.values()
+                if a.role == "page" and a.scales == scales), Fraction(0))
+
+  def slot_bytes(self, cfg: ModelConfig, page_size: int, store: str = "bf16") -> int:
+    """Bytes of one slot's arrays (a constant per request, e.g. int4's residual)."""
+    specs = self.arrays(cfg, self.store or store, PoolSizes(1, page_size, 1))
+    return sum(a.nbytes for a in specs.values() if a.role == "slot")
+
+  def tokens_held(self, context: int, page_size: int) -> int:
+    """Tokens of a `context`-token request still in its pages after the layout's own
+    release (the model's window aside)."""
+    return context - page_size * len(self.page_release(page_size, None).dead_pages(context))
 
   def static_fields(self, cfg: ModelConfig) -> dict:
     """Non-array fields of the cache record (e.g. MLA's value width, the options)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from kvjax.backends import Backend
