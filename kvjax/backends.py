@@ -26,9 +26,12 @@ step call through it and never compare functions by identity:
       pages in place): every step reads pages through `attention`.  A variant
       that replaces `attention` of a record that has it replaces it too (or
       sets None), or bursts bypass the new `attention`.
-  kv_dtypes: the `kv_dtype` page stores it serves (None, the model dtype, always).
-int4 (KIVI) pages are dequantized by their cache and attended densely, so
-"int4" in kv_dtypes means the backend accepts that path.
+  kv_dtypes: the page stores its `attention` reads (the model dtype always); a KV
+      layout names the store it needs in its `check_backend` (kvjax/caches/layout.py),
+      the backend never inspects layouts.  int4 (KIVI) pages are dequantized by
+      their cache and attended densely, so "int4" in kv_dtypes means the backend
+      accepts that path; a layout that reads its pages itself (attention sinks +
+      window) asks nothing of the backend.
 
 Built-in names:
   reference         kvjax's pure-jnp gather and pallas_kernels' jnp verifier (any device)

@@ -1,4 +1,4 @@
-"""KV caches: one contract, four layouts (and a decode loop's gathered view).
+"""KV caches: one contract, layouts declared as spec records (and a decode loop's view).
 
 Every cache is a frozen pytree with
   cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
@@ -18,7 +18,8 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
   gathered.py    GatheredKVCache: a device decode loop's rows' float pages gathered
                  once before the loop and written back after it (same contract),
                  for backends whose paged attention is a gather (the reference)
-
+  streaming.py   SinkWindowCache: StreamingLLM's attention sinks + window, its
+                 pages between the two released (the one-file layout example)
   layout.py      KVLayout: the spec record every layout registers by name (its
                  arrays, bytes, capabilities, host-side page manager and cache class)
 
