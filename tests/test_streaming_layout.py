@@ -3,7 +3,7 @@
 Oracles: a float64 numpy brute force of sinks + window attention (its mask written
 from the definition, key j visible iff j <= p and (j < S or j > p - W)); the
 contiguous twin, which has no pages to release; exact page and byte arithmetic.
-S = 4 sinks, W = 16 window, Z = 8 tokens per page: a row of n positions starting
+4 sinks, a 16-token window, Z = 8 tokens per page: a row of n positions starting
 at s holds the sink page plus pages (s - 15) // 8 .. (s + n - 1) // 8.
 """
 from __future__ import annotations
@@ -30,14 +30,16 @@ from kvjax.step_batch import make_step_batch
 SINKS, WINDOW, Z, BUDGET = 4, 16, 8, 16
 LAYOUT = register(streaming_layout(SINKS, WINDOW, store="fp32"))  # "sinks4-window16"
 # One sink page + ceil((W + n - 2) / Z) + 1 window pages: n = 1 decodes, n = 16 chunks.
-DECODE_BOUND, PREFILL_BOUND = 1 + -(-(WINDOW - 1) // Z) + 1, 1 + -(-(WINDOW + BUDGET - 2) // Z) + 1
+DECODE_BOUND = 1 + -(-(WINDOW + 1 - 2) // Z) + 1  # 4
+PREFILL_BOUND = 1 + -(-(WINDOW + BUDGET - 2) // Z) + 1  # 6
 LONG, SHORT = list(range(3, 40)), list(range(50, 60))  # 37 and 10 tokens
 ENGINE = dict(page_size=Z, max_num_seqs=2, max_num_batched_tokens=BUDGET, max_model_len=256,
               kv_dtype=LAYOUT.name)
 
 
 def _brute_force(q, k, v, context, sm_scale):
-  """q [T, N, H] at positions context - T .. context - 1 over k, v [S, K, H], float64."""
+  """q [T, N, H] at positions context - T .. context - 1 over k, v [S, K, H], float64:
+  key j is visible to the query at p iff j <= p and (j < SINKS or j > p - WINDOW)."""
   t, n, _ = q.shape
   group = n // k.shape[1]
   out = np.zeros((t, n, v.shape[2]))

@@ -39,5 +39,10 @@ class ContiguousKVCache:
         v=self.v.at[layer, slots, positions].set(v.astype(self.v.dtype), mode="drop"))
     keys = cache.k[layer, batch.slot_ids]  # [B, S, K, H]
     values = cache.v[layer, batch.slot_ids]
-    visible = padded_visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
+    visible = self.visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
     return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)
+
+  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int]) -> jax.Array:
+    """[B, T, S] keys each query sees: causal and windowed (a layout's twin may mask
+    otherwise, e.g. attention sinks)."""
+    return padded_visibility(kv_lens, t, s, window)

@@ -30,7 +30,8 @@ from kvjax.backends import Backend
 from kvjax.config import ModelConfig, short_dtype_name
 
 __all__ = ["ArraySpec", "PoolSizes", "KVLayout", "PageRelease", "WindowRelease", "register",
-           "layout_names", "get_layout", "sizing_layout", "FLOAT_STORES", "STORE_DTYPES", "store_name", "allocate"]
+           "layout_names", "get_layout", "sizing_layout", "FLOAT_STORES", "STORE_DTYPES",
+           "store_name", "allocate"]
 
 # Stored dtypes of cache arrays by short name (kvjax/config.py's vocabulary).
 FLOAT_STORES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}

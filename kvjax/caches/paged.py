@@ -124,7 +124,8 @@ class PagedKVCache(PagedLayout):
 
 
 def copy_cache_pages(cache, src: jax.Array, dst: jax.Array):
-  """Copy pages src -> dst (page ids, one per copy), every layer, in each array of `cache.PAGE_ARRAYS`.
+  """Copy pages src -> dst (page ids, one per copy), every layer, in each array of
+  `cache.PAGE_ARRAYS`.
 
   A paged cache lists its per-page arrays (pages, scales; None ones are
   skipped) and their page axis `PAGE_AXIS`; per-slot state is not a page and

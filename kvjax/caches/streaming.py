@@ -84,19 +84,9 @@ class SinkWindowContiguousCache(ContiguousKVCache):
   sinks: int = struct.field(pytree_node=False, default=4)
   window: int = struct.field(pytree_node=False, default=1020)
 
-  def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend=None):
-    """Write k, v [B, T, K, H] into each row's slot; q attends its sinks and window."""
-    del window, backend
-    slots = batch.slot_ids[:, None]  # [B, 1]
-    positions = jnp.where(batch.valid, batch.positions, self.k.shape[2])  # padding: dropped
-    cache = self.replace(
-        k=self.k.at[layer, slots, positions].set(k.astype(self.k.dtype), mode="drop"),
-        v=self.v.at[layer, slots, positions].set(v.astype(self.v.dtype), mode="drop"))
-    keys, values = cache.k[layer, batch.slot_ids], cache.v[layer, batch.slot_ids]
-    visible = sink_window_visibility(batch.kv_lens, q.shape[1], keys.shape[1], self.sinks,
-                                     self.window)
-    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)
+  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int]) -> jax.Array:
+    del window  # the model has none (_check_model)
+    return sink_window_visibility(kv_lens, t, s, self.sinks, self.window)
 
 
 @dataclasses.dataclass(frozen=True)
