@@ -97,8 +97,8 @@ def _per_layer_token(cfg: ModelConfig, kv_dtype, scales: bool = False) -> Fracti
 
 def kv_values_per_token(cfg: ModelConfig, include_mtp: bool = False) -> int:
   """Cached values per token of history, over every cache layer (C4's formula): the
-  default layout's page values (a 1-byte store would hold one per byte)."""
-  per_layer = _per_layer_token(cfg, None) / 2  # at the bf16 store
+  default layout's page values."""
+  per_layer = sizing_layout(None, cfg).values_per_layer_token(cfg, PAGE_SIZE)
   return _whole(len(_cache_layer_windows(cfg, include_mtp)) * per_layer)
 
 

@@ -177,6 +177,12 @@ class KVLayout:
     return sum((Fraction(a.nbytes, page_size * cfg.cache_layers(False)) for a in specs.values()
                 if a.role == "page" and a.scales == scales), Fraction(0))
 
+  def values_per_layer_token(self, cfg: ModelConfig, page_size: int) -> Fraction:
+    """Values (elements) of its page arrays per cache layer and token, scales aside."""
+    specs = self.arrays(cfg, self.store or "fp32", PoolSizes(1, page_size, 1))
+    return sum((Fraction(a.size, page_size * cfg.cache_layers(False)) for a in specs.values()
+                if a.role == "page" and not a.scales), Fraction(0))
+
   def slot_bytes(self, cfg: ModelConfig, page_size: int, store: str = "bf16") -> int:
     """Bytes of one slot's arrays (a constant per request, e.g. int4's residual)."""
     specs = self.arrays(cfg, self.store or store, PoolSizes(1, page_size, 1))
