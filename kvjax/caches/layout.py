@@ -105,8 +105,8 @@ class PageRelease:
 
 @dataclasses.dataclass(frozen=True)
 class WindowRelease(PageRelease):
-  """Sliding window W (every layer's): a query at p sees keys j > p - W, so pages
-  wholly before start - W + 1 are dead (kvjax/scheduler.py's module doc)."""
+  """A sliding window (every layer's): a query at p sees keys j > p - window, so pages
+  wholly before start - window + 1 are dead (kvjax/scheduler.py's module doc)."""
 
   window: Optional[int] = None
 
@@ -119,7 +119,7 @@ class WindowRelease(PageRelease):
     pages = super().max_pages_held(num_tokens, max_num_batched_tokens)
     if self.window is None:
       return pages
-    # A row writes n <= max_num_batched_tokens positions; it holds ceil((W + n - 2) / Z) + 1.
+    # A row writes n <= max_num_batched_tokens positions: ceil((window + n - 2) / Z) + 1 pages.
     span = self.window + max_num_batched_tokens - 2
     return min(pages, -(-span // self.page_size) + 1)
 
