@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
                            max_waiting=args.max_waiting, warm_up=args.warm_up,
                            router_policy=args.router_policy)
   if handle.warm_up is not None:
-    print(f"kvjax warm-up: {handle.warm_up.programs} step programs compiled "
-          f"({handle.warm_up.runs} run) in {handle.warm_up.seconds:.1f} s", file=sys.stderr,
+    print(f"kvjax warm-up: {handle.warm_up.runs} step programs run, {handle.warm_up.programs} "
+          f"of them compiled now, in {handle.warm_up.seconds:.1f} s", file=sys.stderr,
           flush=True)
   stopped = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
