@@ -40,6 +40,14 @@ class LogitProcessing:
   presence: jax.Array  # [B] f32 (0: off)
   frequency: jax.Array  # [B] f32 (0: off)
 
+  @classmethod
+  def neutral(cls, b: int, vocab: int) -> "LogitProcessing":
+    """Host arrays for B rows that change no logit (padding rows; a warm-up's batch)."""
+    return cls(bias=np.zeros((b, vocab), np.float32), stop_mask=np.zeros((b, vocab), bool),
+               min_left=np.zeros(b, np.int32), prompt_mask=np.zeros((b, vocab), bool),
+               output_counts=np.zeros((b, vocab), np.int32), repetition=np.ones(b, np.float32),
+               presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32))
+
   def apply(self, logits: jax.Array) -> jax.Array:
     """logits [B, V] f32 -> processed logits [B, V] f32."""
     logits = logits + self.bias
@@ -64,11 +72,7 @@ def pack_processing(requests: Sequence, b: int, vocab: int) -> Optional[LogitPro
   -> LogitProcessing, or None when no request asks for any processing."""
   if not any(r.sampling.processed for r in requests):
     return None
-  p = LogitProcessing(
-      bias=np.zeros((b, vocab), np.float32), stop_mask=np.zeros((b, vocab), bool),
-      min_left=np.zeros(b, np.int32), prompt_mask=np.zeros((b, vocab), bool),
-      output_counts=np.zeros((b, vocab), np.int32), repetition=np.ones(b, np.float32),
-      presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32))
+  p = LogitProcessing.neutral(b, vocab)
   for j, req in enumerate(requests):
     s = req.sampling
     if not s.processed:

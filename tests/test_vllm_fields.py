@@ -81,12 +81,12 @@ def test_apply_matches_vllm_semantics_on_random_logits():
   outputs = [rng.integers(0, v, n) for n in (0, 5, 9)]
   rep, pres, freq, min_tokens = [1.3, 0.7, 1.0], [0.5, -0.4, 0.0], [0.2, 1.1, -0.3], [0, 7, 3]
   bias, banned = [(3, 5.0), (7, -100.0)], [1, 2]
-  p = LogitProcessing(
-      bias=np.zeros((b, v), np.float32), stop_mask=np.zeros((b, v), bool),
-      min_left=np.array(min_tokens, np.int32),
-      prompt_mask=np.zeros((b, v), bool), output_counts=np.zeros((b, v), np.int32),
-      repetition=np.array(rep, np.float32), presence=np.array(pres, np.float32),
-      frequency=np.array(freq, np.float32))
+  p = LogitProcessing.neutral(b, v).replace(
+      min_left=np.array(min_tokens, np.int32), repetition=np.array(rep, np.float32),
+      presence=np.array(pres, np.float32), frequency=np.array(freq, np.float32))
+  np.testing.assert_array_equal(np.asarray(p.replace(min_left=np.zeros(b, np.int32),
+                                repetition=np.ones(b, np.float32), presence=np.zeros(b),
+                                frequency=np.zeros(b)).apply(logits)), logits)  # neutral
   for j in range(b):
     for token, value in bias:
       p.bias[j, token] = value
