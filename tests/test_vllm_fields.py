@@ -160,3 +160,18 @@ def test_bad_fields_are_refused_naming_them(field, value, words):
     eng.add_request([1, 2, 3], MAX_NEW, **{field: value})
   assert words in str(error.value)
   assert not eng.has_unfinished
+
+
+def test_sampled_rows_are_processed_before_temperature_and_top_p(engine):
+  # +100 on id 7 leaves every other id e^-100 of its mass: sampling always draws 7;
+  # the logprobs stay the model's raw ones (vLLM's default), where 7 is no favourite.
+  out = _run(engine, _prompts()[:2], temperature=1.0, top_p=0.9, seed=5, logprobs=1,
+             logit_bias={"7": 100}, min_tokens=2)
+  for o in out:
+    assert o.output_ids == [7] * MAX_NEW
+  raw = np.asarray(kvjax.forward(_model(), [_prompts()[0]]))[0, -1].astype(np.float64)
+  want = raw[7] - np.log(np.exp(raw - raw.max()).sum()) - raw.max()
+  eng = Engine(_model(), **ENGINE)
+  rid = eng.add_request(_prompts()[0], 1, logit_bias={"7": 100}, logprobs=1)
+  first = [o for o in eng.stream() if o.request_id == rid][-1]
+  assert first.new_logprobs[0].logprob == pytest.approx(want, abs=1e-4)
