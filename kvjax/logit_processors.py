@@ -59,7 +59,7 @@ class LogitProcessing:
             - self.presence[:, None] * (self.output_counts > 0))
 
   def advance(self, emitted: jax.Array) -> "LogitProcessing":
-    """Count a step's emitted ids [B, R] (-1: none) into the state."""
+    """Count a step's emitted ids [B, J+1] (-1: none) into the state."""
     valid = emitted >= 0
     rows = jnp.arange(emitted.shape[0])[:, None]
     counts = self.output_counts.at[rows, jnp.maximum(emitted, 0)].add(valid.astype(jnp.int32))
