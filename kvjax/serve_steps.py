@@ -162,8 +162,9 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   step are min(J, tokens still allowed - 1), as the scheduler plans a single
   step.  A row whose logits go non-finite stops there (counts 0 from that
   step).  Rows' logit processing (penalties' counts, min_tokens) advances with
-  every step's emitted ids (kvjax/logit_processors.py).  -> (state, Emitted stacked over steps ([U, B, ...]; counts 0 once a
-  row stopped), drafted [U, B], steps run), U = max_steps.  Drafts come from the
+  every step's emitted ids (kvjax/logit_processors.py).  -> (state, Emitted
+  stacked over steps ([U, B, ...]; counts 0 once a row stopped), drafted [U, B],
+  steps run), U = max_steps.  Drafts come from the
   device: host drafts (n-gram) with num_draft > 0 are refused, since every later
   step would verify the first step's columns again.
   """
