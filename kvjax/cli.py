@@ -43,7 +43,7 @@ def _add_generate(subparsers) -> None:
                       help="prompt text, encoded by the checkpoint's own tokenizer (default: "
                            "'def fibonacci(n):' on a model with a tokenizer)")
   source.add_argument("--prompt-ids", type=_prompt_ids, default=None,
-                      help="comma-separated token ids, e.g. 1,2,3")
+                      help="comma-separated token ids, e.g. 1,2,3 (default: use --prompt)")
   p.add_argument("--chat", action="store_true",
                  help="send the prompt as one user message through the checkpoint's chat "
                       "template and print only the reply (default: continue the raw text)")

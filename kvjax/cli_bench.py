@@ -1,4 +1,6 @@
-"""`python -m kvjax bench`: serving workloads through the Engine or a server (C8, C14, C15, C18).
+"""`python -m kvjax bench`: serving workloads through the Engine or a running server.
+
+(The benchmark of claims C8, C14, C15 and C18.)
 
 Workloads (every request arrives at once; a chat's next turn arrives when its
 previous turn finishes):
@@ -179,41 +181,54 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
   """Registers the `bench` sub-command on an argparse `subparsers` object."""
-  p = subparsers.add_parser("bench", help="serving benchmark through the Engine",
+  p = subparsers.add_parser("bench", help="serving benchmark through the Engine or a server",
                             description=__doc__.splitlines()[0])
-  p.add_argument("--workload", default="random", choices=WORKLOADS)
+  p.add_argument("--workload", default="random", choices=WORKLOADS,
+                 help="what the requests look like (default: %(default)s)")
   add_checkpoint_flags(p)
   p.add_argument("--num-requests", "--num-prompts", type=int, default=16,
-                 help="requests (chats) to serve")
-  p.add_argument("--input-len", type=int, default=128, help="prompt (user message) ids")
-  p.add_argument("--output-len", type=int, default=64, help="new tokens per request")
-  p.add_argument("--system-len", type=int, default=256, help="shared system prompt ids")
-  p.add_argument("--num-turns", type=int, default=10, help="turns per chat")
+                 help="requests (chats) to serve (default: %(default)s)")
+  p.add_argument("--input-len", type=int, default=128,
+                 help="prompt (user message) tokens (default: %(default)s)")
+  p.add_argument("--output-len", type=int, default=64,
+                 help="new tokens per request (default: %(default)s)")
+  p.add_argument("--system-len", type=int, default=256,
+                 help="shared system prompt tokens (default: %(default)s)")
+  p.add_argument("--num-turns", type=int, default=10,
+                 help="turns per chat (default: %(default)s)")
   p.add_argument("--range-ratio", type=float, default=0.0,
-                 help="lengths uniform in [len x (1 - r), len x (1 + r)] (0: fixed)")
+                 help="lengths uniform in [len x (1 - r), len x (1 + r)] (default: "
+                      "%(default)s, fixed lengths)")
   from kvjax.engine_config import add_engine_flags  # lazy: `kvjax --help` imports no jax
 
   add_engine_flags(p)
   distributed.add_parallel_flags(p)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no-warmup", action="store_true", help="time compiles too")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature (default: %(default)s, greedy)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the prompts and the sampling (default: %(default)s)")
+  p.add_argument("--no-warmup", action="store_true",
+                 help="time compiles too (default: compile every shape first, untimed)")
   p.add_argument("--out-dir", default="bench_results",
                  help="where the JSON and PNG go; the repo's results/ holds only the "
                       "experiments' committed runs (default: %(default)s)")
   http = p.add_argument_group("HTTP mode (bench a running server)")
-  http.add_argument("--url", default=None, help="server URL (root or its /v1 base)")
+  http.add_argument("--url", default=None,
+                    help="server URL, its root or its /v1 base (default: none, bench an "
+                         "in-process Engine)")
   http.add_argument("--request-rate", type=float, default=math.inf,
-                    help="sessions per second (inf: all at once)")
+                    help="sessions per second (default: inf, all at once)")
   http.add_argument("--burstiness", type=float, default=1.0,
-                    help="gamma shape of the arrival gaps (1: Poisson)")
+                    help="gamma shape of the arrival gaps (default: %(default)s, Poisson)")
   http.add_argument("--max-concurrency", type=int, default=None,
                     help="requests in flight at most (default: unlimited)")
   http.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
-                    help="targets a good request meets: ttft:MS tpot:MS e2el:MS")
+                    help="targets a good request meets: ttft:MS tpot:MS e2el:MS (default: "
+                         "none, no goodput)")
   http.add_argument("--model", default=None, help="served model name (default: the first one "
                                                    "GET /v1/models lists)")
-  http.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+  http.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds per request (default: %(default)s)")
   p.set_defaults(func=run)
   return p
 

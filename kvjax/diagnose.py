@@ -1,4 +1,4 @@
-"""Claim C18's diagnosis of a slow service from its metrics: which kind of slow, and what to do.
+"""Diagnosis of a slow service from its metrics (claim C18): which kind of slow, and what to do.
 
 The seed's procedure: a slow first token points at prefill (prompt length,
 prefix cache); slow later tokens point at decode and batching; both at once
@@ -45,7 +45,8 @@ ACTIONS = (
     ("kv_quant", "shrink the KV cache (int8/int4 KV pages) so more requests fit in memory"),
     ("devices", "add devices (more KV memory and compute)"),
 )
-KINDS = ("healthy", "prefill", "decode", "concurrency")
+# "idle": no request finished and no token came in the window, so there is nothing to judge.
+KINDS = ("idle", "healthy", "prefill", "decode", "concurrency")
 
 
 @dataclasses.dataclass
@@ -272,7 +273,11 @@ def diagnose(signals: Signals, targets: Targets) -> Diagnosis:
   if queue_bound:
     reasons.append(f"queue time {signals.queue_time_s * 1e3:.1f} ms is "
                    f"{signals.queue_time_s / signals.ttft_s:.0%} of TTFT")
-  if slow_ttft and (slow_tpot or queue_bound):
+  if not signals.num_requests and signals.ttft_s is None and signals.tpot_s is None:
+    kind = "idle"
+    reasons.append("no requests in the window: nothing to diagnose; send traffic while it "
+                   "reads (e.g. python -m kvjax bench --url URL), or widen --window")
+  elif slow_ttft and (slow_tpot or queue_bound):
     kind = "concurrency"
   elif slow_ttft:
     kind = "prefill"
@@ -293,7 +298,7 @@ def diagnose(signals: Signals, targets: Targets) -> Diagnosis:
     reasons.append(f"running {signals.running:.1f} < configured {signals.max_num_seqs:.0f}"
                    + (" with requests waiting: they wait for KV pages" if queued else ""))
   # The seed's order, keeping the remedies this kind of slow calls for.
-  wanted = {"healthy": set(), "prefill": {"input", "scheduling"},
+  wanted = {"idle": set(), "healthy": set(), "prefill": {"input", "scheduling"},
             "decode": {"scheduling", "kv_quant", "devices"},
             "concurrency": {"input", "scheduling", "kv_quant", "devices"}}[kind]
   if kind == "concurrency" and not memory_bound:

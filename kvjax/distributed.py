@@ -39,7 +39,8 @@ def add_parallel_flags(parser: argparse.ArgumentParser, *, router: bool = True) 
   """--tp, --dp, the multi-host flags and (`router`: the command serves many requests
   through a kvjax.Router when --dp > 1) --router-policy."""
   parser.add_argument("--tp", type=int, default=1,
-                      help="tensor-parallel degree: devices one model is split over")
+                      help="tensor-parallel degree: devices one model is split over "
+                           "(default: %(default)s)")
   replicas = ("behind a kvjax.Router" if router
               else "each sampling the prompt once, seed + its index")
   parser.add_argument("--dp", type=int, default=1,

@@ -50,6 +50,7 @@ from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
+from kvjax.logit_processors import with_processing
 from kvjax.metrics import RequestMetrics, StepLog, summarize
 from kvjax.ngram import NgramDrafter, host_draft_shapes, with_drafts
 from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
@@ -155,7 +156,7 @@ class Engine:
                   top_p: Optional[float] = None, seed: Optional[int] = None,
                   stop: Union[None, int, Sequence[int]] = None,
                   cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
-                  arrival_s: Optional[float] = None) -> str:
+                  arrival_s: Optional[float] = None, **extensions) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
     `stop`: token id(s) that end the request (kept as its last output id), in
@@ -164,15 +165,16 @@ class Engine:
     carries each new id's log-probability and its n likeliest alternatives
     (kvjax/requests.py TokenLogprob).  `arrival_s`: when the request arrived
     (time.perf_counter; default now), e.g. a server's receipt time, so TTFT and
-    queue time include the wait before this call.
+    queue time include the wait before this call.  `extensions`: vLLM's ignore_eos,
+    min_tokens, repetition/presence/frequency_penalty, logit_bias (kvjax/validation.py).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
-                               logprobs=logprobs, arrival_s=arrival_s)
+                               logprobs=logprobs, arrival_s=arrival_s, **extensions)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt, logprobs=None, arrival_s=None) -> str:
+                   cache_salt, logprobs=None, arrival_s=None, **extensions) -> str:
     request_id = str(next(self._ids))
     vocab = self.model_config.vocab_size
     ids = np.asarray(prompt)
@@ -186,13 +188,17 @@ class Engine:
     try:
       max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
       sampling = sampling_options(vocab, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed, logprobs=logprobs)
+                                  seed=seed, logprobs=logprobs, max_tokens=max_new_tokens,
+                                  **extensions)
       stops = stop_ids(stop, vocab)
+      if sampling.processed and self.num_draft:  # drafts are verified unprocessed
+        raise ValueError("min_tokens, penalties and logit_bias need an engine without "
+                         f"speculative decoding (this one: {self.config.speculative})")
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
     self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
-                               stop_token_ids=list(stops),
-                               cache_salt=cache_salt, sampling=sampling)
+                               stop_token_ids=list(stops), cache_salt=cache_salt,
+                               sampling=sampling, ignore_eos=sampling.ignore_eos)
     now = time.perf_counter()
     arrival = now if arrival_s is None else min(float(arrival_s), now)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
@@ -370,6 +376,7 @@ class Engine:
     batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
     if self.ngram is not None:
       batch = with_drafts(batch, drafts)
+    batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
     use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
     burst = None if plan.num_steps == 1 else (

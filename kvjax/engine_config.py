@@ -225,16 +225,18 @@ _FLAGS = {
                                     "prefix cache (default: 8 per running request)"),
     "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
     "speculative": (str, ("mtp", "ngram"), "draft with the model's MTP modules, or by "
-                                           "prompt lookup (n-gram)"),
+                                           "prompt lookup (n-gram) (default: off)"),
     "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive) "
                                       "(default: 2, 4 with ngram)"),
     "ngram_n": (int, None, "speculative ngram: longest n-gram looked up (default: 3)"),
     "draft_policy": (str, ("adaptive",), "choose 0..num_draft drafts per step from measured "
-                                         "costs and acceptance"),
+                                         "costs and acceptance (default: off, a "
+                                         "fixed num_draft)"),
     "backend": (str, None, "attention + verification backend"),
     "num_scheduler_steps": (int, None, "most decode steps per device call"),
     "kv_dtype": (str, None, "KV layout: fp32 | bf16 | fp16 (or float32 ...), int8, int4, "
-                            "or another registered layout (kvjax/caches/layout.py)"),
+                            "or another registered layout (kvjax/caches/layout.py; "
+                            "default: the weights' dtype)"),
 }
 
 

@@ -27,6 +27,19 @@ class SamplingOptions:
   top_p: float = 1.0  # 1: off
   seed: int = 0  # folded with each position (kvjax/sampling.py)
   logprobs: Optional[int] = None  # report each token's log p and this many alternatives
+  # vLLM's extensions (kvjax/logit_processors.py applies all but ignore_eos on the device):
+  ignore_eos: bool = False  # EOS does not end the request (max_new_tokens or a stop id does)
+  min_tokens: int = 0  # no stop id (EOS included) before this many tokens
+  repetition_penalty: float = 1.0  # 1: off
+  presence_penalty: float = 0.0  # 0: off
+  frequency_penalty: float = 0.0  # 0: off
+  logit_bias: tuple = ()  # ((token id, bias), ...), OpenAI's logit_bias
+
+  @property
+  def processed(self) -> bool:
+    """Does a step need logit processing for this request (kvjax/logit_processors.py)?"""
+    return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
+                or self.frequency_penalty or self.logit_bias)
 
 
 class RequestStatus(enum.Enum):

@@ -7,6 +7,7 @@ All parameters are per-row arrays, so changing them never recompiles.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,8 @@ class SamplingParams:
   top_k: jax.Array  # [B] int32; 0 = off
   top_p: jax.Array  # [B] f32; 1 = off
   seeds: jax.Array  # [B] uint32
+  # vLLM's logit processing (kvjax/logit_processors.py LogitProcessing), None: none.
+  processing: Any = None
 
   @classmethod
   def make(cls, batch: int, temperature=0.0, top_k=None, top_p=None, seeds=0):
@@ -86,6 +89,8 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
            use_filter: bool) -> jax.Array:
   """logits [B, V] float32, positions [B] (index of the token being sampled) -> [B] int32."""
+  if params.processing is not None:
+    logits = params.processing.apply(logits)
   greedy = greedy_tokens(logits)
 
   def draw(_):

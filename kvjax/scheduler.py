@@ -129,8 +129,8 @@ class Scheduler:
   def add_request(self, request_id: str, prompt_ids: Sequence[int],
                   max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
                   cache_salt: Optional[str] = None,
-                  sampling: Any = None) -> Request:
-    """Queues a request; ValueError (nothing queued) if it can never run."""
+                  sampling: Any = None, ignore_eos: bool = False) -> Request:
+    """Queues a request (ignore_eos: EOS does not stop it); ValueError if it can never run."""
     prompt = tuple(int(t) for t in prompt_ids)
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} is already in use")
@@ -156,7 +156,7 @@ class Scheduler:
       raise ValueError(f"request {request_id!r} spans {width} pages but block "
                        f"tables hold {self.max_pages_per_seq}; set max_model_len")
     stops = set(stop_token_ids)
-    if self.eos_token_id is not None:
+    if self.eos_token_id is not None and not ignore_eos:
       stops.add(self.eos_token_id)
     req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
                   cache_salt, sampling)

@@ -161,8 +161,10 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   becomes a padding row; the loop ends early once no row runs.  Drafts per
   step are min(J, tokens still allowed - 1), as the scheduler plans a single
   step.  A row whose logits go non-finite stops there (counts 0 from that
-  step).  -> (state, Emitted stacked over steps ([U, B, ...]; counts 0 once a
-  row stopped), drafted [U, B], steps run), U = max_steps.  Drafts come from the
+  step).  Rows' logit processing (penalties' counts, min_tokens) advances with
+  every step's emitted ids (kvjax/logit_processors.py).  -> (state, Emitted
+  stacked over steps ([U, B, ...]; counts 0 once a row stopped), drafted [U, B],
+  steps run), U = max_steps.  Drafts come from the
   device: host drafts (n-gram) with num_draft > 0 are refused, since every later
   step would verify the first step's columns again.
   """
@@ -178,14 +180,15 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
     return (step < num_steps) & jnp.any(active)
 
   def body(carry):
-    step, state, last, starts, active, left, history, drafted_all = carry
+    step, state, last, starts, active, left, history, drafted_all, processing = carry
     # Step 0 verifies what the host packed (a slot may hold fewer fresh drafts).
     most = jnp.where(step == 0, batch.num_draft, num_draft)
     drafted = jnp.where(active, jnp.maximum(jnp.minimum(most, left - 1), 0), 0)
     step_batch = batch.at_starts(starts, jnp.where(active, 1 + drafted, 0)).replace(
         tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
         slot_ids=jnp.where(active, batch.slot_ids, scratch),
-        block_tables=jnp.where(active[:, None], batch.block_tables, 0))
+        block_tables=jnp.where(active[:, None], batch.block_tables, 0),
+        sampling=batch.sampling.replace(processing=processing))
     state, out = _serve_rows(
         params, draft_params, state, step_batch, config=config, draft_config=draft_config,
         backend=backend, num_draft=num_draft, use_filter=use_filter, logprobs=logprobs)
@@ -200,7 +203,8 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
     return (step + 1, state, jnp.where(active, last, batch.tokens[:, 0]), starts + counts,
             active & ~stopped & ~failed & (left > 0), left,
             jax.tree.map(lambda h, x: h.at[step].set(x), history, out),
-            drafted_all.at[step].set(drafted))
+            drafted_all.at[step].set(drafted),
+            None if processing is None else processing.advance(emitted))  # penalties' counts
 
   history = _empty_history(max_steps, b, t, config.vocab_size, logprobs)
   # The rows' K/V gathered once, not per step (where the backend allows): the trunk's, and
@@ -209,8 +213,9 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
   loop_cache, settle = decode_loop_cache(state.cache, batch.block_tables, backend,
                                          None if drafting else config.cache_layers(False))
   carry = (jnp.int32(0), state.replace(cache=loop_cache), batch.tokens[:, 0], batch.starts,
-           (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32))
-  steps_run, state, _, ends, *_, history, drafted = jax.lax.while_loop(cond, body, carry)
+           (batch.q_lens > 0) & (left > 0), left, history, jnp.zeros((max_steps, b), jnp.int32),
+           batch.sampling.processing)
+  steps_run, state, _, ends, *_, history, drafted, _ = jax.lax.while_loop(cond, body, carry)
   state = state.replace(cache=settle(state.cache, batch.starts, ends, max_steps * t))
   return state, history, drafted, steps_run
 

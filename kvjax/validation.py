@@ -37,9 +37,15 @@ def _check_real(name: str, value) -> float:
 
 
 def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None,
-                     seed=None, logprobs=None) -> SamplingOptions:
+                     seed=None, logprobs=None, max_tokens=None, **extensions) -> SamplingOptions:
   """Validated SamplingOptions (top_k None/0: off; top_p None: 1; seed None: 0;
-  logprobs None: off, n: each token's log p and its n likeliest alternatives)."""
+  logprobs None: off, n: each token's log p and its n likeliest alternatives).
+
+  extensions: vLLM's fields (kvjax/requests.py SamplingOptions; None: the default):
+  ignore_eos, min_tokens (<= max_tokens when given), repetition_penalty (> 0),
+  presence_penalty and frequency_penalty (in [-2, 2]), logit_bias ({token id or its
+  decimal string: bias in [-100, 100]}).
+  """
   temperature = _check_real("temperature", temperature)
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
@@ -50,7 +56,51 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
   seed = 0 if seed is None else check_int("seed", seed, *SEED_RANGE)
   if logprobs is not None:
     logprobs = check_int("logprobs", logprobs, 0, min(MAX_LOGPROBS, vocab_size) + 1)
-  return SamplingOptions(temperature, top_k, top_p, seed, logprobs)
+  return SamplingOptions(temperature, top_k, top_p, seed, logprobs,
+                         **_extensions(vocab_size, max_tokens, **extensions))
+
+
+def _extensions(vocab_size: int, max_tokens, *, ignore_eos=None, min_tokens=None,
+                repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+                logit_bias=None) -> dict:
+  """vLLM's request extensions, checked -> SamplingOptions keywords."""
+  out = {}
+  if ignore_eos is not None:
+    if not isinstance(ignore_eos, bool):
+      raise ValueError(f"ignore_eos must be a boolean, got {ignore_eos!r}")
+    out["ignore_eos"] = ignore_eos
+  if min_tokens is not None:
+    out["min_tokens"] = check_int("min_tokens", min_tokens, 0)
+    if max_tokens is not None and out["min_tokens"] > max_tokens:
+      raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+  if repetition_penalty is not None:
+    out["repetition_penalty"] = _check_real("repetition_penalty", repetition_penalty)
+    if out["repetition_penalty"] <= 0:
+      raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty!r}")
+  for name, value in (("presence_penalty", presence_penalty),
+                      ("frequency_penalty", frequency_penalty)):
+    if value is not None:
+      out[name] = _check_real(name, value)
+      if not -2 <= out[name] <= 2:
+        raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+  if logit_bias is not None:
+    out["logit_bias"] = _logit_bias(logit_bias, vocab_size)
+  return out
+
+
+def _logit_bias(logit_bias, vocab_size: int) -> tuple:
+  """{token id or its decimal string: bias in [-100, 100]} -> sorted ((id, bias), ...)."""
+  if not isinstance(logit_bias, dict):
+    raise ValueError(f"logit_bias must be an object of token id: bias, got {logit_bias!r:.200}")
+  pairs = []
+  for key, bias in logit_bias.items():
+    token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+    token = check_int("logit_bias token id", token, 0, vocab_size)
+    bias = _check_real(f"logit_bias[{key!r}]", bias)
+    if not -100 <= bias <= 100:
+      raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {bias!r}")
+    pairs.append((token, bias))
+  return tuple(sorted(pairs))
 
 
 def stop_ids(stop: Union[None, int, Sequence[int]], vocab_size: int) -> tuple:

@@ -44,7 +44,7 @@ WARM_UP_MODES = ("full", "minimal")
 class WarmUp:
   """What a warm-up did."""
 
-  programs: int  # step programs it compiled (kvjax.serve_steps.num_compiled)
+  programs: int  # step programs its runs compiled (kvjax.serve_steps.num_compiled), <= runs
   runs: int  # programs it ran: shapes x variants (already compiled ones included)
   seconds: float
 
@@ -71,12 +71,14 @@ def warm_up(shapes: Sequence[StepShape], run: Callable[[StepShape, bool, bool], 
   variants = list(itertools.product((False, True) if filtered else (False,),
                                     (False, True) if logprobs else (False,)))
   runs = [(shape, *variant) for shape in shapes for variant in variants]
+  start = time.perf_counter()
+  run(*runs[0])  # the state's form settles (module doc): neither counted nor shown
   bar = None
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=len(runs), unit="program", desc=progress)
-  before, start = num_compiled(), time.perf_counter()
-  for args in runs[:1] + runs:  # the first twice: the state's form settles (module doc)
+  before = num_compiled()  # so programs <= runs: each run compiles one program at most
+  for args in runs:
     run(*args)
     if bar is not None:
       bar.update()

@@ -220,9 +220,9 @@ def test_cli_bench_url_then_diagnose(served, tmp_path, capsys):
     assert out["signals"]["max_num_seqs"] == 4  # the server's kvjax:max_num_seqs gauge
     prompts = sorted(r["prompt_tokens"] for r in bench["requests"])
     assert out["signals"]["input_tokens_mean"] == pytest.approx(np.mean(prompts))
-  # A live window with no traffic: nothing finished, nothing running, healthy.
+  # A live window with no traffic: nothing finished, nothing running, idle (not "healthy").
   assert cli.main(["diagnose", "--url", served.url, "--window", "0.4", "--interval", "0.2",
                    "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["signals"]["num_requests"] == 0 and out["signals"]["running"] == 0
-  assert out["signals"]["max_num_seqs"] == 4 and out["diagnosis"]["kind"] == "healthy"
+  assert out["signals"]["max_num_seqs"] == 4 and out["diagnosis"]["kind"] == "idle"

@@ -90,3 +90,25 @@ def test_generate_smollm2_prints_transformers_greedy_text(smollm2, monkeypatch, 
   printed = capsys.readouterr().out
   print(f"SmolLM2 generate --chat: {printed!r}")
   assert printed == reply + "\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "diagnose", "serve"])
+def test_help_states_every_default_in_words_and_no_claim_ids(command, capsys):
+  import argparse
+  import re
+
+  with pytest.raises(SystemExit):
+    main([command, "--help"])
+  text = capsys.readouterr().out
+  assert not re.findall(r"\bC\d+\b", text), text  # claim ids mean nothing to a newcomer
+  assert "(default: None)" not in text
+  subparsers = argparse.ArgumentParser().add_subparsers()
+  from kvjax import cli, cli_bench, cli_diagnose, cli_serve
+  register = {"generate": cli._add_generate, "bench": cli_bench.add_parser,
+              "diagnose": cli_diagnose.add_parser, "serve": cli_serve.add_parser}[command]
+  register(subparsers)
+  for action in subparsers.choices[command]._actions:
+    if isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+      continue  # flags: off unless given
+    # "this or": one of a required pair, which has no default.
+    assert "default" in action.help or "this or" in action.help, action.option_strings

@@ -197,3 +197,14 @@ def test_bench_json_exact_numbers_and_cli(tmp_path, capsys):
   assert out["diagnosis"]["kind"] == "concurrency"
   assert out["diagnosis"]["actions"] == ["input", "scheduling", "kv_quant", "devices"]
   assert out["signals"]["running"] == 2 and out["signals"]["max_num_seqs"] == 8
+
+
+def test_a_window_without_requests_is_idle_not_healthy():
+  server = FakeServer(max_num_seqs=8)
+  server.finish(prompt=100, ttft=0.05, tpot=0.01, queue=0.0)  # before the window only
+  signals = window(server, lambda s: None, [(0, 0, 0.0)] * 2)
+  result = diagnose.diagnose(signals, TARGETS)
+  assert (signals.num_requests, result.kind, result.actions) == (0, "idle", [])
+  report = diagnose.format_report(signals, result)
+  assert "diagnosis: idle" in report and "no requests in the window" in report
+  assert "healthy" not in report

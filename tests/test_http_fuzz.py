@@ -174,7 +174,9 @@ JSON = st.recursive(
     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "stream", "stream_options",
-          "logprobs", "top_logprobs", "echo", "logit_bias", "suffix"]
+          "logprobs", "top_logprobs", "echo", "logit_bias", "suffix", "ignore_eos", "min_tokens",
+          "repetition_penalty", "presence_penalty", "frequency_penalty",
+          "include_stop_str_in_output", "skip_special_tokens"]
 BASES = {"/completions": {"model": NAME, "prompt": "x = ", "max_tokens": 2},
          "/chat/completions": {"model": NAME, "max_tokens": 2,
                                "messages": [{"role": "user", "content": "hi"}]}}

@@ -195,7 +195,7 @@ def test_padding_batches_have_the_packed_batches_structure(tiny_model, family):
 def test_warm_up_runs_every_shape_and_writes_no_page_a_request_holds(warmed):
   engine, done = warmed
   assert done.runs == len(engine.packing.shapes(bursts=True)) == 6
-  assert 0 <= done.programs <= done.runs + 1 and done.seconds > 0  # + 1: the settling run
+  assert 0 <= done.programs <= done.runs and done.seconds > 0  # the bar and count add up
   cache = engine.state.cache
   for pages in (cache.k_pages, cache.v_pages):  # [L, K, P, Z, H]: page 0 is the null page
     assert not np.asarray(pages)[:, :, 1:].any()
@@ -270,3 +270,15 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed):
                           json={"model": server.model_name, "prompt": prompt, "max_tokens": 8})
       assert answer.status_code == 200, answer.text
     assert num_compiled() == before
+
+
+def test_progress_bar_adds_up(capsys):
+  from kvjax.warm_up import warm_up
+
+  shapes = [StepShape("decode", 4, 1, 8, 0), StepShape("prefill", 4, 16, 8, 0)]
+  calls = []
+  done = warm_up(shapes, lambda *args: calls.append(args), filtered=True, progress="warm-up")
+  err = capsys.readouterr().err
+  assert len(calls) == done.runs + 1 == 5  # + 1: the settling run, outside the bar
+  assert "4/4" in err and "5/4" not in err
+  assert done.programs == 0  # nothing here compiles

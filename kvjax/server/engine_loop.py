@@ -183,7 +183,8 @@ class EngineLoop:
             request.prompts[prompt], request.max_tokens[prompt],
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
-            logprobs=request.logprobs, arrival_s=submission.received_s))
+            logprobs=request.logprobs, arrival_s=submission.received_s,
+            **dict(request.extensions)))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)
@@ -194,9 +195,12 @@ class EngineLoop:
     submission.request_ids = ids
     stop_ids = self._eos_ids | set(request.stop_ids)
     for i, request_id in enumerate(ids):
-      detokenizer = self.tokenizer.detokenizer() if self.tokenizer else _NoText()
+      detokenizer = (self.tokenizer.detokenizer(request.skip_special_tokens) if self.tokenizer
+                     else _NoText())
+      text = TextStream(detokenizer, request.stop_strings, stop_ids, min_tokens=request.min_tokens,
+                        include_stop=request.include_stop_str_in_output)
       self._choices[request_id] = _Choice(
-          submission, i, TextStream(detokenizer, request.stop_strings, stop_ids),
+          submission, i, text,
           self.engine.metrics[request_id].arrival_s)
     self._unscheduled.update(ids)
     submission.deliver(Accepted())

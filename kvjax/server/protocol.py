@@ -15,6 +15,12 @@ Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and "up to
 max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
 random seed when none is given), so n > 1 choices differ and a seeded request
 is reproducible offline.
+vLLM's request extensions are honoured: ignore_eos, min_tokens, stop_token_ids,
+include_stop_str_in_output, skip_special_tokens, repetition_penalty (and OpenAI's
+presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py).
+Unknown fields policy: a field neither API defines is ignored, as OpenAI's own
+clients' extra_body and vLLM do; a field they define that kvjax cannot honour
+(_UNSUPPORTED) is a 400 naming it, so a request never silently means less than it says.
 """
 from __future__ import annotations
 
@@ -39,8 +45,11 @@ MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content pa
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
-_UNSUPPORTED = ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-                "tools")
+_UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
+                "bad_words", "tools")
+# vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
+_ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty", "logit_bias")
 
 
 class OpenAIError(Exception):
@@ -89,6 +98,10 @@ class GenerationRequest:
   stream: bool
   include_usage: bool
   logprobs: Optional[int] = None  # alternatives per token (None: no logprobs)
+  extensions: tuple = ()  # ((name, value), ...): vLLM's fields for Engine.add_request
+  include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+  skip_special_tokens: bool = True  # special tokens add no text
+  min_tokens: int = 0  # no stop string counts before this many tokens (vLLM)
 
   @property
   def num_choices(self) -> int:
@@ -237,9 +250,11 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
              param: str) -> GenerationRequest:
   """The fields shared by both endpoints, checked; `param` names the prompt field."""
   model = body.get("model")
-  if model != limits.model_name:
-    raise OpenAIError(f"model {model!r} does not exist; this server serves "
-                      f"{limits.model_name!r}", "model", code="model_not_found")
+  if model is None:
+    raise OpenAIError(f"model is required; this server serves {limits.model_name!r}", "model")
+  if model != limits.model_name:  # OpenAI's and vLLM's answer: 404
+    raise OpenAIError(f"The model {model!r} does not exist; this server serves "
+                      f"{limits.model_name!r}", "model", status=404, code="model_not_found")
   logprobs, logprobs_param = _logprobs(body, chat)
   for name in _UNSUPPORTED:
     if body.get(name) not in (None, False, 0, "", [], {}):
@@ -275,11 +290,13 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
   temperature = 1.0 if temperature is None else temperature
   top_k = body.get("top_k")
   top_k = None if type(top_k) is int and top_k == -1 else top_k  # vLLM's "off"
+  extensions = {name: body[name] for name in _ENGINE_EXTENSIONS if body.get(name) is not None}
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
-                     top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs)
+                     top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs,
+                     max_tokens=min(lengths), **extensions)
   except ValueError as error:  # its messages start with the field's name
-    message, param = str(error), str(error).split()[0]
+    message, param = str(error), re.match(r"\w+", str(error)).group()
     if param == "logprobs":  # chat's number of alternatives is top_logprobs
       message, param = logprobs_param + message[len(param):], logprobs_param
     raise OpenAIError(message, param) from None
@@ -297,7 +314,20 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
       temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
       seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
-      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs)
+      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs,
+      extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
+      include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+      skip_special_tokens=_flag(body, "skip_special_tokens", True))
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+  """A boolean field (null or absent: the default); anything else is a 400 naming it."""
+  value = body.get(name)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise OpenAIError(f"{name} must be a boolean, got {value!r:.200}", name)
+  return value
 
 
 def _logprobs(body: dict, chat: bool) -> tuple:

@@ -6,7 +6,9 @@ the decoded text, the text is cut just before it and the request counts as
 finished ("stop") at the token that completed it; while streaming, the last
 len(longest stop) - 1 characters are held back, since they could still become
 the start of a stop string.  A final stop token (EOS or a `stop` id) counts as
-a completion token but adds no text.
+a completion token but adds no text.  vLLM's options: include_stop_str_in_output
+keeps the matched stop string in the text (cut just after it), and min_tokens
+lets no stop string count before the choice has that many tokens.
 """
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ class TextStream:
   """
 
   def __init__(self, detokenizer, stop_strings: Sequence[str] = (),
-               stop_ids: Sequence[int] = ()):
+               stop_ids: Sequence[int] = (), *, include_stop: bool = False, min_tokens: int = 0):
     self._detokenizer = detokenizer
     self._stops = tuple(stop_strings)
     self._hold = max(map(len, self._stops), default=1) - 1
     self._stop_ids = frozenset(stop_ids)
+    self._include_stop = include_stop
+    self._min_tokens = min_tokens
     self._text = ""
     self._sent = 0  # characters of _text already handed out
     self._searched = 0  # no stop string starts before this offset
@@ -53,10 +57,13 @@ class TextStream:
     return self._take(len(self._text) - self._hold, None)
 
   def _cut_at_stop(self) -> bool:
-    """Truncate the text before the first stop string in it -> whether one was found."""
-    found = [i for i in (self._text.find(s, self._searched) for s in self._stops) if i >= 0]
-    if found:
-      self._text = self._text[:min(found)]
+    """Truncate the text at the first stop string in it (before it, or after it with
+    include_stop; none counts before min_tokens) -> whether one was found."""
+    found = [(i, len(s)) for i, s in ((self._text.find(s, self._searched), s)
+                                       for s in self._stops) if i >= 0]
+    if found and self.num_tokens >= self._min_tokens:
+      start, length = min(found)
+      self._text = self._text[:start + (length if self._include_stop else 0)]
       self.finish_reason = "stop"
       return True
     self._searched = max(self._searched, len(self._text) - self._hold)

@@ -1,0 +1,94 @@
+"""vLLM's per-request logit processing, on the device, per row: logit_bias, min_tokens,
+repetition / presence / frequency penalties.
+
+`LogitProcessing` rides in `SamplingParams.processing` (kvjax/sampling.py), which
+calls its `apply` on the logits before temperature, top-k/top-p and greedy choice,
+in vLLM's order: logit_bias (OpenAI's: added to the logit), min_tokens (a row's stop
+ids, EOS included unless ignore_eos, get -inf while it has emitted fewer than
+min_tokens), then the penalties of vLLM's apply_penalties:
+  repetition r, on ids in the prompt or the output: logit / r if logit > 0 else logit * r;
+  frequency f and presence p, on output ids:       logit - f * count - p * (count > 0).
+Reported logprobs stay the model's raw ones (vLLM's default, raw_logprobs).
+A group with no such row carries `processing=None` and compiles the program it
+had before, so requests without these fields pay nothing; a group with one pays
+[B, V] element-wise work and the host arrays below per step.  Inside a multi-step
+burst (kvjax/serve_steps.py) `advance` counts each step's emitted ids.
+Shapes: docs/DIMENSIONS.md.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+__all__ = ["LogitProcessing", "pack_processing", "with_processing"]
+
+
+@struct.dataclass
+class LogitProcessing:
+  """Per-row processing state of a row group; neutral rows change no logit."""
+
+  bias: jax.Array  # [B, V] f32 added to the logits (logit_bias; 0: none)
+  stop_mask: jax.Array  # [B, V] bool ids banned while min_left > 0 (a row's stop ids)
+  min_left: jax.Array  # [B] int32 tokens still to emit before a stop id may come
+  prompt_mask: jax.Array  # [B, V] bool ids in the row's prompt
+  output_counts: jax.Array  # [B, V] int32 times each id was emitted so far
+  repetition: jax.Array  # [B] f32 (1: off)
+  presence: jax.Array  # [B] f32 (0: off)
+  frequency: jax.Array  # [B] f32 (0: off)
+
+  @classmethod
+  def neutral(cls, b: int, vocab: int) -> "LogitProcessing":
+    """Host arrays for B rows that change no logit (padding rows; a warm-up's batch)."""
+    return cls(bias=np.zeros((b, vocab), np.float32), stop_mask=np.zeros((b, vocab), bool),
+               min_left=np.zeros(b, np.int32), prompt_mask=np.zeros((b, vocab), bool),
+               output_counts=np.zeros((b, vocab), np.int32), repetition=np.ones(b, np.float32),
+               presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32))
+
+  def apply(self, logits: jax.Array) -> jax.Array:
+    """logits [B, V] f32 -> processed logits [B, V] f32."""
+    logits = logits + self.bias
+    logits = jnp.where(self.stop_mask & (self.min_left > 0)[:, None], -jnp.inf, logits)
+    seen = self.prompt_mask | (self.output_counts > 0)
+    r = jnp.where(seen, self.repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / r, logits * r)
+    return (logits - self.frequency[:, None] * self.output_counts
+            - self.presence[:, None] * (self.output_counts > 0))
+
+  def advance(self, emitted: jax.Array) -> "LogitProcessing":
+    """Count a step's emitted ids [B, J+1] (-1: none) into the state."""
+    valid = emitted >= 0
+    rows = jnp.arange(emitted.shape[0])[:, None]
+    counts = self.output_counts.at[rows, jnp.maximum(emitted, 0)].add(valid.astype(jnp.int32))
+    return self.replace(output_counts=counts,
+                        min_left=self.min_left - jnp.sum(valid, axis=1, dtype=jnp.int32))
+
+
+def pack_processing(requests: Sequence, b: int, vocab: int) -> Optional[LogitProcessing]:
+  """Host arrays for a group's requests (row j: requests[j]; rows beyond: padding)
+  -> LogitProcessing, or None when no request asks for any processing."""
+  if not any(r.sampling.processed for r in requests):
+    return None
+  p = LogitProcessing.neutral(b, vocab)
+  for j, req in enumerate(requests):
+    s = req.sampling
+    if not s.processed:
+      continue
+    for token, value in s.logit_bias:
+      p.bias[j, token] = value
+    p.stop_mask[j, sorted(req.stop_token_ids)] = True
+    p.min_left[j] = max(s.min_tokens - req.num_output_tokens, 0)
+    p.prompt_mask[j, list(req.prompt_ids)] = True
+    np.add.at(p.output_counts[j], np.asarray(req.output_ids, np.int64), 1)
+    p.repetition[j], p.presence[j], p.frequency[j] = (s.repetition_penalty, s.presence_penalty,
+                                                      s.frequency_penalty)
+  return p
+
+
+def with_processing(batch, requests: Sequence, vocab: int):
+  """A packed StepBatch whose sampling carries its requests' processing (or None)."""
+  processing = pack_processing(requests, batch.tokens.shape[0], vocab)
+  return batch.replace(sampling=batch.sampling.replace(processing=processing))
