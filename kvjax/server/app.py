@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import (MAX_BODY_BYTES, Limits, OpenAIError, parse_chat,
                                    parse_completion, parse_json)
 from kvjax.server.responses import Responses, sse
+from kvjax.warm_up import BackgroundWarmUp
 
 __all__ = ["ServerState", "create_app"]
 
@@ -40,6 +41,7 @@ class ServerState:
   metrics: ServerMetrics
   created: int  # the served model's "created" timestamp
   ready: bool = False  # set once the server listens
+  warm_up: Optional[BackgroundWarmUp] = None  # a background warm-up, running or done
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -51,7 +53,14 @@ def create_app(state: ServerState) -> FastAPI:
 
   @app.get("/health")
   async def health():
-    return Response(status_code=200 if state.ready and state.loop.alive else 503)
+    """200 while the server answers: {"status": "ready"}, or "warming" with the background
+    warm-up's progress (requests are served; one may compile); 503 once it stopped."""
+    if not (state.ready and state.loop.alive):
+      return JSONResponse({"status": "unavailable"}, status_code=503)
+    warm_up = state.warm_up
+    if warm_up is None or warm_up.ready or warm_up.error is not None:
+      return {"status": "ready"}
+    return {"status": "warming", "warm_up": {"done": warm_up.done, "total": warm_up.total}}
 
   @app.get("/v1/models")
   async def models():
