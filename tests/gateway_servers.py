@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The tiny preset (random weights, no tokenizer: token-id prompts) on small shapes.
-TINY = ("--checkpoint", "tiny", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+# The built-in byte-level code model (its tokenizer: smg forwards text prompts only) on
+# small shapes.
+TINY = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32",
         "--max-model-len", "64", "--page-size", "16")
 _URL = re.compile(r"kvjax serving (\S+) at (http://\S+)/v1")
 

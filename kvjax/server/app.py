@@ -1,5 +1,10 @@
 """The HTTP routes of `kvjax serve` (FastAPI): OpenAI completions and chat, models,
-health and Prometheus metrics.
+health and Prometheus metrics, and the metadata a gateway reads.
+
+A gateway in front of several servers (docs/DEPLOY.md: smg) probes /health, /v1/models
+and SGLang's metadata routes, /server_info and /model_info (or /get_server_info and
+/get_model_info): they say the served name, the context length, the KV pool's tokens
+and the replica count.
 
 A generation handler parses and checks its body (kvjax/server/protocol.py),
 submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 from typing import Any, Optional
 
 import prometheus_client
@@ -28,6 +34,7 @@ from kvjax.warm_up import BackgroundWarmUp
 
 __all__ = ["ServerState", "create_app"]
 
+_VERSION = importlib.metadata.version("kvjax")
 _DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is there
 
 
@@ -67,6 +74,23 @@ def create_app(state: ServerState) -> FastAPI:
     return {"object": "list", "data": [{
         "id": state.limits.model_name, "object": "model", "created": state.created,
         "owned_by": "kvjax", "max_model_len": state.limits.max_model_len}]}
+
+  @app.get("/server_info")
+  @app.get("/get_server_info")
+  async def server_info():
+    engine = state.loop.engine
+    replicas = getattr(engine, "engines", [engine])  # a Router's, or the one Engine
+    return {"model_id": state.limits.model_name, "served_model_name": state.limits.model_name,
+            "model_path": engine.model_config.name, "context_length": state.limits.max_model_len,
+            "max_total_tokens": sum(e.config.num_pages * e.config.page_size for e in replicas),
+            "dp_size": len(replicas), "is_embedding": False,
+            "version": _VERSION, "engine": "kvjax"}
+
+  @app.get("/model_info")
+  @app.get("/get_model_info")
+  async def model_info():
+    return {"model_path": state.loop.engine.model_config.name, "is_generation": True,
+            "has_image_understanding": False, "has_audio_understanding": False}
 
   @app.get("/metrics")
   async def metrics():
