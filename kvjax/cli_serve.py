@@ -50,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "sampling variant) while idle, /health says warming until done; full: "
                       "compile them all before serving; minimal: only two short requests' "
                       "programs (default: %(default)s)")
+  p.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=False,
+                 help="/metrics also under vLLM's names (vllm:num_requests_waiting, ...), for "
+                      "routers that read them, such as llm-d's (default: kvjax: names only)")
   add_compile_cache_flag(p)
   add_engine_flags(p)
   distributed.add_parallel_flags(p)
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
   handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting, warm_up=args.warm_up,
-                           router_policy=args.router_policy)
+                           router_policy=args.router_policy, vllm_metrics=args.vllm_metrics)
   if handle.warm_up is not None:
     _report_warm_up(handle, start)
   elif args.warm_up == "background":

@@ -85,7 +85,8 @@ class ServerHandle:
 def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[EngineConfig] = None,
                     *, host: str = "127.0.0.1", port: int = 0,
                     served_model_name: Optional[str] = None, max_waiting: int = 256,
-                    warm_up: str = "minimal", router_policy: str = "prefix") -> ServerHandle:
+                    warm_up: str = "minimal", router_policy: str = "prefix",
+                    vllm_metrics: bool = False) -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
   model: a kvjax.Model, or a list of them, one per data-parallel replica (each
@@ -95,6 +96,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   request of more sequences than both together gets 400 naming `n`.  served_model_name: the `model` field clients
   send (default: the model config's name).  warm_up: "background" (`python -m kvjax
   serve`'s default), "full" (with a progress bar) or "minimal" (see the module doc).
+  vllm_metrics: /metrics also under vLLM's vllm: names (kvjax/server/prom.py).
   """
   check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
@@ -116,7 +118,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   model = models[0]
   name = served_model_name or model.config.name
   metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
-                          max_num_seqs=engine.config.max_num_seqs)
+                          max_num_seqs=engine.config.max_num_seqs, vllm_names=vllm_metrics)
   tokenizer = model.tokenizer
   loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
   state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len,
