@@ -397,33 +397,29 @@ class Engine:
 
   # -- warm-up ----------------------------------------------------------------
 
-  def warm_up(self, *, logprobs: bool = False, filtered: bool = False,
-              stop_widths: Sequence[int] = (1,), progress: Optional[str] = None) -> WarmUp:
+  def warm_up(self, *, progress: Optional[str] = None, **variants) -> WarmUp:
     """Compile every step program this engine can run, before it serves -> WarmUp
     (programs compiled, programs run, seconds); kvjax/warm_up.py.
 
     Runs serve_step / serve_burst once per shape its packing can form
     (Packing.shapes), per draft count its policy may pick and per variant, on
     padding-only batches, and the page copy / clear programs on the null page, so
-    no request waits on XLA and nothing a request reads changes.  logprobs /
-    filtered / stop_widths: the variants of requests asking for logprobs / with top-k or
-    top-p / with stop ids (kvjax/warm_up.py).  progress: a progress bar's label.
+    no request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's
+    logprobs / filtered / stop_widths (the programs of requests asking for logprobs / with
+    top-k or top-p / with stop ids) and map_budget.  progress: a progress bar's label.
     """
     with self._lock:
-      return warm_up(self.warm_up_plan(logprobs=logprobs, filtered=filtered,
-                                       stop_widths=stop_widths), progress)
+      return warm_up(self.warm_up_plan(**variants), progress)
 
-  def warm_up_plan(self, *, logprobs: bool = False, filtered: bool = False,
-                   stop_widths: Sequence[int] = (1,)) -> WarmUpPlan:
-    """`warm_up`'s programs, to run one at a time (a server's engine thread: between requests)."""
+  def warm_up_plan(self, **variants) -> WarmUpPlan:
+    """`warm_up`'s programs, to run one at a time (a server's warm-up thread: between requests)."""
     counts = draft_counts(self.draft_policy, self.num_draft)
     shapes = self.packing.shapes((0, *counts) if self.ngram else counts,
                                  bursts=self.scheduler.num_scheduler_steps > 1)
     if self.ngram is not None:
       shapes = host_draft_shapes(shapes, counts)
-    return WarmUpPlan(shapes, self._run_padding, filtered=filtered, logprobs=logprobs,
-                      stop_widths=stop_widths, prepare=self._warm_up_pages,
-                      finish=lambda: jax.block_until_ready(self.state))
+    return WarmUpPlan(shapes, self._run_padding, prepare=self._warm_up_pages,
+                      finish=lambda: jax.block_until_ready(self.state), **variants)
 
   def _warm_up_pages(self) -> None:
     with self._lock:

@@ -22,8 +22,18 @@ doubles the programs or more.  A server asks for all of them (one with more
 stop ids than its widest E still compiles under its first burst).
 
 `WarmUpPlan` runs the programs one at a time (`step()`), so a server's
-engine thread can run them between requests (kvjax/server/engine_loop.py) and
-report its progress; `warm_up` runs a whole plan at once.
+warm-up thread can run them between requests and report its progress;
+`warm_up` runs a whole plan at once.  A plan runs every shape's plain program
+first, then the decode and burst variants, then the prefill ones (filtered, then
+logprobs, then both): the likeliest first, because a plan may stop early.
+
+Every compiled XLA:CPU program keeps its LLVM-JIT code in memory maps, ~250 per
+step program of the default model, and a process past the kernel's
+vm.max_map_count (65,530 by default) fails its next compile ("LLVM compilation
+error: Cannot allocate memory"): the default model's 464 programs at its
+2,048-token context need ~116,000.  With `map_budget` a plan stops once the
+process holds that fraction of the limit (a server: half, leaving the rest to
+programs compiled under requests); `WarmUp.runs` then counts what it ran.
 """
 from __future__ import annotations
 
@@ -45,8 +55,9 @@ __all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_
 # A server's choices (kvjax/server/handle.py): every program while it already serves,
 # every program before it serves, or two short requests' programs only.
 WARM_UP_MODES = ("background", "full", "minimal")
-# What a server's full warm-up covers: every sampling variant a request can ask for.
-SERVER_VARIANTS = dict(filtered=True, logprobs=True, stop_widths=(1, 2, 4))
+# What a server's full warm-up covers: every sampling variant a request can ask for, while
+# the process holds under half its memory-map limit (the module doc).
+SERVER_VARIANTS = dict(filtered=True, logprobs=True, stop_widths=(1, 2, 4), map_budget=0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +86,16 @@ class WarmUpPlan:
   def __init__(self, shapes: Sequence[StepShape], run: Callable[..., None], *,
                filtered: bool = False, logprobs: bool = False,
                stop_widths: Sequence[int] = (1,), prepare: Callable[[], None] = lambda: None,
-               finish: Callable[[], None] = lambda: None):
+               finish: Callable[[], None] = lambda: None, map_budget: Optional[float] = None):
     variants = list(itertools.product((False, True) if filtered else (False,),
                                       (False, True) if logprobs else (False,)))
     self.num_shapes, self.num_variants = len(shapes), len(variants)
-    self.runs = [(shape, *variant, width) for shape in shapes for variant in variants
-                 for width in (stop_widths if shape.kind == "burst" else (1,))]
+    runs = [(shape, *variant, width) for shape in shapes for variant in variants
+            for width in (stop_widths if shape.kind == "burst" else (1,))]
+    self.runs = sorted(runs, key=_priority)  # stable: shapes keep their order in a tier
     self._run, self._prepare, self._finish = run, prepare, finish
+    self._map_budget = map_budget
+    self.stopped_early = False  # the map budget ran out before every run
     self._todo = self.runs[:1] + self.runs  # the first twice: the state's form settles
     self.done = 0  # runs finished (of len(runs))
     self._compiled = self._start = None
@@ -96,6 +110,12 @@ class WarmUpPlan:
     if self._start is None:
       self._compiled, self._start = num_compiled(), time.perf_counter()
       self._prepare()
+    if self._todo and self._map_budget is not None and _maps_used() > self._map_budget:
+      self.stopped_early = True
+      logging.warning("warm-up: stopped after %d of %d step programs: the process holds "
+                      "%.0f%% of vm.max_map_count (the rest compile under requests)",
+                      self.done, self.total, 100 * _maps_used())
+      self._todo = []
     if self._todo:
       self._run(*self._todo.pop(0))
       self.done = max(0, self.total - len(self._todo))
@@ -103,12 +123,34 @@ class WarmUpPlan:
       return True
     if self.result is None:
       self._finish()
-      self.result = WarmUp(num_compiled() - self._compiled, self.total,
+      self.result = WarmUp(num_compiled() - self._compiled, self.done,
                            time.perf_counter() - self._start)
       logging.info("warm-up: %d step programs compiled (%d shapes x %d variants) in %.1f s",
                    self.result.programs, self.num_shapes, self.num_variants,
                    self.result.seconds)
     return False
+
+
+def _priority(run) -> int:
+  """0: a plain program; 1: a decode or burst variant; 2-4: prefill filtered / logprobs /
+  both (the order a plan runs them in)."""
+  shape, use_filter, logprobs, stop_width = run
+  if not (use_filter or logprobs or stop_width > 1):
+    return 0
+  if shape.kind != "prefill":
+    return 1
+  return 1 + use_filter + 2 * logprobs
+
+
+def _maps_used() -> float:
+  """This process's memory maps / vm.max_map_count (0 where /proc does not say)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f) / limit
+  except (OSError, ValueError):
+    return 0.0
 
 
 def warm_up(plan: WarmUpPlan, progress: Optional[str] = None) -> WarmUp:
@@ -151,6 +193,11 @@ class BackgroundWarmUp:
   @property
   def ready(self) -> bool:
     return self.result is not None
+
+  @property
+  def stopped_early(self) -> bool:
+    """A plan stopped at its map budget (kvjax/warm_up.py): some variants compile later."""
+    return any(p.stopped_early for p in self._plans)
 
   def start(self) -> "BackgroundWarmUp":
     self._thread.start()

@@ -61,13 +61,17 @@ def create_app(state: ServerState) -> FastAPI:
   @app.get("/health")
   async def health():
     """200 while the server answers: {"status": "ready"}, or "warming" with the background
-    warm-up's progress (requests are served; one may compile); 503 once it stopped."""
+    warm-up's progress (requests are served; one may compile), or "ready" with the progress
+    of a warm-up that stopped early (kvjax/warm_up.py); 503 once it stopped."""
     if not (state.ready and state.loop.alive):
       return JSONResponse({"status": "unavailable"}, status_code=503)
     warm_up = state.warm_up
-    if warm_up is None or warm_up.ready or warm_up.error is not None:
+    if warm_up is None or (warm_up.ready and not warm_up.stopped_early):
       return {"status": "ready"}
-    return {"status": "warming", "warm_up": {"done": warm_up.done, "total": warm_up.total}}
+    progress = {"done": warm_up.done, "total": warm_up.total}
+    if warm_up.ready or warm_up.error is not None:  # the rest compiles under requests
+      return {"status": "ready", "warm_up": {**progress, "stopped_early": True}}
+    return {"status": "warming", "warm_up": progress}
 
   @app.get("/v1/models")
   async def models():
