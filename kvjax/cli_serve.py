@@ -53,6 +53,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=False,
                  help="/metrics also under vLLM's names (vllm:num_requests_waiting, ...), for "
                       "routers that read them, such as llm-d's (default: kvjax: names only)")
+  p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                 help="publish vLLM-format KV events of the prefix cache on this ZMQ endpoint "
+                      "(tcp://*:5557 binds), for KV-aware routers such as llm-d's or Dynamo's; "
+                      "needs pyzmq and msgpack (default: off)")
   add_compile_cache_flag(p)
   add_engine_flags(p)
   distributed.add_parallel_flags(p)
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
   handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting, warm_up=args.warm_up,
-                           router_policy=args.router_policy, vllm_metrics=args.vllm_metrics)
+                           router_policy=args.router_policy, vllm_metrics=args.vllm_metrics,
+                           kv_events=args.kv_events)
   if handle.warm_up is not None:
     _report_warm_up(handle, start)
   elif args.warm_up == "background":

@@ -25,6 +25,7 @@ import uvicorn
 
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
+from kvjax.kv_events import KVEventPublisher, replica_endpoint
 from kvjax.router import Router
 from kvjax.server.app import ServerState, create_app
 from kvjax.server.engine_loop import EngineLoop
@@ -51,6 +52,7 @@ class ServerHandle:
                state: ServerState, host: str, port: int, warm_up: Optional[WarmUp] = None):
     self._server, self._thread, self._loop, self.state = server, thread, loop, state
     self._warm_up = warm_up
+    self.kv_events: list = []  # kvjax.kv_events.KVEventPublisher per replica
     self.port = port
     self.root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     self.url = self.root + "/v1"
@@ -74,6 +76,9 @@ class ServerHandle:
     self._loop.stop()
     self._server.should_exit = True
     self._thread.join(_START_TIMEOUT_S)
+    for publisher in self.kv_events:
+      publisher.close()
+    self.kv_events = []
 
   def __enter__(self) -> "ServerHandle":
     return self
@@ -86,7 +91,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
                     *, host: str = "127.0.0.1", port: int = 0,
                     served_model_name: Optional[str] = None, max_waiting: int = 256,
                     warm_up: str = "minimal", router_policy: str = "prefix",
-                    vllm_metrics: bool = False) -> ServerHandle:
+                    vllm_metrics: bool = False, kv_events: Optional[str] = None) -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
   model: a kvjax.Model, or a list of them, one per data-parallel replica (each
@@ -97,6 +102,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   send (default: the model config's name).  warm_up: "background" (`python -m kvjax
   serve`'s default), "full" (with a progress bar) or "minimal" (see the module doc).
   vllm_metrics: /metrics also under vLLM's vllm: names (kvjax/server/prom.py).
+  kv_events: a ZMQ endpoint where each replica's prefix cache publishes vLLM's KV events
+  (kvjax/kv_events.py; replica i at kv_events.replica_endpoint(kv_events, i)).
   """
   check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
@@ -114,6 +121,10 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   elif warm_up == "minimal":
     for e in engines:
       _warm_up(e)
+  publishers = [] if kv_events is None else [
+      KVEventPublisher(replica_endpoint(kv_events, i), e.config.page_size,
+                       data_parallel_rank=i).attach(e.scheduler.prefix_cache)
+      for i, e in enumerate(engines) if e.scheduler.prefix_cache is not None]
   engine = engines[0] if len(engines) == 1 else Router(engines, router_policy)
   model = models[0]
   name = served_model_name or model.config.name
@@ -144,7 +155,9 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   state.ready = True
   if state.warm_up is not None:
     state.warm_up.start()
-  return ServerHandle(server, thread, loop, state, host, bound, warmed)
+  handle = ServerHandle(server, thread, loop, state, host, bound, warmed)
+  handle.kv_events = publishers
+  return handle
 
 
 def _of(replica: int, engines: list) -> str:
