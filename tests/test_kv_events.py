@@ -92,3 +92,30 @@ def test_stored_blocks_carry_their_tokens_and_parents(replayed):
       # The chain from the request's start agrees with a prompt as far as both go (past
       # it: generated tokens).
       assert any(p[:len(prefix)] == prefix[:len(p)] for p in prompts)
+
+
+def test_a_server_publishes_its_prefix_cache(tiny_model, tmp_path):
+  import httpx
+
+  from kvjax.server import serve_in_thread
+
+  endpoint = f"ipc://{tmp_path}/server-events"
+  config = kvjax.EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                              page_size=PAGE)
+  with serve_in_thread(tiny_model, config, kv_events=endpoint) as server:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.5)
+    prompt = list(range(10, 30))  # 2 full blocks
+    answer = httpx.post(server.url + "/completions", timeout=60, json={
+        "model": server.model_name, "prompt": prompt, "max_tokens": 2})
+    assert answer.status_code == 200
+    stored = []
+    while sub.poll(2000):
+      _, _, payload = sub.recv_multipart()
+      stored += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
+      if sum(len(e[1]) for e in stored) >= 2:
+        break
+    sub.close()
+  assert stored[0][2] is None and stored[0][3][:2 * PAGE] == prompt[:2 * PAGE]
