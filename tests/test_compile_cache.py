@@ -10,16 +10,21 @@ import re
 
 import pytest
 
-from tests.gateway_servers import TINY, ServeProcess
+from tests.gateway_servers import ServeProcess
+
+pytestmark = pytest.mark.slow  # 2 starts, each compiling or loading every variant
 
 _WARM = r"XLA compiled (\d+) programs, loaded (\d+) from the compile cache; ready ([\d.]+) s"
 _PROMPT = [5, 9, 11, 3, 7]
+# The tiny preset (2 layers) on 2 rows, 16-token chunks, 2-page tables: 20 warm-up runs.
+_ARGS = ("--checkpoint", "tiny", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+         "--max-model-len", "32", "--page-size", "16")
 
 
 def _start(cache, *extra) -> tuple[int, int, float, dict]:
-  """serve --warm-up full -> (compiled, loaded, seconds to ready, a greedy answer)."""
-  with ServeProcess([*TINY, "--warm-up", "full", "--compile-cache", str(cache), *extra]) as s:
-    compiled, loaded, ready_s = s.wait_for_stderr(_WARM, 60).groups()
+  """serve (background warm-up) -> (compiled, loaded, seconds to ready, a greedy answer)."""
+  with ServeProcess([*_ARGS, "--compile-cache", str(cache), *extra]) as s:
+    compiled, loaded, ready_s = s.wait_for_stderr(_WARM, 400).groups()
     answer = s.complete(_PROMPT, 12)["choices"][0]
     return int(compiled), int(loaded), float(ready_s), answer
 
