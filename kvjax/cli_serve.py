@@ -95,11 +95,10 @@ def run(args: argparse.Namespace) -> int:
 def _report_warm_up(handle, start: float) -> None:
   compiled, loaded = xla_compile_counts()
   background = handle.state.warm_up
-  of = "" if background is None else (
-      f" of {background.total}" + (" (stopped at half the process's memory-map limit: the "
-                                   "rest compile under requests)" if background.stopped_early
-                                   else ""))
+  of = "" if background is None else f" of {background.total}"
+  early = (" (stopped at half the process's memory-map limit: the rest compile under "
+           "requests)") if background is not None and background.stopped_early else ""
   print(f"kvjax warm-up: {handle.warm_up.runs}{of} step programs run in "
-        f"{handle.warm_up.seconds:.1f} s; XLA compiled {compiled} programs, loaded {loaded} "
-        f"from the compile cache; ready {time.perf_counter() - start:.1f} s after start",
+        f"{handle.warm_up.seconds:.1f} s{early}; XLA compiled {compiled} programs, loaded "
+        f"{loaded} from the compile cache; ready {time.perf_counter() - start:.1f} s after start",
         file=sys.stderr, flush=True)
