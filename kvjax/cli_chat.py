@@ -23,6 +23,7 @@ import time
 from typing import Callable, Optional
 
 from kvjax.cli_checkpoint import add_checkpoint_flags
+from kvjax.xla_options import add_compile_cache_flag, use_compile_cache
 
 __all__ = ["ChatSession", "chat_prompt_ids", "add_parser", "run", "DEFAULT_CHECKPOINT"]
 
@@ -124,6 +125,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="sampling temperature; 0 is greedy (default: %(default)s)")
   p.add_argument("--seed", type=int, default=0,
                  help="turn i samples with seed + i (default: %(default)s)")
+  add_compile_cache_flag(p)
   p.set_defaults(func=run)
   return p
 
@@ -150,6 +152,7 @@ def _turn_stats(metrics, seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
   from kvjax.api import load_checkpoint
 
+  use_compile_cache(args.compile_cache)
   interactive = sys.stdin.isatty()
   start = time.perf_counter()
   model = load_checkpoint(args.checkpoint, weight_dtype=args.weight_dtype)

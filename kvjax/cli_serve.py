@@ -4,11 +4,14 @@
       --max-waiting 64 --max-num-seqs 16
   python -m kvjax serve --checkpoint smollm2-135m-instruct --weight-dtype int8
 
-Loads the model, compiles every step program the engine can run (--warm-up
-full: a progress bar, then how many and how long, on stderr; --warm-up minimal:
-only what two short requests run, the rest compiles under the first clients),
-then prints one line to stdout, `kvjax serving <name> at http://<host>:<port>/v1`
-(the real port when --port is 0), and serves until SIGINT or SIGTERM.
+Loads the model, prints one line to stdout, `kvjax serving <name> at
+http://<host>:<port>/v1` (the real port when --port is 0), and serves until SIGINT
+or SIGTERM.  --warm-up background (the default) compiles every step program the
+engine can run, in every sampling variant, while it already serves (/health says
+"warming", then "ready"; a line on stderr says when); --warm-up full compiles them
+first (a progress bar), before that line; --warm-up minimal only what two short
+requests run (the rest compiles under the first clients).  Compiled programs go
+to --compile-cache, so the next start of the same settings loads them.
 """
 from __future__ import annotations
 
@@ -16,11 +19,13 @@ import argparse
 import signal
 import sys
 import threading
+import time
 
 from kvjax import distributed
 from kvjax.cli_checkpoint import add_checkpoint_flags
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
 from kvjax.warm_up import WARM_UP_MODES
+from kvjax.xla_options import add_compile_cache_flag, use_compile_cache, xla_compile_counts
 
 __all__ = ["add_parser", "run", "SERVE_SCHEDULER_STEPS"]
 
@@ -42,10 +47,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   p.add_argument("--max-waiting", type=int, default=256,
                  help="sequences (prompts x n) that may wait beyond the --max-num-seqs running "
                       "ones; more get 503 (default: %(default)s)")
-  p.add_argument("--warm-up", choices=WARM_UP_MODES, default="full",
-                 help="full: compile every step program before serving, so no request "
-                      "waits on XLA; minimal: only two short requests' programs, a faster "
-                      "start (default: %(default)s)")
+  p.add_argument("--warm-up", choices=WARM_UP_MODES, default="background",
+                 help="background: serve at once and compile every step program (every "
+                      "sampling variant) while idle, /health says warming until done; full: "
+                      "compile them all before serving; minimal: only two short requests' "
+                      "programs (default: %(default)s)")
+  p.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=False,
+                 help="/metrics also under vLLM's names (vllm:num_requests_waiting, ...), for "
+                      "routers that read them, such as llm-d's (default: kvjax: names only)")
+  p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                 help="publish vLLM-format KV events of the prefix cache on this ZMQ endpoint "
+                      "(tcp://*:5557 binds), for KV-aware routers such as llm-d's or Dynamo's; "
+                      "needs pyzmq and msgpack (default: off)")
+  add_compile_cache_flag(p)
   add_engine_flags(p)
   # One decode step per device call: a burst's tokens reach clients together, so streams
   # would arrive in clumps (tiny default model, 16 x 128 -> 128 over HTTP, 2 shared cores:
@@ -60,19 +74,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
   from kvjax.server import serve_in_thread
 
+  start = time.perf_counter()
+  use_compile_cache(args.compile_cache)
+  xla_compile_counts()  # counting starts here
   models = distributed.load_replicas(args, args.checkpoint, args.dtype, args.weight_dtype)
   handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting, warm_up=args.warm_up,
-                           router_policy=args.router_policy)
+                           router_policy=args.router_policy, vllm_metrics=args.vllm_metrics,
+                           kv_events=args.kv_events)
   if handle.warm_up is not None:
-    print(f"kvjax warm-up: {handle.warm_up.runs} step programs run, {handle.warm_up.programs} "
-          f"of them compiled now, in {handle.warm_up.seconds:.1f} s", file=sys.stderr,
-          flush=True)
+    _report_warm_up(handle, start)
+  elif args.warm_up == "background":
+    threading.Thread(target=lambda: handle.wait_ready() and _report_warm_up(handle, start),
+                     name="kvjax-ready-line", daemon=True).start()
   stopped = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopped.set())
+  print(f"kvjax: listening {time.perf_counter() - start:.1f} s after start", file=sys.stderr,
+        flush=True)
   print(f"kvjax serving {handle.model_name} at {handle.url}", flush=True)
   with handle:
     stopped.wait()
   return 0
+
+
+def _report_warm_up(handle, start: float) -> None:
+  compiled, loaded = xla_compile_counts()
+  background = handle.state.warm_up
+  of = "" if background is None else f" of {background.total}"
+  early = (" (stopped at half the process's memory-map limit: the rest compile under "
+           "requests)") if background is not None and background.stopped_early else ""
+  print(f"kvjax warm-up: {handle.warm_up.runs}{of} step programs run in "
+        f"{handle.warm_up.seconds:.1f} s{early}; XLA compiled {compiled} programs, loaded "
+        f"{loaded} from the compile cache; ready {time.perf_counter() - start:.1f} s after start",
+        file=sys.stderr, flush=True)

@@ -26,6 +26,10 @@ of every forgotten block through `set_forget_hook`).
 Pages are owned by BlockAllocator; a cached page nobody holds stays evictable
 until allocation needs it (LRU, tail blocks first), and the allocator's evict
 hook tells this cache to forget it.
+
+`add_block_listener(stored, removed)` hears of every block as it is cached
+(hash, parent hash, its tokens) and forgotten (hash): kvjax/kv_events.py
+publishes them as vLLM's KV events.
 """
 from __future__ import annotations
 
@@ -110,6 +114,7 @@ class PrefixCache:
     self.queried_tokens = 0
     self._boundary_check: Optional[Callable[[bytes], bool]] = None
     self._forget_hook: Callable[[bytes], None] = lambda block_hash: None
+    self._listeners: list[tuple[Callable, Callable]] = []
     allocator.set_evict_hook(self._forget)
 
   def set_boundary_check(self, check: Callable[[bytes], bool]) -> None:
@@ -119,6 +124,12 @@ class PrefixCache:
   def set_forget_hook(self, hook: Callable[[bytes], None]) -> None:
     """`hook(block_hash)` runs whenever a cached block is forgotten."""
     self._forget_hook = hook
+
+  def add_block_listener(self, stored: Callable[[bytes, bytes, tuple], None],
+                         removed: Callable[[bytes], None]) -> None:
+    """stored(hash, parent hash, token ids) as a block is cached; removed(hash) as it is
+    forgotten (evicted, discarded or reset)."""
+    self._listeners.append((stored, removed))
 
   def hash_of(self, page: int) -> Optional[bytes]:
     """The hash of the block cached in `page`, or None."""
@@ -211,6 +222,8 @@ class PrefixCache:
     self._page_of[block_hash] = page
     self._entry[page] = (block_hash, parent, tuple(int(t) for t in token_ids))
     self._children.setdefault(parent, {})[page] = None
+    for stored, _ in self._listeners:
+      stored(block_hash, parent, self._entry[page][2])
     return True
 
   def discard(self, pages: Sequence[int]) -> None:
@@ -246,6 +259,8 @@ class PrefixCache:
     if not siblings:
       del self._children[parent]
     self._forget_hook(block_hash)
+    for _, removed in self._listeners:
+      removed(block_hash)
 
   def _longest_child(self, parent: bytes,
                      rest: Sequence[int]) -> tuple[Optional[int], int]:

@@ -15,16 +15,31 @@ committed when the params are (a loaded checkpoint's), which the jit cache keys
 apart, so without it the first program would be compiled for the fresh state
 only and again under the first request that packs its shape.
 
-Left to compile when first met: the variants not asked for (each doubles the
-programs: top-k / top-p and logprobs requests are the exception in most
-traffic, so both are off by default), and bursts of a request with a stop id
-beyond EOS (a burst's stop-id width E is bucketed; requests with EOS alone, or
-no stop at all, run E = 1).
+Variants are opt-in (`filtered`, `logprobs`, and `stop_widths`, the widths E
+of a burst's stop-id array, bucketed: a request with EOS alone or no stop id
+runs E = 1, one with 1 stop id beyond EOS E = 2, 2-3 beyond E = 4): each
+doubles the programs or more.  A server asks for all of them (one with more
+stop ids than its widest E still compiles under its first burst).
+
+`WarmUpPlan` runs the programs one at a time (`step()`), so a server's
+warm-up thread can run them between requests and report its progress;
+`warm_up` runs a whole plan at once.  A plan runs every shape's plain program
+first, then the decode and burst variants, then the prefill ones (filtered, then
+logprobs, then both): the likeliest first, because a plan may stop early.
+
+Every compiled XLA:CPU program keeps its LLVM-JIT code in memory maps, ~250 per
+step program of the default model, and a process past the kernel's
+vm.max_map_count (65,530 by default) fails its next compile ("LLVM compilation
+error: Cannot allocate memory"): the default model's 464 programs at its
+2,048-token context need ~116,000.  With `map_budget` a plan stops once the
+process holds that fraction of the limit (a server: half, leaving the rest to
+programs compiled under requests); `WarmUp.runs` then counts what it ran.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -34,10 +49,15 @@ from kvjax.batching import StepShape
 from kvjax.draft_policy import FixedDrafts
 from kvjax.serve_steps import num_compiled
 
-__all__ = ["WARM_UP_MODES", "WarmUp", "draft_counts", "warm_up"]
+__all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_VARIANTS",
+           "draft_counts", "warm_up"]
 
-# A server's choices (kvjax/server/handle.py): every program, or two short requests' only.
-WARM_UP_MODES = ("full", "minimal")
+# A server's choices (kvjax/server/handle.py): every program while it already serves,
+# every program before it serves, or two short requests' programs only.
+WARM_UP_MODES = ("background", "full", "minimal")
+# What a server's full warm-up covers: every sampling variant a request can ask for, while
+# the process holds under half its memory-map limit (the module doc).
+SERVER_VARIANTS = dict(filtered=True, logprobs=True, stop_widths=(1, 2, 4), map_budget=0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,32 +79,153 @@ def draft_counts(policy, num_draft: int) -> tuple[int, ...]:
   return tuple(getattr(policy, "candidates", range(num_draft + 1)))
 
 
-def warm_up(shapes: Sequence[StepShape], run: Callable[[StepShape, bool, bool], None], *,
-            filtered: bool = False, logprobs: bool = False,
-            progress: Optional[str] = None) -> WarmUp:
-  """run(shape, use_filter, logprobs) for every shape and variant -> WarmUp.
+class WarmUpPlan:
+  """Every run of a warm-up, one per `step()`: run(shape, use_filter, logprobs, stop_width)
+  for every shape and variant; `prepare()` before the first, `finish()` after the last."""
 
-  Variants: use_filter False (and True with `filtered`) times logprobs False (and
-  True with `logprobs`).  progress: label of a progress bar (programs run, rate);
-  either way the totals go to the absl log.
-  """
-  variants = list(itertools.product((False, True) if filtered else (False,),
-                                    (False, True) if logprobs else (False,)))
-  runs = [(shape, *variant) for shape in shapes for variant in variants]
-  start = time.perf_counter()
-  run(*runs[0])  # the state's form settles (module doc): neither counted nor shown
+  def __init__(self, shapes: Sequence[StepShape], run: Callable[..., None], *,
+               filtered: bool = False, logprobs: bool = False,
+               stop_widths: Sequence[int] = (1,), prepare: Callable[[], None] = lambda: None,
+               finish: Callable[[], None] = lambda: None, map_budget: Optional[float] = None):
+    variants = list(itertools.product((False, True) if filtered else (False,),
+                                      (False, True) if logprobs else (False,)))
+    self.num_shapes, self.num_variants = len(shapes), len(variants)
+    runs = [(shape, *variant, width) for shape in shapes for variant in variants
+            for width in (stop_widths if shape.kind == "burst" else (1,))]
+    self.runs = sorted(runs, key=_priority)  # stable: shapes keep their order in a tier
+    self._run, self._prepare, self._finish = run, prepare, finish
+    self._map_budget = map_budget
+    self.stopped_early = False  # the map budget ran out before every run
+    self._todo = self.runs[:1] + self.runs  # the first twice: the state's form settles
+    self.done = 0  # runs finished (of len(runs))
+    self._compiled = self._start = None
+    self.result: Optional[WarmUp] = None  # set by the last step
+
+  @property
+  def total(self) -> int:
+    return len(self.runs)
+
+  def step(self) -> bool:
+    """Run the next program -> True while more are left."""
+    if self._start is None:
+      self._compiled, self._start = num_compiled(), time.perf_counter()
+      self._prepare()
+    if self._todo and self._map_budget is not None and _maps_used() > self._map_budget:
+      self.stopped_early = True
+      logging.warning("warm-up: stopped after %d of %d step programs: the process holds "
+                      "%.0f%% of vm.max_map_count (the rest compile under requests)",
+                      self.done, self.total, 100 * _maps_used())
+      self._todo = []
+    if self._todo:
+      self._run(*self._todo.pop(0))
+      self.done = max(0, self.total - len(self._todo))
+    if self._todo:
+      return True
+    if self.result is None:
+      self._finish()
+      self.result = WarmUp(num_compiled() - self._compiled, self.done,
+                           time.perf_counter() - self._start)
+      logging.info("warm-up: %d step programs compiled (%d shapes x %d variants) in %.1f s",
+                   self.result.programs, self.num_shapes, self.num_variants,
+                   self.result.seconds)
+    return False
+
+
+def _priority(run) -> int:
+  """0: a plain program; 1: a decode or burst variant; 2-4: prefill filtered / logprobs /
+  both (the order a plan runs them in)."""
+  shape, use_filter, logprobs, stop_width = run
+  if not (use_filter or logprobs or stop_width > 1):
+    return 0
+  if shape.kind != "prefill":
+    return 1
+  return 1 + use_filter + 2 * logprobs
+
+
+def _maps_used() -> float:
+  """This process's memory maps / vm.max_map_count (0 where /proc does not say)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f) / limit
+  except (OSError, ValueError):
+    return 0.0
+
+
+def warm_up(plan: WarmUpPlan, progress: Optional[str] = None) -> WarmUp:
+  """Run every step of `plan` -> WarmUp.  progress: label of a progress bar (programs
+  run, rate); either way the totals go to the absl log."""
   bar = None
   if progress:
     from tqdm import tqdm
-    bar = tqdm(total=len(runs), unit="program", desc=progress)
-  before = num_compiled()  # so programs <= runs: each run compiles one program at most
-  for args in runs:
-    run(*args)
+    bar = tqdm(total=plan.total, unit="program", desc=progress)
+  while plan.step():
     if bar is not None:
-      bar.update()
+      bar.n = plan.done
+      bar.refresh()
   if bar is not None:
+    bar.n = plan.done
     bar.close()
-  result = WarmUp(num_compiled() - before, len(runs), time.perf_counter() - start)
-  logging.info("warm-up: %d step programs compiled (%d shapes x %d variants) in %.1f s",
-               result.programs, len(shapes), len(variants), result.seconds)
-  return result
+  return plan.result
+
+
+class BackgroundWarmUp:
+  """Runs warm-up plans in a daemon thread while a server already serves: a program at a
+  time, only while `busy()` is False (requests first: one that needs a program not yet
+  compiled compiles it under its own step), each under its engine's lock.  `done` /
+  `total`: runs so far / in all; `result`: the plans' WarmUp summed, once every one ran."""
+
+  _IDLE_POLL_S = 0.02
+
+  def __init__(self, plans: Sequence[WarmUpPlan], busy: Callable[[], bool]):
+    self._plans, self._busy = list(plans), busy
+    self.total = sum(p.total for p in plans)
+    self.result: Optional[WarmUp] = None
+    self.error: Optional[BaseException] = None
+    self._stopping, self._finished = threading.Event(), threading.Event()
+    self._thread = threading.Thread(target=self._run, name="kvjax-warm-up", daemon=True)
+
+  @property
+  def done(self) -> int:
+    return sum(p.done for p in self._plans)
+
+  @property
+  def ready(self) -> bool:
+    return self.result is not None
+
+  @property
+  def stopped_early(self) -> bool:
+    """A plan stopped at its map budget (kvjax/warm_up.py): some variants compile later."""
+    return any(p.stopped_early for p in self._plans)
+
+  def start(self) -> "BackgroundWarmUp":
+    self._thread.start()
+    return self
+
+  def wait(self, timeout_s: Optional[float] = None) -> bool:
+    """Block until every plan ran (or failed, or stopped) -> whether every plan ran."""
+    self._finished.wait(timeout_s)
+    return self.ready
+
+  def stop(self) -> None:
+    self._stopping.set()
+    self._thread.join()
+
+  def _run(self) -> None:
+    try:
+      for plan in self._plans:
+        while not self._stopping.is_set():
+          if self._busy():
+            time.sleep(self._IDLE_POLL_S)
+          elif not plan.step():
+            break
+      if not self._stopping.is_set():
+        results = [p.result for p in self._plans]
+        self.result = WarmUp(sum(r.programs for r in results), sum(r.runs for r in results),
+                             sum(r.seconds for r in results))
+    except Exception as error:  # the server still serves; its requests compile what they need
+      logging.exception("the background warm-up failed")
+      self.error = error
+    finally:
+      self._finished.set()

@@ -26,15 +26,26 @@ xla_cpu_enable_concurrency_optimized_scheduler=False changes nothing in this XLA
 `jit_step` compiles a step program with these options on a CPU backend whose XLA
 accepts them (checked once with a probe compile: an option this XLA does not know
 would fail every compile), and with none elsewhere (GPU).
+
+`use_compile_cache(directory)` (the command lines' --compile-cache) keeps every
+compiled program in jax's persistent compilation cache, so a restart of the same
+configuration loads its programs instead of compiling them: every program, however
+fast it compiled (a server's step programs take 0.1-10 s each on a CPU, and the
+small ones add up).  `xla_compile_counts()` counts, from jax's monitoring events,
+what XLA compiled and what came from that cache.
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import os
+import threading
 from typing import Callable, Optional
 
 import jax
 
-__all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS"]
+__all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS", "add_compile_cache_flag",
+           "default_compile_cache", "use_compile_cache", "xla_compile_counts"]
 
 # Per program kind (numbers in the module doc): decode and verify steps (a few columns
 # per row: YNNPACK for each dot alone) and prefill chunks (XLA's own dots).
@@ -101,3 +112,68 @@ def jit_step(fun: Callable = None, *, batch_argnum: Optional[int] = None, **jit_
   if fun is None:
     return functools.partial(jit_step, batch_argnum=batch_argnum, **jit_kwargs)
   return _StepJit(fun, batch_argnum, jit_kwargs)
+
+
+def default_compile_cache() -> str:
+  """$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/kvjax/xla (~/.cache/kvjax/xla)."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "kvjax", "xla")
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
+                      help="keep compiled XLA programs in DIR, so the next start of the same "
+                           "model and settings loads them instead of compiling; none: off "
+                           "(default: %(default)s)")
+
+
+def use_compile_cache(directory: str) -> Optional[str]:
+  """Turn jax's persistent compilation cache on in `directory` (created if missing), for
+  every program; "none" turns it off.  -> the directory, or None.  Call it before the
+  first compile: jax opens the cache once, at its first compile."""
+  if directory == "none":
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  path = os.path.abspath(os.path.expanduser(directory))
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+class _CompileCounts:
+  """jax's compile events, counted: `backend_compile` comes once per program XLA hands
+  out (compiled or loaded from the persistent cache), `cache_hits` once per load."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.requests = self.hits = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    jax.monitoring.register_event_listener(self._on_event)
+
+  def _on_duration(self, name: str, _seconds: float, **_) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+      with self._lock:
+        self.requests += 1
+
+  def _on_event(self, name: str, **_) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+      with self._lock:
+        self.hits += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _counts() -> _CompileCounts:
+  return _CompileCounts()
+
+
+def xla_compile_counts() -> tuple[int, int]:
+  """(programs XLA compiled, programs loaded from the persistent cache) in this process
+  since the first call (which starts the count)."""
+  counts = _counts()
+  with counts._lock:
+    return counts.requests - counts.hits, counts.hits

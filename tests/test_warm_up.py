@@ -263,7 +263,10 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed):
   with pytest.raises(ValueError, match="warm_up must be one of"):
     serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="some")
   with serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="full") as server:
-    assert server.warm_up.runs == len(engine.packing.shapes(bursts=True))
+    # Every shape in 4 variants (top-k/top-p x logprobs), bursts in 3 stop-id widths too.
+    shapes = engine.packing.shapes(bursts=True)
+    bursts = sum(shape.kind == "burst" for shape in shapes)
+    assert server.warm_up.runs == 4 * (len(shapes) + 2 * bursts)
     before = num_compiled()
     for prompt in _prompts(4, 3):
       answer = httpx.post(server.url + "/completions", timeout=60,

@@ -1,5 +1,10 @@
 """The HTTP routes of `kvjax serve` (FastAPI): OpenAI completions and chat, models,
-health and Prometheus metrics.
+health and Prometheus metrics, and the metadata a gateway reads.
+
+A gateway in front of several servers (docs/DEPLOY.md: smg) probes /health, /v1/models
+and SGLang's metadata routes, /server_info and /model_info (or /get_server_info and
+/get_model_info): they say the served name, the context length, the KV pool's tokens
+and the replica count.
 
 A generation handler parses and checks its body (kvjax/server/protocol.py),
 submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
@@ -13,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+import importlib.metadata
+from typing import Any, Optional
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -24,9 +30,11 @@ from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import (MAX_BODY_BYTES, Limits, OpenAIError, parse_chat,
                                    parse_completion, parse_json)
 from kvjax.server.responses import Responses, sse
+from kvjax.warm_up import BackgroundWarmUp
 
 __all__ = ["ServerState", "create_app"]
 
+_VERSION = importlib.metadata.version("kvjax")
 _DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is there
 
 
@@ -40,6 +48,7 @@ class ServerState:
   metrics: ServerMetrics
   created: int  # the served model's "created" timestamp
   ready: bool = False  # set once the server listens
+  warm_up: Optional[BackgroundWarmUp] = None  # a background warm-up, running or done
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -51,13 +60,41 @@ def create_app(state: ServerState) -> FastAPI:
 
   @app.get("/health")
   async def health():
-    return Response(status_code=200 if state.ready and state.loop.alive else 503)
+    """200 while the server answers: {"status": "ready"}, or "warming" with the background
+    warm-up's progress (requests are served; one may compile), or "ready" with the progress
+    of a warm-up that stopped early (kvjax/warm_up.py); 503 once it stopped."""
+    if not (state.ready and state.loop.alive):
+      return JSONResponse({"status": "unavailable"}, status_code=503)
+    warm_up = state.warm_up
+    if warm_up is None or (warm_up.ready and not warm_up.stopped_early):
+      return {"status": "ready"}
+    progress = {"done": warm_up.done, "total": warm_up.total}
+    if warm_up.ready or warm_up.error is not None:  # the rest compiles under requests
+      return {"status": "ready", "warm_up": {**progress, "stopped_early": True}}
+    return {"status": "warming", "warm_up": progress}
 
   @app.get("/v1/models")
   async def models():
     return {"object": "list", "data": [{
         "id": state.limits.model_name, "object": "model", "created": state.created,
         "owned_by": "kvjax", "max_model_len": state.limits.max_model_len}]}
+
+  @app.get("/server_info")
+  @app.get("/get_server_info")
+  async def server_info():
+    engine = state.loop.engine
+    replicas = getattr(engine, "engines", [engine])  # a Router's, or the one Engine
+    return {"model_id": state.limits.model_name, "served_model_name": state.limits.model_name,
+            "model_path": engine.model_config.name, "context_length": state.limits.max_model_len,
+            "max_total_tokens": sum(e.config.num_pages * e.config.page_size for e in replicas),
+            "dp_size": len(replicas), "is_embedding": False,
+            "version": _VERSION, "engine": "kvjax"}
+
+  @app.get("/model_info")
+  @app.get("/get_model_info")
+  async def model_info():
+    return {"model_path": state.loop.engine.model_config.name, "is_generation": True,
+            "has_image_understanding": False, "has_audio_understanding": False}
 
   @app.get("/metrics")
   async def metrics():

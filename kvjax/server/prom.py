@@ -1,5 +1,12 @@
 """The server's Prometheus metrics: vLLM's names under `kvjax:`, one registry per server.
 
+With `vllm_names` (serve --vllm-metrics) /metrics also carries every one of them under
+`vllm:` (the same values: one collector renames the registry's families at each scrape),
+for routers and dashboards that read vLLM's names (llm-d's scheduler reads
+vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc).  Opt-in:
+it doubles the series, and a fleet dashboard summing vllm: series would count kvjax
+servers as vLLM ones.  kvjax:max_num_seqs, not a vLLM metric, keeps its one name.
+
 Gauges follow the scheduler after every engine step and admission; counters of cumulative
 scheduler totals (prefix cache, preemptions) advance by their deltas; token
 counters advance as tokens reach clients (a stop string's completion ends at
@@ -38,11 +45,37 @@ def _one_two_five(maximum: int) -> list[int]:
     scale *= 10
 
 
-class ServerMetrics:
-  """Every metric of one server, in its own registry (`exposition()` renders it)."""
+_KVJAX_ONLY = ("max_num_seqs",)  # no vLLM metric of that name: no vllm: view of it
 
-  def __init__(self, model_name: str, *, max_model_len: int, max_num_seqs: int):
+
+class _Renamed:
+  """A collector: the families of `source` named `old` + x (x not in `skip`), as `new` + x."""
+
+  def __init__(self, source: prom.CollectorRegistry, old: str, new: str, skip=()):
+    self._source, self._old, self._new, self._skip = source, old, new, skip
+
+  def collect(self):
+    for family in self._source.collect():
+      base = family.name[len(self._old):]
+      if not family.name.startswith(self._old) or base in self._skip:
+        continue
+      renamed = prom.Metric(self._new + base, family.documentation, family.type, family.unit)
+      renamed.samples = [s._replace(name=self._new + s.name[len(self._old):])
+                         for s in family.samples]
+      yield renamed
+
+
+class ServerMetrics:
+  """Every metric of one server, in its own registry (`exposition()` renders it, with
+  their vllm: view after them when `vllm_names`)."""
+
+  def __init__(self, model_name: str, *, max_model_len: int, max_num_seqs: int,
+               vllm_names: bool = False):
     self.registry = prom.CollectorRegistry(auto_describe=True)
+    self._vllm_view = None
+    if vllm_names:
+      self._vllm_view = prom.CollectorRegistry()
+      self._vllm_view.register(_Renamed(self.registry, "kvjax:", "vllm:", _KVJAX_ONLY))
     labels = {"model_name": model_name}
 
     def make(kind, name, text, extra=(), **options):
@@ -126,5 +159,6 @@ class ServerMetrics:
     self.accepted_tokens.inc(sum(metrics.accepted))
 
   def exposition(self) -> bytes:
-    """The Prometheus text format of every metric."""
-    return prom.generate_latest(self.registry)
+    """The Prometheus text format of every metric (and of its vllm: view, if on)."""
+    text = prom.generate_latest(self.registry)
+    return text if self._vllm_view is None else text + prom.generate_latest(self._vllm_view)

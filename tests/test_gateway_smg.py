@@ -1,0 +1,137 @@
+"""kvjax serve workers behind the Shepherd Model Gateway (smg, docs/DEPLOY.md).
+
+Two `python -m kvjax serve` processes and `smg launch --policy cache_aware` on loopback
+ephemeral ports.  Oracles: each worker's own answers (greedy, asked directly), smg's
+/workers list, and the HTTP status of every request after one worker is killed.
+Skipped when the smg binary is not installed (`pip install smg==1.13.0`)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.gateway_servers import TINY, ServeProcess
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("smg") is None, reason="smg is not installed")]
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
+           "for i in range(10):", "# sort a list\ndef sort(xs):", "x = [1, 2, 3]\n"]
+_MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Gateway:
+  """`smg launch` over `workers`; `.root`; every wait bounded."""
+
+  def __init__(self, workers, log_path, policy: str = "cache_aware", timeout_s: float = 60):
+    port = _free_port()
+    self.root = f"http://127.0.0.1:{port}"
+    self._log = open(log_path, "w")
+    self.log_path = log_path
+    self.proc = subprocess.Popen(
+        ["smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *[w.root for w in workers], "--policy", policy,
+         "--prometheus-port", str(_free_port()), "--health-check-interval-secs", "1",
+         "--request-timeout-secs", "60", "--log-level", "debug"],
+        stdout=self._log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while self.num_workers() < len(workers):
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise RuntimeError(f"smg registered {self.num_workers()} of {len(workers)} workers; "
+                           f"log:\n{open(log_path).read()[-3000:]}")
+      time.sleep(0.25)
+
+  def num_workers(self) -> int:
+    try:
+      listing = httpx.get(self.root + "/workers", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+      return 0
+    return len(listing.get("workers", listing) if isinstance(listing, dict) else listing)
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(15)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait(10)
+    self._log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+  workers = [ServeProcess([*TINY, "--warm-up", "minimal"]) for _ in range(2)]
+  try:
+    gateway = Gateway(workers, tmp_path_factory.mktemp("smg") / "smg.log")
+  except BaseException:
+    for w in workers:
+      w.stop()
+    raise
+  yield workers, gateway
+  gateway.stop()
+  for w in workers:
+    w.stop()
+
+
+def _text(root: str, model: str, prompt: str) -> str:
+  answer = httpx.post(root + "/v1/completions", timeout=60, json={
+      "model": model, "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0})
+  assert answer.status_code == 200, answer.text
+  return answer.json()["choices"][0]["text"]
+
+
+def test_greedy_outputs_through_smg_equal_direct_ones(cluster):
+  workers, gateway = cluster
+  model = workers[0].model
+  direct = [_text(workers[0].root, model, p) for p in PROMPTS]
+  assert [_text(workers[1].root, model, p) for p in PROMPTS] == direct  # same weights
+  assert [_text(gateway.root, model, p) for p in PROMPTS] == direct
+  chat = {"model": model, "messages": [{"role": "user", "content": "def f(x):"}],
+          "max_tokens": _MAX_TOKENS, "temperature": 0}
+  answers = [httpx.post(root + "/v1/chat/completions", json=chat, timeout=60).json()
+             for root in (workers[0].root, gateway.root)]
+  assert answers[1]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+  # Both workers served some of it (cache_aware balances distinct prefixes).
+  served = [httpx.get(w.root + "/metrics", timeout=10).text for w in workers]
+  assert all('kvjax:request_success_total{finished_reason="length"' in s for s in served)
+
+
+def test_smg_reads_the_workers_metadata(cluster):
+  workers, gateway = cluster
+  for w in workers:
+    info = httpx.get(w.root + "/server_info", timeout=10).json()
+    assert info["served_model_name"] == w.model and info["context_length"] == 64
+    assert httpx.get(w.root + "/get_model_info", timeout=10).json()["is_generation"]
+  log = open(gateway.log_path).read()
+  assert "returned 404" not in log  # /server_info and /model_info answered
+
+
+def test_killing_a_worker_leaves_every_later_request_served(cluster):
+  workers, gateway = cluster
+  model = workers[0].model
+  direct = {p: _text(workers[0].root, model, p) for p in PROMPTS}
+  workers[1].proc.kill()
+  workers[1].proc.wait(10)
+  statuses, texts = [], {}
+  start = time.monotonic()
+  for prompt in PROMPTS * 3:
+    answer = httpx.post(gateway.root + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0})
+    statuses.append(answer.status_code)
+    if answer.status_code == 200:
+      texts[prompt] = answer.json()["choices"][0]["text"]
+  assert statuses == [200] * len(statuses), open(gateway.log_path).read()[-3000:]
+  assert texts == direct
+  assert time.monotonic() - start < 60
