@@ -21,7 +21,8 @@ _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # One item of a shape: a name or number, or arithmetic of them (`J + 1`, `2 Nk Hk + Nv Hv`).
 _ITEM = re.compile(r"^\(?[A-Za-z0-9_]+\)?(\s*[-+*/ ]\s*\(?[A-Za-z0-9_]+\)?)*$")
-_TYPE = re.compile(r"^[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")  # CamelCase; legend symbols are 1-2 letters
+_TYPE = re.compile(r"^[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")  # CamelCase: a class
+
 _CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")  # a module constant (`ROWS`) is a word
 
 
