@@ -130,21 +130,18 @@ def _sources():
 LEGEND = legend()
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("path", _sources())
 def test_shapes_and_einsums_follow_the_legend(path):
   with open(os.path.join(ROOT, path)) as f:
     assert violations(f.read(), LEGEND) == []
 
 
-@pytest.mark.quick
 def test_the_legend_is_read():
   assert {"B", "T", "Gq", "Hn", "Hr", "Lc", "Nc", "J", "Z", "I", "O"} <= set(LEGEND)
   assert not {"G", "g", "letter", "---"} & set(LEGEND)
   assert (LEGEND["B"], LEGEND["Gq"], LEGEND["Hv"], LEGEND["Hn"]) == ("b", "g", "", "")
 
 
-@pytest.mark.quick
 def test_planted_violations_are_caught():
   source = '''
 def f(q, k):
