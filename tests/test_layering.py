@@ -32,7 +32,7 @@ def layers_of(root: str) -> dict[str, int]:
     cells = line.split(None, 1)
     if cells[0].isdigit():
       current, line = int(cells[0]), cells[1]
-    names = re.split(r"\s{2,}", line.strip())[0]  # the names column ends where the description starts
+    names = re.split(r"\s{2,}", line.strip())[0]  # the names column ends at a wide gap
     for name in names.replace(",", " ").split():
       layers[name.rstrip("/")] = current
   return layers

@@ -18,9 +18,9 @@ PACKAGES = ("kvjax", "pallas_kernels")
 
 _EINSUM = re.compile(r"^\s*[a-zA-Z.]+(\s*,\s*[a-zA-Z.]+)*\s*->\s*[a-zA-Z.]*\s*$")
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_']*")
 # One item of a shape: a name or number, or arithmetic of them (`J + 1`, `2 Nk Hk + Nv Hv`).
-_ITEM = re.compile(r"^\(?[A-Za-z0-9_]+\)?(\s*[-+*/ ]\s*\(?[A-Za-z0-9_]+\)?)*$")
+_ITEM = re.compile(r"^\(?[A-Za-z0-9_']+\)?(\s*[-+*/ ]\s*\(?[A-Za-z0-9_']+\)?)*$")
 _TYPE = re.compile(r"^[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")  # CamelCase: a class
 
 _CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")  # a module constant (`ROWS`) is a word
@@ -152,7 +152,7 @@ def f(q, k):
   o = dot("btnr,rnv->btnv", x, w)  # [B, T, N, Hv]: v is the vocabulary
   u = jnp.einsum("bTh,bsh->bTs", q,
                  k)  # [B, T, S]
-  return s  # [B, J + 1, Hv], [2 Nk Hk + Nv Hv, Kc - 1], [ROWS, block_k]; not [S_kv]
+  return s  # [B, J + 1, Hv], [2 Nk Hk + Nv Hv, Kc - 1], [ROWS, block_k]; not [S_kv], [C']
 '''
   assert violations(source, LEGEND) == [
       "line 3: shape [B, G, K, H] uses G",
@@ -160,4 +160,5 @@ def f(q, k):
       "line 7: einsum 'btnr,rnv->btnv' gives 'v' for Hv (its letter: none)",
       "line 8: einsum 'bTh,bsh->bTs' uses T",
       "line 8: einsum 'bTh,bsh->bTs' gives 'T' for T (its letter: t)",
-      "line 10: shape [S_kv] uses S_kv"]
+      "line 10: shape [S_kv] uses S_kv",
+      "line 10: shape [C'] uses C'"]
