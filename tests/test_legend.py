@@ -112,7 +112,7 @@ def violations(source: str, letter_of: dict[str, str]) -> list[str]:
       # Single letters and capitalised names are dimensions; lowercase words (`window`,
       # `num_draft`) and module constants (`ROWS`) are allowed.
       bad = [n for n in names if (len(n) == 1 or n[0].isupper()) and not n.isdigit()
-             and n not in letter_of and not _CONSTANT.match(n)]
+             and n.rstrip("'") not in letter_of and not _CONSTANT.match(n)]  # T': another T
       if bad:
         found.append(f"line {lineno}: shape {shape} uses {', '.join(dict.fromkeys(bad))}")
   return sorted(found, key=lambda v: int(v.split()[1][:-1]))
@@ -152,7 +152,7 @@ def f(q, k):
   o = dot("btnr,rnv->btnv", x, w)  # [B, T, N, Hv]: v is the vocabulary
   u = jnp.einsum("bTh,bsh->bTs", q,
                  k)  # [B, T, S]
-  return s  # [B, J + 1, Hv], [2 Nk Hk + Nv Hv, Kc - 1], [ROWS, block_k]; not [S_kv], [C']
+  return s  # [B, J + 1, Hv], [2 Nk Hk + Nv Hv, Kc - 1], [ROWS, block_k]; not [S_kv], [G']
 '''
   assert violations(source, LEGEND) == [
       "line 3: shape [B, G, K, H] uses G",
@@ -161,4 +161,4 @@ def f(q, k):
       "line 8: einsum 'bTh,bsh->bTs' uses T",
       "line 8: einsum 'bTh,bsh->bTs' gives 'T' for T (its letter: t)",
       "line 10: shape [S_kv] uses S_kv",
-      "line 10: shape [C'] uses C'"]
+      "line 10: shape [G'] uses G'"]
