@@ -14,7 +14,7 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.model = ""  # "" = the built-in default model; else a preset or checkpoint dir
   config.sections = ("kv", "weights", "speed")
-  # The default model's corpus (kvjax/code_corpus.py; experiments/build_corpus.py
+  # The default model's corpus (kvjax/training/code_corpus.py; experiments/build_corpus.py
   # makes the pack): held-out packages to score, training split to calibrate AWQ.
   config.corpus_manifest = "kvjax/assets/code_corpus_manifest.json"
   config.corpus_pack = "~/.cache/kvjax/corpus/code_corpus.zip"

@@ -8,7 +8,7 @@ hours), exported to runs/tiny_code_stdlib/model:
       --workdir runs/tiny_code_stdlib
 
 Stage 2, the default (continues stage 1's weights on the code corpus: the stdlib plus
-pinned PyPI packages, deduplicated, whole packages held out; kvjax/code_corpus.py.
+pinned PyPI packages, deduplicated, whole packages held out; kvjax/training/code_corpus.py.
 Build the pack once with experiments/build_corpus.py), exported as the shipped model
 with its card and evaluation slices to kvjax/assets/default_model:
   nohup python -m experiments.train --config=configs/tiny_code.py \
@@ -76,7 +76,7 @@ def get_config(arg=None):
   config.slice_windows = 16
   config.slice_prompts = 4
   # Greedy continuations of held-out top-level function signatures, cut at their last
-  # complete line (or where the body ends), must parse (kvjax/code_eval.py).
+  # complete line (or where the body ends), must parse (kvjax/training/code_eval.py).
   config.signatures = 20
   config.signature_new_tokens = 256
   config.signature_max_chars = 200  # longer headers are not used as prompts

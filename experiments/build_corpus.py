@@ -5,7 +5,7 @@ r"""Fetches the pinned wheels, builds the deduplicated code corpus, writes its m
 The only kvjax program that downloads: `pip download` by exact version into
 config.cache_dir, then every wheel's sha256 is checked against the pinned one (a
 wheel already in the cache with the right sha256 is not fetched again).  The
-corpus itself is kvjax.code_corpus's: the manifest goes to config.manifest and
+corpus itself is kvjax.training.code_corpus's: the manifest goes to config.manifest and
 the pack of kept files to <cache_dir>/<pack_name>, which training reads.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zipfile
 from absl import app, logging
 from ml_collections import config_flags
 
-from kvjax import code_corpus
+from kvjax.training import code_corpus
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/build_corpus.py",
                                           "Corpus build config.", lock_config=True)

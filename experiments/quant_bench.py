@@ -23,15 +23,15 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import code_corpus
-from kvjax import corpus as corpus_lib
+from kvjax.training import code_corpus
+from kvjax.training import corpus as corpus_lib
 from kvjax.caches import create_paged_cache
 from kvjax.config import ModelConfig
 from kvjax.params import init_params
 from kvjax.step_batch import make_step_batch
 from kvjax.steps import verify
 from kvjax.tokenizer import ByteTokenizer
-from kvjax.train import bits_per_byte
+from kvjax.training.train import bits_per_byte
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -23,9 +23,10 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kvjax import api, code_corpus, code_eval
-from kvjax import corpus as corpus_lib
-from kvjax import train as train_lib
+from kvjax import api
+from kvjax.training import code_corpus, code_eval
+from kvjax.training import corpus as corpus_lib
+from kvjax.training import train as train_lib
 from kvjax.config import ModelConfig, get_preset
 from kvjax.params import count_params
 from kvjax.tokenizer import ByteTokenizer
@@ -57,7 +58,7 @@ class TrainingData:
 
 
 def load_data(config) -> TrainingData:
-  """config.corpus 'code' (manifest + pack, kvjax/code_corpus.py) or 'stdlib'."""
+  """config.corpus 'code' (manifest + pack, kvjax/training/code_corpus.py) or 'stdlib'."""
   if config.corpus == "code":
     manifest = code_corpus.load_manifest(config.corpus_manifest)
     pack = os.path.expanduser(config.corpus_pack)
@@ -203,7 +204,7 @@ def evaluate_set(config, cfg: ModelConfig, params, tokens: np.ndarray) -> tuple:
 
 
 def evaluate_signatures(config, cfg: ModelConfig, params, texts: list) -> dict:
-  """Greedy continuations of held-out function headers: how many parse (kvjax/code_eval.py)."""
+  """Greedy continuations of held-out function headers: how many parse (kvjax/training/code_eval.py)."""
   signatures = code_eval.function_signatures(texts, config.signatures,
                                               config.signature_max_chars)
   tokenizer = ByteTokenizer()
@@ -271,7 +272,7 @@ def export(config, workdir: str, cfg: ModelConfig, data: TrainingData, params,
 
 
 def _corpus_line(corpus: dict) -> str:
-  if "python_version" in corpus:  # kvjax.corpus's summary: the stdlib alone
+  if "python_version" in corpus:  # kvjax.training.corpus's summary: the stdlib alone
     return (f"Python {corpus['python_version']} stdlib: {corpus['num_files']} files, "
             f"{corpus['num_bytes']:,} bytes; held out by path hash: {corpus['heldout_files']} "
             f"files, {corpus['heldout_bytes']:,} bytes")
@@ -330,9 +331,9 @@ def model_card_markdown(cfg: ModelConfig, card: dict) -> str:
       f"Acceptance: the trunk greedily continues {acc['prompts']} prompts of "
       f"{acc['prompt_len']} bytes by {acc['new_tokens']} bytes; a draft is accepted iff it "
       "equals the trunk's greedy token and every earlier draft of its step was accepted "
-      "(kvjax/train.py). Signatures: headers of top-level functions of the held-out files; "
+      "(kvjax/training/train.py). Signatures: headers of top-level functions of the held-out files; "
       "a continuation is cut at its last complete line, or where the body ends, and must "
-      "parse with ast (kvjax/code_eval.py). tests/test_default_model.py recomputes "
+      "parse with ast (kvjax/training/code_eval.py). tests/test_default_model.py recomputes "
       "bits/byte and acceptance on the fixed slices in eval_slices.npz and the signatures.",
       "Load: `kvjax.weights.checkpoint.restore()` (this directory is its default). "
       f"Reproduce or continue: `{card['launch']}` (resumes from the latest checkpoint in "

@@ -18,8 +18,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      kv_events                                      warm-up, data-parallel replicas (router),
                                                     its prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
-     chat_template, corpus, code_corpus,            training, its corpora and its code
-     code_eval, train, distributed, eval/           checks, multi-host start-up, quality evals
+     chat_template, training/, distributed, eval/   training (its corpora and its code
+                                                    checks), multi-host start-up, quality evals
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared
      cli_memory, cli_serve, cli_diagnose, cli_eval,  model flags

@@ -54,14 +54,14 @@ class Session:
 
 
 def _token_source(vocab_size: int, seed: int, tokenizer=None) -> np.ndarray:
-  """Real Python text, the stdlib files kvjax.corpus holds out of its own split (the
+  """Real Python text, the stdlib files kvjax.training.corpus holds out of its own split (the
   default model trained on the whole stdlib): as byte ids for byte-level models, through
   `tokenizer` (the model's own) for others that have one; else random ids."""
   from kvjax.tokenizer import ByteTokenizer
 
   byte_level = vocab_size == ByteTokenizer().vocab_size
   if byte_level or tokenizer is not None:
-    from kvjax import corpus
+    from kvjax.training import corpus
     try:
       heldout = corpus.split_tokens(corpus.load_corpus(), "heldout")
     except (OSError, ValueError):

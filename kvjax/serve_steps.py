@@ -48,7 +48,7 @@ class Emitted:
 
 
 def _emitted(tokens, counts, failed, logits, logprobs: bool) -> Emitted:
-  """tokens [B, R], logits [B, R, V] -> Emitted; a failed row emits nothing."""
+  """tokens [B, J+1], logits [B, J+1, V] -> Emitted; a failed row emits nothing."""
   counts = jnp.where(failed, 0, counts)
   out = Emitted(tokens=tokens, counts=counts, failed=failed)
   if not logprobs:
@@ -228,7 +228,7 @@ def num_compiled() -> int:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineState:
-  """Copy pages src [C] -> dst [C] in every cache layer (token-mode prefix hits).
+  """Copy pages src [copies] -> dst [copies] in every cache layer (token-mode prefix hits).
 
   Every per-page array moves (quantized caches' scales too; kvjax/caches/paged.py).
   """
@@ -240,7 +240,7 @@ def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineStat
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def clear_pages(state: EngineState, pages: jax.Array, slots: jax.Array) -> EngineState:
-  """Zero pages [C] and slots [C'] in every cache (a failed request's; see
+  """Zero pages [pages] and slots [slots] in every cache (a failed request's; see
   kvjax/caches/paged.py clear_cache_pages) and the slots' pending drafts."""
   state = state.replace(cache=clear_cache_pages(state.cache, pages, slots),
                         drafts=state.drafts.at[slots].set(0),

@@ -240,12 +240,12 @@ def mosaic_paged_decode_reference(
   f32, highest = jnp.float32, lax.Precision.HIGHEST
 
   def one_sequence(q_b, table):  # [num_q_heads, head_dim], [pages_per_seq]
-    keys = k_pages[:, table].reshape(num_kv_heads, -1, head_dim).astype(f32)  # [kv, L, hd]
+    keys = k_pages[:, table].reshape(num_kv_heads, -1, head_dim).astype(f32)  # [kv, S, hd]
     values = v_pages[:, table].reshape(num_kv_heads, -1, head_dim).astype(f32)
     qg = q_b.reshape(num_kv_heads, group, head_dim).astype(f32)  # [kv, group, hd]
-    scores = jnp.einsum("kgd,kld->kgl", qg, keys, precision=highest) * sm_scale
+    scores = jnp.einsum("kgh,ksh->kgs", qg, keys, precision=highest) * sm_scale
     weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("kgl,kld->kgd", weights, values, precision=highest)
+    out = jnp.einsum("kgs,ksh->kgh", weights, values, precision=highest)
     return out.reshape(num_q_heads, head_dim)
 
   return jax.vmap(one_sequence)(q, block_tables).astype(q.dtype)

@@ -106,9 +106,9 @@ def default_block_sizes(page_size: int, head_dim: int, group: int):
 def _rpa_kernel(
     meta_ref,  # [4] int32: seq row in block table, q start, q rows, pos of row 0
     block_tables_ref,  # [B + 1, pages_per_seq + pages_per_block] int32
-    q_ref,  # [T_pad, Gp, H]  (this kv head)
-    k_ref,  # [P, G_page, H]  (this kv head)
-    v_ref,  # [P, G_page, H]
+    q_ref,  # [T + bq, group_p, H]  (this kv head)
+    k_ref,  # [P, Z, H]  (this kv head)
+    v_ref,  # [P, Z, H]
     *rest,
     sm_scale: float,
     soft_cap: Optional[float],
@@ -119,12 +119,12 @@ def _rpa_kernel(
     quantized: bool,
 ):
   if quantized:
-    ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest  # scales: [P, G_page] f32
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest  # scales: [P, Z] f32
   else:
-    acc_ref, m_ref, l_ref = rest  # [R, H] f32, [R] f32, [R] f32
+    acc_ref, m_ref, l_ref = rest  # [rows, H] f32, [rows] f32, [rows] f32
   _, group_p, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
-  rows = block_q * group_p  # R
+  rows = block_q * group_p  # query rows of a tile: block_q columns x group_p heads
   block_k = pages_per_block * page_size  # keys per loop step
   split = pl.program_id(2)
 
@@ -133,11 +133,11 @@ def _rpa_kernel(
   n_rows = meta_ref[2]
   pos0 = meta_ref[3]
 
-  q = q_ref[pl.ds(q_start, block_q), :, :].reshape(rows, head_dim)  # [R, H]
+  q = q_ref[pl.ds(q_start, block_q), :, :].reshape(rows, head_dim)  # [rows, H]
   compute_dtype = q.dtype
-  row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_p  # [R]
-  row_ok = row_q < n_rows  # [R]
-  row_pos = pos0 + row_q  # [R]
+  row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_p  # [rows]
+  row_ok = row_q < n_rows  # [rows]
+  row_pos = pos0 + row_q  # [rows]
 
   chunk_lo = split * (pages_per_split * page_size)
   chunk_hi = chunk_lo + pages_per_split * page_size
@@ -152,27 +152,27 @@ def _rpa_kernel(
                else lax.Precision.DEFAULT)
 
   def body(step, carry):
-    acc, m_prev, l_prev = carry  # [R, H], [R], [R]
+    acc, m_prev, l_prev = carry  # [rows, H], [rows], [rows]
     page0 = lo_page + step * pages_per_block
     pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [ppb]
-    k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [Bk, H]
-    v = v_ref[pages].reshape(block_k, head_dim)  # [Bk, H]
+    k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
+    v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, H]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)  # [R, Bk]
+                        preferred_element_type=jnp.float32)  # [rows, block_k]
     if quantized:
       s = s * ks_ref[pages].reshape(1, block_k)
     s = s * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     key = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    key_ok = (key >= chunk_lo) & (key < hi)  # [Bk]
+    key_ok = (key >= chunk_lo) & (key < hi)  # [block_k]
     mask = key_ok[None, :] & row_ok[:, None] & (key[None, :] <= row_pos[:, None])
     if sliding_window is not None:
       mask = mask & (key[None, :] > row_pos[:, None] - sliding_window)
-    s = jnp.where(mask, s, MASK_VALUE)  # [R, Bk]
-    m_next = jnp.maximum(m_prev, s.max(axis=1))  # [R]
-    alpha = jnp.exp(m_prev - m_next)  # [R]
-    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, Bk]
+    s = jnp.where(mask, s, MASK_VALUE)  # [rows, block_k]
+    m_next = jnp.maximum(m_prev, s.max(axis=1))  # [rows]
+    alpha = jnp.exp(m_prev - m_next)  # [rows]
+    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [rows, block_k]
     l_next = alpha * l_prev + p.sum(axis=1)
     if quantized:
       p = p * vs_ref[pages].reshape(1, block_k)
@@ -181,7 +181,7 @@ def _rpa_kernel(
                   jnp.zeros((), compute_dtype))
     pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                          precision=precision,
-                         preferred_element_type=jnp.float32)  # [R, H]
+                         preferred_element_type=jnp.float32)  # [rows, H]
     return alpha[:, None] * acc + pv, m_next, l_next
 
   init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -300,8 +300,8 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                      "num_warps", "num_stages"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    k_pages: jax.Array,  # [K, P, G_page, H]
-    v_pages: jax.Array,  # [K, P, G_page, H]
+    k_pages: jax.Array,  # [K, P, Z, H]
+    v_pages: jax.Array,  # [K, P, Z, H]
     kv_lens: jax.Array,  # [B] int32
     block_tables: jax.Array,  # [B, pages_per_seq] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
@@ -309,8 +309,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
-    k_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
-    v_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+    k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
+    v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
     interpret: bool = False,
     block_q: Optional[int] = None,
     pages_per_block: Optional[int] = None,
@@ -356,7 +356,7 @@ def ragged_paged_attention(
   tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [B+1, pps+ppb]
   q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, Gq, H]
   q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
-  q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, Gp, H]
+  q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, group_p, H]
 
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(sm_scale),
@@ -402,10 +402,10 @@ def ragged_paged_attention(
   )(*operands)
 
   # Log-sum-exp merge of the kv splits (f32).
-  m_all = m.max(axis=2, keepdims=True)  # [nt, K, 1, R]
-  w = jnp.exp(m - m_all)  # [nt, K, C, R]
-  l_all = (w * l).sum(axis=2)  # [nt, K, R]
-  o = (w[..., None] * acc).sum(axis=2)  # [nt, K, R, H]
+  m_all = m.max(axis=2, keepdims=True)  # [nt, K, 1, rows]
+  w = jnp.exp(m - m_all)  # [nt, K, splits, rows]
+  l_all = (w * l).sum(axis=2)  # [nt, K, rows]
+  o = (w[..., None] * acc).sum(axis=2)  # [nt, K, rows, H]
   o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
   o = o.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim)[:, :, :, :group]
 
@@ -424,8 +424,8 @@ def ragged_paged_attention(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
-    k_pages: jax.Array,  # [K, P, G_page, H]
-    v_pages: jax.Array,  # [K, P, G_page, H]
+    k_pages: jax.Array,  # [K, P, Z, H]
+    v_pages: jax.Array,  # [K, P, Z, H]
     kv_lens: jax.Array,  # [B] int32
     block_tables: jax.Array,  # [B, pages_per_seq] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
@@ -433,8 +433,8 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
-    k_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
-    v_scales: Optional[jax.Array] = None,  # [K, P, G_page] f32
+    k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
+    v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
 ) -> jax.Array:  # [T, N, H], q.dtype
   """Pure-jnp oracle: per token, gather its sequence's pages and softmax densely.
 
@@ -472,7 +472,7 @@ def ragged_paged_attention_reference(
     s = jnp.einsum("kgh,ksh->kgs", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    key = jnp.arange(max_kv)  # [S_kv]
+    key = jnp.arange(max_kv)  # [S]
     mask = key <= pos
     if sliding_window is not None:
       mask = mask & (key > pos - sliding_window)

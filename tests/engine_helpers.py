@@ -107,11 +107,37 @@ def step_static(eng):
               num_draft=eng.num_draft, use_filter=False, logprobs=False)
 
 
+def equal_mass_bins(probs: np.ndarray, num_bins: int) -> np.ndarray:
+  """Token id -> bin, ids in order of probability, each bin holding about 1 / num_bins of
+  the mass (a token heavier than that is a bin alone; the tail joins the last bin)."""
+  order = np.argsort(-probs, kind="stable")
+  edges = np.cumsum(probs[order])
+  bins = np.minimum((edges * num_bins - 1e-9).astype(int), num_bins - 1)
+  out = np.empty(len(probs), int)
+  out[order] = np.unique(bins, return_inverse=True)[1]  # renumber: no empty bin
+  return out
+
+
+def assert_distribution(samples: np.ndarray, probs: np.ndarray, num_bins: int = 20,
+                        p_value: float = 1e-6):
+  """Pearson's chi-square of samples against probs over equal-mass bins (about
+  n / num_bins expected each, so the test has power where the mass is): fails below
+  p_value, the odds of a false failure."""
+  from scipy import stats
+
+  bins = equal_mass_bins(probs, num_bins)
+  observed = np.bincount(bins[samples], minlength=bins.max() + 1)
+  expected = len(samples) * np.bincount(bins, weights=probs, minlength=bins.max() + 1)
+  statistic = float(((observed - expected) ** 2 / expected).sum())
+  p = stats.chi2.sf(statistic, len(expected) - 1)
+  assert p > p_value, (statistic, len(expected) - 1, p)
+
+
 def sample_first_two(eng: Engine, model: kvjax.Model, prompt: list[int], n: int):
   """Sample n requests of 4 tokens at temperature 1 (seeds 0..n-1) after `prompt`, and
   check their first two tokens against the exact float64 marginals of the target model
-  (within 6 sigma + 5 per token id).  Returns (finals, first [n, 2], p0 [V],
-  p1_given [V, V]), p1_given[a] the distribution after prompt + [a]."""
+  (chi-square over equal-mass bins, assert_distribution).  Returns (finals, first
+  [n, 2], p0 [V], p1_given [V, V]), p1_given[a] the distribution after prompt + [a]."""
   vocab = model.config.vocab_size
   ids = [eng.add_request(prompt, 4, temperature=1.0, seed=s) for s in range(n)]
   finals = run_to_end(eng)
@@ -119,9 +145,12 @@ def sample_first_two(eng: Engine, model: kvjax.Model, prompt: list[int], n: int)
   p0 = np.asarray(jax.nn.softmax(kvjax.forward(model, [prompt])[0, -1]), np.float64)
   extended = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], 1)
   p1_given = np.asarray(jax.nn.softmax(kvjax.forward(model, extended)[:, -1]), np.float64)
+  p0 /= p0.sum()
+  p1_given /= p1_given.sum(axis=1, keepdims=True)
   # P(x1 = b) = sum_a p(a | prompt) p(b | prompt, a).
-  for k, probs in enumerate((p0, p0 @ p1_given)):
-    counts = np.bincount(first[:, k], minlength=vocab)
-    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 5
-    assert np.all(np.abs(counts - n * probs) <= bound), k
+  for probs, samples in ((p0, first[:, 0]), (p0 @ p1_given, first[:, 1])):
+    assert_distribution(samples, probs)
+  # And the pairs: (x0, x1) ~ p0(a) p1(b | a), over the likeliest x0 (the rest: one bin).
+  pair = (p0[:, None] * p1_given).ravel()
+  assert_distribution(first[:, 0] * vocab + first[:, 1], pair)
   return finals, first, p0, p1_given

@@ -7,7 +7,6 @@ import pytest
 
 import kvjax
 from kvjax.cli import main
-from tests.test_gguf import smollm2  # noqa: F401 (the real model's fixture)
 
 
 def test_generate_json_matches_library(tiny_model, capsys):
@@ -67,7 +66,7 @@ def test_generate_chat_renders_the_template_and_prints_the_reply(capsys):
 
 
 @pytest.mark.slow
-def test_generate_smollm2_prints_transformers_greedy_text(smollm2, monkeypatch, capsys):  # noqa: F811
+def test_generate_smollm2_prints_transformers_greedy_text(smollm2, monkeypatch, capsys):
   import importlib.util
 
   import torch

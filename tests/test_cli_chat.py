@@ -17,7 +17,6 @@ import pytest
 import kvjax
 from kvjax.cli import main
 from kvjax.cli_chat import ChatSession
-from tests.test_gguf import smollm2  # noqa: F401 (the real model's fixture)
 
 _MAX_NEW = 12
 
@@ -104,7 +103,7 @@ def test_missing_model_package_says_the_pip_command(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_chat_equals_transformers_greedy(smollm2, monkeypatch, capsys):  # noqa: F811
+def test_smollm2_chat_equals_transformers_greedy(smollm2, monkeypatch, capsys):
   import torch
   import transformers
 

@@ -1,4 +1,4 @@
-"""kvjax.code_corpus on fake wheels built here: dedup kinds, package-level split, pack.
+"""kvjax.training.code_corpus on fake wheels built here: dedup kinds, package-level split, pack.
 
 Offline and small (a few KB of generated source).  Oracles are independent of the
 module: Jaccard over explicit 5-token tuples (no MinHash), the split recomputed from
@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from kvjax import code_corpus
+from kvjax.training import code_corpus
 from kvjax.tokenizer import ByteTokenizer
 
 HELDOUT_FRACTION = 0.35  # holds out delta (sha256 fraction 0.31), not alpha/beta/zeta

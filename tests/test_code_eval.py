@@ -1,7 +1,7 @@
-"""kvjax.code_eval: which headers become prompts, and the cut rule, on hand-written cases."""
+"""kvjax.training.code_eval: which headers become prompts, and the cut rule, on hand-written cases."""
 import pytest
 
-from kvjax import code_eval
+from kvjax.training import code_eval
 
 FILE = b'''"""A module."""
 import os

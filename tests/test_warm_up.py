@@ -35,8 +35,11 @@ def placed(tiny_model):
 
 @pytest.fixture(scope="module")
 def warmed(placed):
+  """(engine, its WarmUp report, step programs jit's caches gained during it)."""
   engine = kvjax.Engine(placed, **SMALL)
-  return engine, engine.warm_up()
+  before = num_compiled()
+  done = engine.warm_up()
+  return engine, done, num_compiled() - before
 
 
 def _prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
@@ -193,18 +196,20 @@ def test_padding_batches_have_the_packed_batches_structure(tiny_model, family):
 # -- warming up a real engine ----------------------------------------------------------------
 
 def test_warm_up_runs_every_shape_and_writes_no_page_a_request_holds(warmed):
-  engine, done = warmed
+  engine, done, compiled = warmed
   assert done.runs == len(engine.packing.shapes(bursts=True)) == 6
-  assert 0 <= done.programs <= done.runs and done.seconds > 0  # the bar and count add up
+  assert done.programs == compiled  # what it reports is what jit's caches gained
   cache = engine.state.cache
   for pages in (cache.k_pages, cache.v_pages):  # [L, K, P, Z, H]: page 0 is the null page
     assert not np.asarray(pages)[:, :, 1:].any()
   assert not np.asarray(engine.state.drafts).any()
   assert not engine.steps.num_recorded and not engine.has_unfinished
+  again = engine.warm_up()  # every program is compiled now: runs them all, compiles none
+  assert (again.runs, again.programs) == (6, 0)
 
 
 def test_after_warm_up_generate_compiles_nothing_and_equals_an_unwarmed_engine(warmed, placed):
-  engine, _ = warmed
+  engine, _, _ = warmed
   prompts = _prompts(2, 6, shared=9)
   before = num_compiled()
   greedy = engine.generate(prompts, 12).tokens
@@ -218,7 +223,7 @@ def test_after_warm_up_generate_compiles_nothing_and_equals_an_unwarmed_engine(w
 def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
   """Arrivals mid-run (prefill beside decode), chunked long prompts, prefix hits, bursts,
   an abort, sampled and greedy rows: every step program was compiled by the warm-up."""
-  engine, _ = warmed
+  engine, _, _ = warmed
   rng = np.random.default_rng(3)
   arrivals = {0: 2, 1: 1, 3: 3, 6: 1, 9: 2, 15: 1, 30: 2}
   before, mark, step, ids = num_compiled(), engine.steps.num_recorded, 0, []
@@ -259,7 +264,7 @@ def test_filtered_and_logprobs_variants_are_opt_in(tiny_model):
 
 
 def test_a_full_warm_up_server_serves_without_compiling(placed, warmed):
-  engine, _ = warmed
+  engine, _, _ = warmed
   with pytest.raises(ValueError, match="warm_up must be one of"):
     serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="some")
   with serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="full") as server:

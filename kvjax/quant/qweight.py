@@ -80,7 +80,7 @@ def quantize_weight(w: jax.Array, *, num_in: int, bits: int, group_size: Optiona
     matrix = matrix * in_scale[:, None]
   groups = -(-rows // group)  # the last group may be ragged; zero rows leave absmax alone
   padded = jnp.pad(matrix, ((0, groups * group - rows), (0, 0)))
-  codes, scales = quantize(padded.reshape(groups, group, -1), bits, axis=1)  # [I/g, O]
+  codes, scales = quantize(padded.reshape(groups, group, -1), bits, axis=1)  # [I/group, O]
   codes = codes.reshape(groups * group, -1)[:rows]
   if bits == 4:
     codes = pack_int4(codes.T).T  # pairs along I

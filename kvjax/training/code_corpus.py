@@ -1,6 +1,6 @@
 """Code corpus of the next default model: the stdlib plus pinned PyPI packages, deduplicated.
 
-Sources.  The running interpreter's stdlib (kvjax.corpus's listing, all of it, as one
+Sources.  The running interpreter's stdlib (kvjax.training.corpus's listing, all of it, as one
 source named `python-stdlib`) and the `.py` files read straight out of pinned wheels
 (zip files; nothing is installed).  experiments/build_corpus.py fetches the wheels by
 exact version and checks their sha256s; this module never downloads.  Left out before
@@ -49,7 +49,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvjax import corpus as stdlib_corpus
+from kvjax.training import corpus as stdlib_corpus
 from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Source", "KeptFile", "Removed", "CodeCorpus", "STDLIB", "SPLITS",
@@ -176,7 +176,7 @@ def wheel_sources(wheel_path: str, name: str, version: str, exclude: Sequence[st
 
 def stdlib_source(root: Optional[str] = None, max_file_bytes: int = 500_000,
                   max_numeric_fraction: float = 0.4) -> Source:
-  """Every file of kvjax.corpus's stdlib listing (its own split is not used here)."""
+  """Every file of kvjax.training.corpus's stdlib listing (its own split is not used here)."""
   listing = stdlib_corpus.load_corpus(root)
   items = []
   for f in listing.files:
