@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Optional
 
 import llguidance
 
@@ -62,8 +62,9 @@ class Constraint:
           "start: " + " | ".join(json.dumps(c) for c in self.value))
     return llguidance.LLMatcher.grammar_from_lark(self.value)
 
-  def check(self, vocabulary: llguidance.LLTokenizer) -> str:
-    """Compile against `vocabulary` -> the grammar; ValueError naming what is wrong."""
+  def check(self, vocabulary: Optional[llguidance.LLTokenizer]) -> str:
+    """Compile against `vocabulary` (None: the grammar alone, e.g. a server checking a
+    request) -> the grammar; ValueError naming what is wrong."""
     grammar = self.grammar()
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
     if is_error:

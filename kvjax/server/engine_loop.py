@@ -183,7 +183,8 @@ class EngineLoop:
             request.prompts[prompt], request.max_tokens[prompt],
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
-            logprobs=request.logprobs, arrival_s=submission.received_s))
+            logprobs=request.logprobs, arrival_s=submission.received_s,
+            constraint=request.constraint))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)

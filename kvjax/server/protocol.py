@@ -27,6 +27,8 @@ from typing import Optional
 
 import numpy as np
 
+from kvjax.constraints import Constraint
+from kvjax.server.structured import parse_constraint
 from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
@@ -89,6 +91,7 @@ class GenerationRequest:
   stream: bool
   include_usage: bool
   logprobs: Optional[int] = None  # alternatives per token (None: no logprobs)
+  constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
 
   @property
   def num_choices(self) -> int:
@@ -154,7 +157,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
 
 def engine_error_param(message: str) -> Optional[str]:
   """The request field an Engine.add_request ValueError is about."""
-  for words, param in (("KV pages", "max_tokens"), ("spans", "max_tokens"),
+  for words, param in (("constraint", "response_format"), ("KV pages", "max_tokens"), ("spans", "max_tokens"),
                        ("max_new_tokens", "max_tokens"), ("token id", "prompt"),
                        ("prompt", "prompt"), ("stop", "stop")):
     if words in message:
@@ -297,7 +300,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
       temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
       seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
-      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs)
+      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs,
+      constraint=parse_constraint(body, OpenAIError))
 
 
 def _logprobs(body: dict, chat: bool) -> tuple:
