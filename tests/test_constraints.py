@@ -169,3 +169,31 @@ def test_constrained_greedy_with_speculation_equals_without(speculative):
   for schema, a, b in zip(SCHEMAS, plain, spec):
     assert b.output_ids == a.output_ids
     jsonschema.validate(json.loads(text_of(b)), schema)
+
+
+def test_sampling_under_a_grammar_has_the_exact_constrained_marginals():
+  """Two letters of a-d then EOS at temperature 1: each letter's count within 6 sigma (+3)
+  of the float64 constrained marginals, p(x) restricted to the grammar and renormalized."""
+  model, n = random_model(), 300
+  prompt = [7, 70, 170, 40, 3]
+  letters = np.array([ord(c) for c in "abcd"])
+  eng = plain_engine()
+  ids = [eng.add_request(prompt, 3, temperature=1.0, seed=s,
+                         constraint=Constraint("regex", "[a-d]{2}")) for s in range(n)]
+  done, _ = run_until_finished(eng.step, ids)
+  first = np.array([done[i].output_ids[:2] for i in ids])  # [n, 2]
+  assert all(done[i].output_ids[2] == TOK.eos_id for i in ids)
+
+  def restricted(logits):  # float64 softmax over the letters' logits alone
+    z = np.asarray(logits, np.float64)[..., letters]
+    p = np.exp(z - z.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+  p0 = restricted(kvjax.forward(model, [prompt])[0, -1])  # [4]
+  extended = np.concatenate([np.tile(prompt, (4, 1)), letters[:, None]], 1)
+  p1 = p0 @ restricted(kvjax.forward(model, extended)[:, -1])  # [4]
+  for k, probs in enumerate((p0, p1)):
+    counts = np.array([(first[:, k] == c).sum() for c in letters])
+    assert counts.sum() == n
+    bound = 6 * np.sqrt(n * probs * (1 - probs)) + 3
+    assert np.all(np.abs(counts - n * probs) <= bound), (k, counts, n * probs)
