@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -15,7 +16,7 @@ import pytest
 
 import kvjax
 from kvjax.server import serve_in_thread
-from tests.server_helpers import CONFIG, NAME
+from tests.server_helpers import CONFIG, NAME, scrape, value
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
@@ -43,13 +44,22 @@ def client(server):
   return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_response_format_json_schema_validates(client):
+def test_response_format_json_schema_validates(server, client):
   answers = client.chat.completions.create(
       model=NAME, messages=MESSAGES, max_tokens=80, n=3, temperature=1.0, seed=1,
       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
   for choice in answers.choices:
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+  tokens = answers.usage.completion_tokens
+  deadline = time.monotonic() + 10  # the loop publishes just after it answers
+  while True:
+    samples = scrape(server.root)
+    if value(samples, "kvjax:structured_masks_total") >= tokens or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  assert value(samples, "kvjax:structured_masks_total") >= tokens  # one mask per token
+  assert value(samples, "kvjax:structured_mask_seconds_total") > 0
 
 
 def test_json_object_and_pydantic_parse(client):

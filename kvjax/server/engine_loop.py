@@ -257,6 +257,8 @@ class EngineLoop:
     with self._lock:
       self._engine_waiting = len(scheduler.waiting)
     self.metrics.observe_engine(scheduler)
+    engines = getattr(self.engine, "engines", [self.engine])  # a Router's replicas
+    self.metrics.observe_constraints([e.constraints for e in engines])
 
   def _fail_all(self, error: OpenAIError) -> None:
     """Failed to every submission still owed an answer, queued ones included."""
