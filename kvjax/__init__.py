@@ -13,12 +13,13 @@ Layers (imports only go down; tests/test_layering.py checks it):
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, ledger, metrics, draft_policy,       host policy, accounting, n-gram
-     draft_choice, ngram                            drafting
+     draft_choice, ngram, constraints/              drafting, grammar matchers and masks
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
      kv_events                                      warm-up, data-parallel replicas (router),
                                                     its prefix cache's KV events
-  9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers,
-     chat_template, training/, distributed, eval/   training (its corpora and its code
+  9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
+     constraints/vocabulary, chat_template,         and their vocabularies for the matcher,
+     training/, distributed, eval/                  training (its corpora and its code
                                                     checks), multi-host start-up, quality evals
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared

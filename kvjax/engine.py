@@ -46,6 +46,7 @@ import numpy as np
 
 from kvjax.batching import Packing, StepShape, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
+from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
@@ -148,6 +149,7 @@ class Engine:
     self._pending: list[RequestOutput] = []  # returned by the next step()
     self.steps = StepLog()
     self._lock = threading.RLock()
+    self.constraints = ConstraintBook()  # with a vocabulary: kvjax/constraints/vocabulary.py
 
   # -- requests ---------------------------------------------------------------
 
@@ -156,7 +158,8 @@ class Engine:
                   top_p: Optional[float] = None, seed: Optional[int] = None,
                   stop: Union[None, int, Sequence[int]] = None,
                   cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
-                  arrival_s: Optional[float] = None, **extensions) -> str:
+                  arrival_s: Optional[float] = None,
+                  constraint: Optional[Constraint] = None, **extensions) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
     `stop`: token id(s) that end the request (kept as its last output id), in
@@ -165,16 +168,19 @@ class Engine:
     carries each new id's log-probability and its n likeliest alternatives
     (kvjax/requests.py TokenLogprob).  `arrival_s`: when the request arrived
     (time.perf_counter; default now), e.g. a server's receipt time, so TTFT and
-    queue time include the wait before this call.  `extensions`: vLLM's ignore_eos,
+    queue time include the wait before this call.  `constraint`: outputs follow its grammar
+    (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's ignore_eos,
     min_tokens, repetition/presence/frequency_penalty, logit_bias (kvjax/validation.py).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
-                               logprobs=logprobs, arrival_s=arrival_s, **extensions)
+                               logprobs=logprobs, arrival_s=arrival_s, constraint=constraint,
+                               **extensions)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt, logprobs=None, arrival_s=None, **extensions) -> str:
+                   cache_salt, logprobs=None, arrival_s=None, constraint=None,
+                   **extensions) -> str:
     request_id = str(next(self._ids))
     vocab = self.model_config.vocab_size
     ids = np.asarray(prompt)
@@ -194,11 +200,13 @@ class Engine:
       if sampling.processed and self.num_draft:  # drafts are verified unprocessed
         raise ValueError("min_tokens, penalties and logit_bias need an engine without "
                          f"speculative decoding (this one: {self.config.speculative})")
+      matcher = None if constraint is None else self.constraints.compile(constraint)
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
     self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
                                stop_token_ids=list(stops), cache_salt=cache_salt,
                                sampling=sampling, ignore_eos=sampling.ignore_eos)
+    self.constraints.attach(request_id, matcher)
     now = time.perf_counter()
     arrival = now if arrival_s is None else min(float(arrival_s), now)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
@@ -218,6 +226,7 @@ class Engine:
     metrics = self.metrics.pop(request_id)
     metrics.finish_s = time.perf_counter()
     self._fresh_drafts.pop(request_id, None)
+    self.constraints.forget(request_id)
     self._pending.append(RequestOutput(request_id, [], list(req.output_ids), True,
                                        req.status.value, metrics))
     return True
@@ -242,10 +251,11 @@ class Engine:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
     # The decode rows' J comes before planning, prefill rows' after (kvjax/draft_choice.py);
-    # host drafts cannot feed a burst's later steps, so n-gram rows burst only at J = 0.
+    # host drafts cannot feed a burst's later steps, so n-gram rows burst only at J = 0, and
+    # nor can masks (of tokens not sampled yet), so no burst while a constrained request runs.
     k = decode_drafts(self.draft_policy, self.scheduler, self.packing, self.metrics,
                       self.num_draft)
-    plan = self.scheduler.schedule(k, multi_step=not (self.ngram and k))
+    plan = self.scheduler.schedule(k, multi_step=not (self.ngram and k or self.constraints))
     waiting = len(self.scheduler.waiting)
     if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
       # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
@@ -313,6 +323,7 @@ class Engine:
       metrics.record_tokens(len(new), now)
       metrics.num_preemptions = req.num_preemptions
       finished = req.status.is_finished
+      self.constraints.advance(rid, new, finished)
       if finished:
         metrics.finish_s = now
         del self.metrics[rid]
@@ -324,6 +335,7 @@ class Engine:
                                    None if logprobs is None else logprobs[:len(new)]))
     for req, _ in broken:
       self._fresh_drafts.pop(req.request_id, None)
+      self.constraints.forget(req.request_id)
     decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
     if decode_only and self.draft_policy is not None and num_compiled() == programs:
       self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
@@ -368,12 +380,17 @@ class Engine:
     [U, B, ...], drafted [U, B], steps run), U = 1 unless the plan is a burst.
     """
     rows = [plan.rows[i] for i in group]
+    drafts = self.ngram and self.ngram.propose([r.request for r in rows], num_draft,
+                                               self.scheduler.requests)
+    # Masks per verified position; device drafts are not read back: constrained rows skip them.
+    mask, drafts = self.constraints.masks(rows, num_draft + 1, drafts)
     if self.ngram is not None:
-      drafts = self.ngram.propose([r.request for r in rows], num_draft, self.scheduler.requests)
       verify = [len(d) for d in drafts]
     else:
-      verify = [min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
+      verify = [0 if r.request_id in self.constraints else
+                min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
     batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
+    mask = ConstraintBook.padded(mask, batch.tokens.shape[0])
     if self.ngram is not None:
       batch = with_drafts(batch, drafts)
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
@@ -381,21 +398,21 @@ class Engine:
     logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
     burst = None if plan.num_steps == 1 else (
         *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
-    emitted, drafted, steps = self._run(batch, num_draft, use_filter, logprobs, burst)
+    emitted, drafted, steps = self._run(batch, num_draft, use_filter, logprobs, burst, mask)
     if self.ngram is not None and burst is None:
       drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
     return batch.tokens.shape, emitted, drafted, steps
 
-  def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None):
-    """Dispatch serve_step, or serve_burst when burst = (left [B], stop ids [B, E], steps)
-    -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
+  def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None, mask=None):
+    """Dispatch serve_step (token mask [B, J+1, Vb] or None), or serve_burst when burst =
+    (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
     draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
                   logprobs=logprobs, host_drafts=bool(self.ngram and num_draft))
     if burst is None:
       self.state, emitted = serve_step(
-          self.model.params, draft and draft.params, self.state, batch, **static)
+          self.model.params, draft and draft.params, self.state, batch, token_mask=mask, **static)
       return jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
     left, stop_ids, num_steps = burst
     self.state, emitted, drafted, steps = serve_burst(

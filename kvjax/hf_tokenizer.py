@@ -72,6 +72,11 @@ class HFTokenizer:
     self._source = source
     self._template_keys = template_keys  # where the source keeps a chat_template, for errors
 
+  def to_json(self) -> str:
+    """The tokenizer.json text of this tokenizer (llguidance builds its vocabulary from it:
+    kvjax/constraints/vocabulary.py)."""
+    return self._tokenizer.to_str()
+
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Text -> ids, equal to transformers' `tokenizer.encode(text, add_special_tokens=...)`."""
     if not isinstance(text, str):

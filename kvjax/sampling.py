@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 
 __all__ = ["SamplingParams", "sample", "greedy_tokens", "filtered_logits", "token_logprobs",
-           "MAX_LOGPROBS"]
+           "apply_token_mask", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 
@@ -68,6 +68,18 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
   cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
   threshold = jnp.maximum(kth, cutoff)
   return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def apply_token_mask(logits: jax.Array, mask) -> jax.Array:
+  """logits [..., V] with -inf where a packed bitmask [..., Vb] (int32 words, token v at
+  bit v % 32 of word v // 32; kvjax/constraints/book.py) clears the bit; mask None:
+  unchanged (the unconstrained program has no mask at all)."""
+  if mask is None:
+    return logits
+  vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  words = jnp.take(mask, vocab // 32, axis=-1)  # [..., V]
+  keep = jnp.bitwise_and(jnp.right_shift(words, vocab % 32), 1) == 1
+  return jnp.where(keep, logits, -jnp.inf)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:

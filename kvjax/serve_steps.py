@@ -26,7 +26,7 @@ from kvjax.caches.gathered import decode_loop_cache
 from kvjax.config import ModelConfig
 from kvjax.model import lm_logits
 from kvjax.params import Params
-from kvjax.sampling import MAX_LOGPROBS, sample, token_logprobs
+from kvjax.sampling import MAX_LOGPROBS, apply_token_mask, sample, token_logprobs
 from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
@@ -66,9 +66,9 @@ class EngineState:
 
 
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
-                batch: StepBatch, *, config: ModelConfig, draft_config: Optional[ModelConfig],
-                backend, num_draft: int, use_filter: bool, logprobs: bool,
-                host_drafts: bool = False):
+                batch: StepBatch, token_mask: Optional[jax.Array] = None, *, config: ModelConfig,
+                draft_config: Optional[ModelConfig], backend, num_draft: int, use_filter: bool,
+                logprobs: bool, host_drafts: bool = False):
   """Run one row group -> (state, Emitted).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
@@ -81,6 +81,10 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   request, whose tokens are then meaningless; the engine finishes it with an
   error and the other rows are unaffected.
   logprobs: also return each emitted id's log-probability and the likeliest ids.
+  token_mask [B, J+1, Vb] (constrained decoding, kvjax/constraints/book.py): the
+  packed tokens each row may sample at each position, applied before sampling and
+  verification, so a draft the grammar forbids is rejected as the target would;
+  None (no constrained row) is the unmasked program.  Logprobs stay the raw model's.
   """
   base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
   if host_drafts:
@@ -94,7 +98,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   first = batch.starts + base + 1  # sequence index of the first emitted token
   if not num_draft:
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
-    new = sample(logits, batch.sampling, first, use_filter=use_filter)  # [B]
+    masked = apply_token_mask(logits, None if token_mask is None else token_mask[:, 0])
+    new = sample(masked, batch.sampling, first, use_filter=use_filter)  # [B]
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
     return state.replace(cache=cache), _emitted(new[:, None], jnp.ones_like(new), failed,
                                                 logits[:, None], logprobs)
@@ -102,7 +107,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   raw = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
   failed = jnp.any(verified & ~jnp.all(jnp.isfinite(raw), axis=-1), axis=1)
-  logits = spec.target_logits_for_accept(raw, batch.sampling, use_filter)  # [B, J+1, V]
+  logits = spec.target_logits_for_accept(apply_token_mask(raw, token_mask), batch.sampling,
+                                         use_filter)  # [B, J+1, V]
   draft_probs = None if host_drafts else state.draft_probs[batch.slot_ids, :num_draft]
   emitted, accepted = spec.accept(logits, pending, draft_probs, batch.num_draft,
                                   batch.sampling, first, backend)

@@ -184,7 +184,7 @@ class EngineLoop:
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
             logprobs=request.logprobs, arrival_s=submission.received_s,
-            **dict(request.extensions)))
+            constraint=request.constraint, **dict(request.extensions)))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)
@@ -260,6 +260,8 @@ class EngineLoop:
     with self._lock:
       self._engine_waiting = len(scheduler.waiting)
     self.metrics.observe_engine(scheduler)
+    engines = getattr(self.engine, "engines", [self.engine])  # a Router's replicas
+    self.metrics.observe_constraints([e.constraints for e in engines])
 
   def _fail_all(self, error: OpenAIError) -> None:
     """Failed to every submission still owed an answer, queued ones included."""

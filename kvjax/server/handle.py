@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import uvicorn
 
+from kvjax.constraints.vocabulary import constraint_book
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.kv_events import KVEventPublisher, replica_endpoint
@@ -111,6 +112,9 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
     raise ValueError(f"warm_up must be one of {WARM_UP_MODES}, got {warm_up!r}")
   models = list(model) if isinstance(model, (list, tuple)) else [model]
   engines = [Engine(m, engine_config) for m in models]
+  for m, e in zip(models, engines):  # structured outputs need the model's EOS and tokenizer
+    if m.tokenizer is not None and m.config.eos_token_id is not None:
+      e.constraints = constraint_book(m.tokenizer, m.config)
   warmed = None
   if warm_up == "full":
     runs = [e.warm_up(progress=f"warm-up (compiling step programs){_of(i, engines)}",

@@ -120,6 +120,13 @@ class ServerMetrics:
     self.request_generation = make(prom.Histogram, "request_generation_tokens",
                                    "Generated tokens per request.", buckets=token_buckets)
     self._totals = None  # the scheduler's cumulative (queried, hit, preempted) last seen
+    self.constrained = make(prom.Gauge, "num_requests_constrained",
+                            "Unfinished requests under a grammar (structured outputs).")
+    self.mask_seconds = make(prom.Counter, "structured_mask_seconds",
+                             "Host seconds spent filling grammar token masks.")
+    self.masks = make(prom.Counter, "structured_masks",
+                      "Grammar token masks filled (one per row and verified position).")
+    self._mask_totals = (0.0, 0)
 
   def observe_engine(self, scheduler) -> None:
     """Gauges from the scheduler now; counters by its totals' growth since last time.
@@ -137,6 +144,15 @@ class ServerMetrics:
                                        self.preemptions), totals, self._totals):
         counter.inc(now - before)
     self._totals = totals
+
+  def observe_constraints(self, books) -> None:
+    """The engines' ConstraintBooks (kvjax/constraints/book.py): the gauge now, the
+    counters by their totals' growth (mask seconds / mask_count = time per mask)."""
+    self.constrained.set(sum(len(b.matchers) for b in books))
+    totals = (sum(b.mask_s for b in books), sum(b.masks_filled for b in books))
+    self.mask_seconds.inc(max(totals[0] - self._mask_totals[0], 0.0))
+    self.masks.inc(max(totals[1] - self._mask_totals[1], 0))
+    self._mask_totals = totals
 
   def record_finished(self, metrics: RequestMetrics, finish_reason: str,
                       num_generated: int, queue_s: Optional[float]) -> None:

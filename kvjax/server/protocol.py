@@ -33,6 +33,8 @@ from typing import Optional
 
 import numpy as np
 
+from kvjax.constraints import Constraint
+from kvjax.server.structured import parse_constraint
 from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
@@ -102,6 +104,7 @@ class GenerationRequest:
   include_stop_str_in_output: bool = False  # a matched stop string stays in the text
   skip_special_tokens: bool = True  # special tokens add no text
   min_tokens: int = 0  # no stop string counts before this many tokens (vLLM)
+  constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
 
   @property
   def num_choices(self) -> int:
@@ -167,7 +170,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
 
 def engine_error_param(message: str) -> Optional[str]:
   """The request field an Engine.add_request ValueError is about."""
-  for words, param in (("KV pages", "max_tokens"), ("spans", "max_tokens"),
+  for words, param in (("constraint", "response_format"), ("KV pages", "max_tokens"), ("spans", "max_tokens"),
                        ("max_new_tokens", "max_tokens"), ("token id", "prompt"),
                        ("prompt", "prompt"), ("stop", "stop")):
     if words in message:
@@ -317,7 +320,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       include_usage=bool(options and options.get("include_usage")), logprobs=logprobs,
       extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
       include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-      skip_special_tokens=_flag(body, "skip_special_tokens", True))
+      skip_special_tokens=_flag(body, "skip_special_tokens", True),
+      constraint=parse_constraint(body, OpenAIError))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

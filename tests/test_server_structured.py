@@ -1,0 +1,108 @@
+"""Structured outputs over HTTP: response_format (the official `openai` client, a
+Pydantic model through chat.completions.parse) and vLLM's structured_outputs; every
+answer parses and validates (`jsonschema`, `re`); unsupported schema features and
+bad grammars are 400s naming them, and the server keeps serving."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+import kvjax
+from kvjax.server import serve_in_thread
+from tests.server_helpers import CONFIG, NAME, scrape, value
+
+SCHEMA = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+             "minItems": 1, "maxItems": 2}},
+    "required": ["color", "count", "tags"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Reply in JSON."}]
+
+
+class Point(pydantic.BaseModel):
+  x: int = pydantic.Field(ge=-9, le=9)
+  label: str = pydantic.Field(pattern="^[a-z]{1,3}$")
+
+
+@pytest.fixture(scope="module")
+def server():
+  with serve_in_thread(kvjax.load_checkpoint(), CONFIG, served_model_name=NAME,
+                       max_waiting=16) as handle:
+    yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_response_format_json_schema_validates(server, client):
+  answers = client.chat.completions.create(
+      model=NAME, messages=MESSAGES, max_tokens=80, n=3, temperature=1.0, seed=1,
+      response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+  for choice in answers.choices:
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+  tokens = answers.usage.completion_tokens
+  deadline = time.monotonic() + 10  # the loop publishes just after it answers
+  while True:
+    samples = scrape(server.root)
+    if value(samples, "kvjax:structured_masks_total") >= tokens or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  assert value(samples, "kvjax:structured_masks_total") >= tokens  # one mask per token
+  assert value(samples, "kvjax:structured_mask_seconds_total") > 0
+
+
+def test_json_object_and_pydantic_parse(client):
+  answer = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=80,
+                                          temperature=0.0,
+                                          response_format={"type": "json_object"})
+  text = answer.choices[0].message.content
+  assert answer.choices[0].finish_reason == "stop", text
+  assert isinstance(json.loads(text), dict)
+  parsed = client.chat.completions.parse(model=NAME, messages=MESSAGES, max_tokens=60,
+                                         temperature=1.0, seed=3, response_format=Point)
+  point = parsed.choices[0].message.parsed
+  assert isinstance(point, Point) and -9 <= point.x <= 9
+
+
+@pytest.mark.parametrize("field, check", [
+    ({"regex": "[0-9]{2}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
+    ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ({"json": {"type": "integer", "minimum": 3, "maximum": 7}}, lambda t: 3 <= int(t) <= 7),
+    ({"grammar": 'start: "a" "b"+'}, lambda t: re.fullmatch("ab+", t)),
+])
+def test_vllm_structured_outputs(server, field, check):
+  body = {"model": NAME, "prompt": "x = ", "max_tokens": 40, "temperature": 1.0,
+          "structured_outputs": field}
+  answer = httpx.post(f"{server.url}/completions", json=body, timeout=60).json()
+  text = answer["choices"][0]["text"]
+  assert check(text), (field, text)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "contains": {"type": "integer"}}}}}, "response_format", "contains"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs", "nope"),
+    ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+])
+def test_unsupported_features_are_400s_naming_them(server, client, body, param, words):
+  reply = httpx.post(f"{server.url}/chat/completions", timeout=60,
+                     json={"model": NAME, "messages": MESSAGES, "max_tokens": 4, **body})
+  assert reply.status_code == 400, reply.text
+  error = reply.json()["error"]
+  assert error["param"] == param and words in error["message"], error
+  ok = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
+  assert ok.choices[0].finish_reason in ("stop", "length")
