@@ -1,7 +1,7 @@
 """Router logits -> each token's top-k experts and their weights, as each family routes.
 
   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over every expert, the k
-      largest p (ties: the lower expert index first, as torch.topk on CPU); Qwen's
+      largest p (ties broken as torch.topk breaks them: kvjax/moe/topk.py); Qwen's
       `norm_topk_prob` (always on for Mixtral) divides them by their sum.
   softmax after top-k (gpt-oss): the k largest logits, softmax over those k.
   sigmoid (DeepSeek-V3): s = sigmoid(logits); the choice ranks s + bias (the
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.moe.topk import top_k_experts
 
 __all__ = ["route"]
 
@@ -28,7 +29,7 @@ def _limit_groups(cfg: ModelConfig, choice: jax.Array) -> jax.Array:
   groups = cfg.moe_num_groups
   per_group = choice.reshape(*choice.shape[:-1], groups, -1)  # [A, groups, Ne / groups]
   group_scores = jax.lax.top_k(per_group, 2)[0].sum(-1)  # [A, groups]
-  _, best = jax.lax.top_k(group_scores, cfg.moe_topk_groups)  # [A, topk_groups]
+  best = top_k_experts(group_scores, cfg.moe_topk_groups)  # [A, topk_groups]
   kept = (best[..., None] == jnp.arange(groups)).any(-2)  # [A, groups]
   kept = jnp.broadcast_to(kept[..., None], per_group.shape).reshape(choice.shape)
   return jnp.where(kept, choice, -jnp.inf)
@@ -43,15 +44,16 @@ def route(cfg: ModelConfig, logits: jax.Array, score_bias: Optional[jax.Array] =
     choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
     if cfg.moe_num_groups > 1:
       choice = _limit_groups(cfg, choice)
-    _, experts = jax.lax.top_k(choice, k)
+    experts = top_k_experts(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     eps = 1e-20
   elif cfg.moe_softmax_after_topk:
-    top, experts = jax.lax.top_k(logits, k)
-    weights, eps = jax.nn.softmax(top, axis=-1), 0.0
+    experts = top_k_experts(logits, k)
+    weights, eps = jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1), 0.0
   else:
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    eps = 0.0
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts = top_k_experts(probs, k)
+    weights, eps = jnp.take_along_axis(probs, experts, axis=-1), 0.0
   if cfg.norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + eps)
-  return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+  return weights * cfg.routed_scaling_factor, experts
