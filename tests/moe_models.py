@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+import kvjax
+
 # Wide init so greedy argmax margins dwarf float32 rounding; 8 experts, top 2.
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-6,
@@ -46,3 +48,34 @@ def save_tiny(family: str, directory: str, seed: int = 0, **overrides):
   model = build(family, seed, **overrides)
   model.save_pretrained(directory)
   return model
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 44, 71], [3, 99, 12, 8, 61, 23, 5, 5, 90, 14, 2, 77, 31, 6, 15, 40,
+                                       101, 7, 66], [120, 1, 50]]
+NEW_TOKENS = 12
+
+
+def pair_loader(tmp_path_factory):
+  """family -> (HF model, the kvjax Model loaded from its save_pretrained directory), cached."""
+  cache = {}
+
+  def get(family):
+    if family not in cache:
+      directory = str(tmp_path_factory.mktemp(family))
+      hf_model = save_tiny(family, directory)
+      cache[family] = (hf_model, kvjax.load_checkpoint(directory))
+    return cache[family]
+
+  return get
+
+
+def hf_greedy(hf_model, prompts, new_tokens):
+  """HF's greedy continuation of each prompt alone."""
+  out = []
+  for prompt in prompts:
+    with torch.no_grad():
+      tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                 do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    out.append(tokens[0, len(prompt):].tolist())
+  return out

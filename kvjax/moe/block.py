@@ -19,8 +19,8 @@ __all__ = ["moe_mlp"]
 
 def moe_mlp(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> jax.Array:
   """h [B, T, D] -> [B, T, D]."""
-  x = h.reshape(-1, h.shape[-1])  # [A, D], A = B T tokens
-  logits = jnp.matmul(x.astype(jnp.float32), p.router.astype(jnp.float32))  # [A, Ne]
+  x = h.reshape(-1, h.shape[-1])  # [Bt, D]: the B T tokens
+  logits = jnp.matmul(x.astype(jnp.float32), p.router.astype(jnp.float32))  # [Bt, Ne]
   weights, chosen = route(cfg, logits, p.score_bias)
   out = routed_experts(p.experts, x, weights, chosen).reshape(h.shape)
   if p.shared is not None:

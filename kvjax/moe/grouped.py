@@ -1,6 +1,6 @@
 """The routed experts' matmuls, two ways, picked by the step's static shape.
 
-  switched (small decode batches, Ae = A Ke <= Ne assignments): per assignment a
+  switched (small decode batches, Ae = Bt Ke <= Ne assignments): per assignment a
       `jax.lax.switch` on its expert id whose branch e runs expert e's SwiGLU
       on the one token: only the chosen experts' weights are read (a batch-1
       step reads Ke experts, not Ne), each in place.
@@ -31,7 +31,7 @@ def swiglu(e: ExpertParams, x: jax.Array) -> jax.Array:
 
 def switched_experts(experts: tuple, x: jax.Array, weights: jax.Array,
                      chosen: jax.Array) -> jax.Array:
-  """x [A, D], weights / chosen [A, Ke] -> [A, D], one switch per assignment."""
+  """x [Bt, D], weights / chosen [Bt, Ke] -> [Bt, D], one switch per assignment."""
   branches = [lambda row, e=e: swiglu(e, row) for e in experts]
   rows = []
   for a in range(x.shape[0]):
@@ -50,7 +50,7 @@ def _stacked(experts: tuple, name: str, dtype) -> jax.Array:
 
 def grouped_experts(experts: tuple, x: jax.Array, weights: jax.Array,
                     chosen: jax.Array) -> jax.Array:
-  """x [A, D], weights / chosen [A, Ke] -> [A, D] by sorted ragged_dot."""
+  """x [Bt, D], weights / chosen [Bt, Ke] -> [Bt, D] by sorted ragged_dot."""
   a, k = chosen.shape
   flat = chosen.reshape(-1)  # [Ae] expert of assignment (token a, slot j) at a k + j
   order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
@@ -66,7 +66,7 @@ def grouped_experts(experts: tuple, x: jax.Array, weights: jax.Array,
 
 def routed_experts(experts: tuple, x: jax.Array, weights: jax.Array,
                    chosen: jax.Array) -> jax.Array:
-  """The cheaper path for this static shape: switched while A Ke <= Ne (it then reads
+  """The cheaper path for this static shape: switched while Bt Ke <= Ne (it then reads
   at most as many expert matrices as the grouped path's Ne), else grouped."""
   if chosen.size <= len(experts):
     return switched_experts(experts, x, weights, chosen)

@@ -25,18 +25,18 @@ __all__ = ["route"]
 
 
 def _limit_groups(cfg: ModelConfig, choice: jax.Array) -> jax.Array:
-  """choice [A, Ne] with every expert outside the best groups set to -inf."""
+  """choice [Bt, Ne] with every expert outside the best groups set to -inf."""
   groups = cfg.moe_num_groups
-  per_group = choice.reshape(*choice.shape[:-1], groups, -1)  # [A, groups, Ne / groups]
-  group_scores = jax.lax.top_k(per_group, 2)[0].sum(-1)  # [A, groups]
-  best = top_k_experts(group_scores, cfg.moe_topk_groups)  # [A, topk_groups]
-  kept = (best[..., None] == jnp.arange(groups)).any(-2)  # [A, groups]
+  per_group = choice.reshape(*choice.shape[:-1], groups, -1)  # [Bt, groups, Ne / groups]
+  group_scores = jax.lax.top_k(per_group, 2)[0].sum(-1)  # [Bt, groups]
+  best = top_k_experts(group_scores, cfg.moe_topk_groups)  # [Bt, topk_groups]
+  kept = (best[..., None] == jnp.arange(groups)).any(-2)  # [Bt, groups]
   kept = jnp.broadcast_to(kept[..., None], per_group.shape).reshape(choice.shape)
   return jnp.where(kept, choice, -jnp.inf)
 
 
 def route(cfg: ModelConfig, logits: jax.Array, score_bias: Optional[jax.Array] = None):
-  """logits [A, Ne] -> (weights [A, Ke] float32, experts [A, Ke] int32)."""
+  """logits [Bt, Ne] -> (weights [Bt, Ke] float32, experts [Bt, Ke] int32)."""
   logits = logits.astype(jnp.float32)
   k = cfg.num_experts_per_tok
   if cfg.moe_scoring == "sigmoid":

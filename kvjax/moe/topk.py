@@ -130,7 +130,7 @@ def heap_select_order(vals: jax.Array, k: int) -> jax.Array:
 
 
 def top_k_experts(scores: jax.Array, k: int) -> jax.Array:
-  """scores [A, Ne] -> the k chosen experts [A, Ke] int32, the set torch.topk chooses."""
+  """scores [Bt, Ne] -> the k chosen experts [Bt, Ke] int32, the set torch.topk chooses."""
   values, experts = lax.top_k(scores, min(k + 1, scores.shape[-1]))
   if k == scores.shape[-1]:
     return experts.astype(jnp.int32)
