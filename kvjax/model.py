@@ -8,7 +8,7 @@ GQA (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope) and MLA
 (latent attention); a hybrid's linear-attention layers dispatch to the Gated
 DeltaNet mixer (kvjax/hybrid.py), which hands its state to the same callback.
 Layers reach the cache by `ModelConfig.state_index` (a hybrid's KV rows count
-only attention layers).  The cache goes in and comes out; nothing is mutated.
+only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache goes in and comes out; nothing is mutated.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `python tests/moe_sharded_checks.py OUT.json` sets XLA_FLAGS before jax starts
 and writes {"ep<N>": measured values} for ep 2, 4, 8 (and ep 3's refusal).  Oracles: the same model
-on one device (its greedy tokens and logits), the original per-expert weights
+on one device (its greedy tokens, no-cache at every ep and paged at ep 8, and logits), the original per-expert weights
 (which device holds which), the compiled HLO text (collectives).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvjax.model import forward  # noqa: E402
 from kvjax.moe.expert_parallel import shard_experts  # noqa: E402
 from kvjax.params import init_params  # noqa: E402
 
-PROMPTS = [[5, 17, 33, 2, 9, 44, 71, 3], [3, 99, 12, 8, 61]]
+PROMPTS = [[5, 17, 33, 2, 9, 44], [3, 99, 12, 8, 61, 20]]  # one length: see greedy
 NEW_TOKENS = 6
 
 
@@ -37,6 +37,19 @@ def model() -> kvjax.Model:
       num_layers=3, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
       moe_intermediate_size=32, first_k_dense_layers=1, norm_topk_prob=True)
   return kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.2))
+
+
+def greedy(model: kvjax.Model, prompts, new_tokens: int) -> list:
+  """Greedy continuations by no-cache forwards of one fixed [B, T + new] shape (one compile;
+  the causal mask keeps the not-yet-written columns out of every read)."""
+  step = jax.jit(forward, static_argnums=1)
+  width = len(prompts[0])
+  tokens = np.zeros((len(prompts), width + new_tokens), np.int32)
+  tokens[:, :width] = prompts
+  for column in range(width, width + new_tokens):
+    logits = np.asarray(step(model.params, model.config, tokens))
+    tokens[:, column] = logits[:, column - 1].argmax(-1)
+  return tokens[:, width:].tolist()
 
 
 def placement(one: kvjax.Model, sharded, ep: int) -> bool:
@@ -61,7 +74,8 @@ def main(out_path: str) -> None:
   one = model()
   tokens = np.array([PROMPTS[0]], np.int32)
   ref_logits = np.asarray(kvjax.forward(one, tokens))
-  ref_tokens = kvjax.generate(one, PROMPTS, NEW_TOKENS, cache="paged", page_size=8).tokens
+  ref_tokens = greedy(one, PROMPTS, NEW_TOKENS)
+  ref_paged = kvjax.generate(one, PROMPTS, NEW_TOKENS, cache="paged", page_size=8).tokens
   report = {"moe_layers": sum(b.moe is not None for b in one.params.blocks)}
   for ep in (2, 4, 8):
     mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
@@ -69,7 +83,10 @@ def main(out_path: str) -> None:
     sharded = kvjax.Model(one.config, params)
     with jax.set_mesh(mesh):
       logits = np.asarray(kvjax.forward(sharded, tokens))
-      generated = kvjax.generate(sharded, PROMPTS, NEW_TOKENS, cache="paged", page_size=8).tokens
+      generated = greedy(sharded, PROMPTS, NEW_TOKENS)
+      if ep == 8:  # the paged cache and the decode loop too (one more set of compiles)
+        report["ep8_paged_tokens_equal"] = kvjax.generate(
+            sharded, PROMPTS, NEW_TOKENS, cache="paged", page_size=8).tokens == ref_paged
       hlo = jax.jit(forward, static_argnums=1).lower(params, one.config,
                                                      tokens).compile().as_text()
     report[f"ep{ep}"] = {

@@ -33,6 +33,10 @@ def test_expert_parallel_equals_one_device(report, ep):
   assert got["placement_ok"]
 
 
+def test_expert_parallel_paged_generate_equals_one_device(report):
+  assert report["ep8_paged_tokens_equal"]
+
+
 @pytest.mark.parametrize("ep", [2, 4, 8])
 def test_one_all_reduce_per_moe_layer_and_no_all_to_all(report, ep):
   assert report[f"ep{ep}"]["all_reduces"] == report["moe_layers"] == 2
