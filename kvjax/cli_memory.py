@@ -123,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
   print(f"  allocated pool   {pool['kv_bytes_per_token']:,.0f} B/token of pages, "
         f"{pool['state_bytes_per_slot']:,.0f} B/slot of state ({pool['cache']})")
   print(f"  weights          {_gib(r.weight_bytes)} ({r.param_count / 1e9:.2f}B params)")
+  moe = get_preset(args.preset)
+  if moe.num_experts:
+    print(f"  active per token {ledger.param_count(moe, active=True) / 1e9:.2f}B params "
+          f"({moe.num_experts_per_tok} of {moe.num_experts} routed experts)")
   print(f"  free for KV      {_gib(r.free_kv_bytes)} = {_gib(r.gpu_bytes)} card"
         f" - weights - {_gib(r.reserve_bytes)} reserve")
   print(f"  max concurrency  {r.max_concurrency}")

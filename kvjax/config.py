@@ -95,14 +95,31 @@ class ModelConfig:
   bos_token_id: Optional[int] = None
   eos_token_id: Optional[int] = None
   pad_token_id: Optional[int] = None
-  # Mixture of experts (DeepSeek-V2 style): layers from `first_k_dense_layers` on
-  # replace the dense MLP with `num_experts` routed plus `num_shared_experts`
-  # always-on experts of width `moe_intermediate_size`; 0 experts = dense model.
+  # Mixture of experts (kvjax/moe/): MoE layers (`is_moe_layer`) replace the dense MLP
+  # with `num_experts` routed experts, `num_experts_per_tok` chosen per token, plus
+  # `num_shared_experts` always-on ones, each of width `moe_intermediate_size`; 0
+  # experts = dense model.  Dense layers: the first `first_k_dense_layers`
+  # (DeepSeek), `mlp_only_layers` and those off every `moe_layer_step`-th (Qwen).
   num_experts: int = 0
   num_shared_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
   first_k_dense_layers: int = 0
+  moe_layer_step: int = 1  # HF decoder_sparse_step
+  mlp_only_layers: tuple = ()
+  # Routing (kvjax/moe/routing.py): "softmax" probabilities then top-k (Mixtral, Qwen),
+  # or "sigmoid" scores with a per-expert choice bias (DeepSeek-V3's
+  # e_score_correction_bias) and group-limited choice: the `moe_topk_groups` best of
+  # `moe_num_groups` expert groups; `moe_softmax_after_topk`: softmax over the top-k
+  # logits only (gpt-oss).  `norm_topk_prob` renormalizes the k weights to sum 1;
+  # `routed_scaling_factor` scales them.
+  moe_scoring: str = "softmax"
+  moe_softmax_after_topk: bool = False
+  moe_score_bias: bool = False
+  moe_num_groups: int = 1
+  moe_topk_groups: int = 1
+  norm_topk_prob: bool = False
+  routed_scaling_factor: float = 1.0
 
   def __post_init__(self):
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -122,6 +139,32 @@ class ModelConfig:
       raise ValueError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
     if self.layer_types is not None:
       self._check_layer_types()
+    if self.num_experts:
+      self._check_moe()
+
+  def _check_moe(self):
+    """Expert counts, router and group layout that a top-k choice can satisfy."""
+    ne, ke, groups = self.num_experts, self.num_experts_per_tok, self.moe_num_groups
+    for field in ("num_experts_per_tok", "moe_intermediate_size", "moe_layer_step",
+                  "moe_num_groups", "moe_topk_groups"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{field} must be a positive int for an MoE model "
+                         f"(num_experts={ne}), got {value!r}")
+    if self.moe_scoring not in ("softmax", "sigmoid"):
+      raise ValueError(f"unknown moe_scoring {self.moe_scoring!r}; use 'softmax' or 'sigmoid'")
+    if ne % groups or not self.moe_topk_groups <= groups or (groups > 1 and ne // groups < 2):
+      raise ValueError(f"num_experts={ne} does not split into moe_num_groups={groups} groups "
+                       f"of >= 2 experts with moe_topk_groups={self.moe_topk_groups} <= groups")
+    if not ke <= self.moe_topk_groups * ne // groups:
+      raise ValueError(f"num_experts_per_tok={ke} exceeds the {self.moe_topk_groups * ne // groups}"
+                       f" experts that moe_topk_groups={self.moe_topk_groups} groups hold")
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # hashable
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Layer `layer` (MTP blocks count from num_layers) has routed experts, not a dense MLP."""
+    return (self.num_experts > 0 and layer >= self.first_k_dense_layers
+            and layer not in self.mlp_only_layers and (layer + 1) % self.moe_layer_step == 0)
 
   def _check_layer_types(self):
     """Hybrid layout: one known type per layer, the full-attention count agrees."""
@@ -276,6 +319,33 @@ PRESETS: dict[str, ModelConfig] = {
         qk_rope_head_dim=64, v_head_dim=128, bos_token_id=100000, eos_token_id=100001,
         num_experts=64, num_shared_experts=2, num_experts_per_tok=6,
         moe_intermediate_size=1408, first_k_dense_layers=1),
+    # Mixture of experts (kvjax/moe/): Mixtral's top-2 of 8 experts in every layer.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True),
+    # Qwen3-30B-A3B: top-8 of 128 experts of width 768 in all 48 layers.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        qk_norm=True, bos_token_id=151643, eos_token_id=151645, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # DeepSeek-V3: MLA, 3 dense layers then 256 routed (top 8, sigmoid scores with a
+    # choice bias, 4 of 8 groups) + 1 shared expert, one MTP module; YaRN left out
+    # as for deepseek-v2.
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192,
+        max_position_embeddings=163840, rope_theta=10000.0, rms_norm_eps=1e-6,
+        attention_type="mla", kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mtp_num_hidden_layers=1, bos_token_id=0,
+        eos_token_id=1, num_experts=256, num_shared_experts=1, num_experts_per_tok=8,
+        moe_intermediate_size=2048, first_k_dense_layers=3, moe_scoring="sigmoid",
+        moe_score_bias=True, moe_num_groups=8, moe_topk_groups=4, norm_topk_prob=True,
+        routed_scaling_factor=2.5),
     # Qwen3.5-9B text model: 32 layers laid out 8 x (3 Gated DeltaNet + 1 gated
     # full attention), full attention 16 q / 4 kv heads of head_dim 256 with a
     # sigmoid output gate and rope on the first quarter of each head.  Only the

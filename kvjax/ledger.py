@@ -181,10 +181,12 @@ def _attention_params(cfg: ModelConfig) -> int:
   return total
 
 
-def _block_params(cfg: ModelConfig, layer: int) -> int:
+def _block_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+  """One block's parameters (`active`: those one token reads, its top-k experts only)."""
   d = cfg.hidden_size
-  if cfg.num_experts and layer >= cfg.first_k_dense_layers:
-    experts = cfg.num_experts + cfg.num_shared_experts
+  if cfg.is_moe_layer(layer):
+    routed = cfg.num_experts_per_tok if active else cfg.num_experts
+    experts = routed + cfg.num_shared_experts
     mlp = experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts  # + router.
   else:
     mlp = 3 * d * cfg.intermediate_size  # gate, up, down.
@@ -192,8 +194,9 @@ def _block_params(cfg: ModelConfig, layer: int) -> int:
   return 2 * d + mixer + mlp  # two RMSNorms.
 
 
-def param_count(cfg: ModelConfig) -> int:
-  """Parameters of the checkpoint described by `cfg`, MTP modules included.
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+  """Parameters of the checkpoint described by `cfg`, MTP modules included (`active`:
+  only those one token's forward reads, an MoE layer's chosen experts).
 
   Hybrids with `layer_types` count their Gated DeltaNet layers as such; a
   ledger-only hybrid (just num_full_attention_layers) counts every layer as
@@ -201,9 +204,9 @@ def param_count(cfg: ModelConfig) -> int:
   """
   d, v = cfg.hidden_size, cfg.vocab_size
   total = v * d * (1 if cfg.tie_word_embeddings else 2) + d  # + final norm.
-  total += sum(_block_params(cfg, i) for i in range(cfg.num_layers))
+  total += sum(_block_params(cfg, i, active) for i in range(cfg.num_layers))
   # Each MTP module: two input norms, a [2D, D] projection, one block, an output norm.
-  mtp_block = _block_params(cfg, cfg.num_layers)
+  mtp_block = _block_params(cfg, cfg.num_layers, active)
   total += cfg.mtp_num_hidden_layers * (3 * d + 2 * d * d + mtp_block)
   return total
 

@@ -8,7 +8,7 @@ GQA (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope) and MLA
 (latent attention); a hybrid's linear-attention layers dispatch to the Gated
 DeltaNet mixer (kvjax/hybrid.py), which hands its state to the same callback.
 Layers reach the cache by `ModelConfig.state_index` (a hybrid's KV rows count
-only attention layers).  The cache goes in and comes out; nothing is mutated.
+only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache goes in and comes out; nothing is mutated.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvjax.attention.gated_delta import LinearInputs
 from kvjax.config import ModelConfig
 from kvjax.hybrid import gated_delta_net, stateless_mix
 from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
+from kvjax.moe.block import moe_mlp
 from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
@@ -117,6 +118,8 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
   cache, out = attention(cfg, p.attn, h, positions, inv_freq, cache, layer, attend)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+  if p.moe is not None:  # routed experts (kvjax/moe/)
+    return cache, x + moe_mlp(cfg, p.moe, h)
   gated = jax.nn.silu(dense("btd,df->btf", h, p.w_gate)) * dense("btd,df->btf", h, p.w_up)
   return cache, x + dense("btf,fd->btd", gated, p.w_down)
 

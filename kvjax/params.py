@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.config import ModelConfig
+from kvjax.moe.params import MoEParams, init_moe
 
 __all__ = ["AttentionParams", "GatedDeltaParams", "MLAParams", "BlockParams", "MTPParams",
            "Params", "init_params", "count_params"]
@@ -73,9 +74,10 @@ class BlockParams:
   attn: AttentionParams  # MLAParams when config.attention_type == "mla", GatedDeltaParams
   #                       on a hybrid's linear_attention layers
   mlp_norm: jax.Array  # [D]
-  w_gate: jax.Array  # [D, F]
-  w_up: jax.Array  # [D, F]
-  w_down: jax.Array  # [F, D]
+  w_gate: Optional[jax.Array] = None  # [D, F]  (None on MoE layers)
+  w_up: Optional[jax.Array] = None  # [D, F]
+  w_down: Optional[jax.Array] = None  # [F, D]
+  moe: Optional[MoEParams] = None  # routed (+ shared) experts on config.is_moe_layer layers
 
 
 @struct.dataclass
@@ -135,10 +137,13 @@ def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float,
         q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
         k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
         wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None)
-  return BlockParams(
-      attn_norm=jnp.ones((d,), dtype), attn=attn, mlp_norm=jnp.ones((d,), dtype),
-      w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
-      w_down=normal(keys[9], (f, d)))
+  if cfg.is_moe_layer(layer):
+    mlp = dict(moe=init_moe(cfg, keys[7], dtype, std))
+  else:
+    mlp = dict(w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
+               w_down=normal(keys[9], (f, d)))
+  return BlockParams(attn_norm=jnp.ones((d,), dtype), attn=attn,
+                     mlp_norm=jnp.ones((d,), dtype), **mlp)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,

@@ -2,8 +2,8 @@
 
 Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
 window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
-deepseek_v2 / deepseek_v3 with MLA and dense MLPs only (MoE layers raise),
-qwen3_5 / qwen3_5_text / dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
+deepseek_v2 with MLA and dense MLPs only (MoE layers raise), deepseek_v3 (MLA,
+MoE), mixtral and qwen3_moe (MoE layers: kvjax/weights/hf_moe.py), qwen3_5 / qwen3_5_text / dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
 split out ([D, N, H] etc.), so each tensor is transposed once here, after
 kvjax/weights/hf_contract.py has checked every tensor's shape and dtype against
@@ -22,6 +22,7 @@ from kvjax.config import ModelConfig, RopeScaling
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 from kvjax.sharding import place_host_params
 from kvjax.weights.hf_contract import check_hf_tensors
+from kvjax.weights.hf_moe import MOE_MODEL_TYPES, moe_config, moe_params
 from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, hf_eos_id, load_qwen3_5, qwen3_5_config
 from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
 
@@ -29,7 +30,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "is_hf_checkpoint", "read_hf_config", "confi
            "load_hf"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2",
-                         "deepseek_v3") + QWEN3_5_MODEL_TYPES
+                         "deepseek_v3") + MOE_MODEL_TYPES + QWEN3_5_MODEL_TYPES
 _DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # safetensors dtype codes -> numpy (ml_dtypes supplies bfloat16).
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -111,7 +112,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
   window = hf.get("sliding_window")
   layer_windows = None
   layer_types = hf.get("layer_types")
-  if model_type in ("qwen2", "qwen3"):
+  if model_type in ("qwen2", "qwen3", "qwen3_moe"):
     # Qwen's window applies only to layers HF marks "sliding_attention".
     if layer_types is None and hf.get("use_sliding_window"):
       start = hf.get("max_window_layers", num_layers)
@@ -132,20 +133,22 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
       rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
-      qk_norm=model_type == "qwen3", sliding_window=window, layer_windows=layer_windows,
-      bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"))
+      qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=window,
+      layer_windows=layer_windows, bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+      pad_token_id=hf.get("pad_token_id"), **moe_config(hf))
 
 
 def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
                      scaling: RopeScaling | None) -> ModelConfig:
-  """DeepSeek-V2/V3 with MLA; layers from first_k_dense_replace on are MoE (unsupported)."""
+  """DeepSeek-V2/V3 with MLA; layers from first_k_dense_replace on are MoE (V3 only)."""
   num_layers = hf["num_hidden_layers"]
   first_dense = hf.get("first_k_dense_replace") or 0
-  if first_dense < num_layers and hf.get("n_routed_experts"):
+  moe = moe_config(hf) if first_dense < num_layers else {}
+  if first_dense < num_layers and hf.get("n_routed_experts") and not moe:
     raise ValueError(
         f"{hf['model_type']} checkpoint has MoE layers (first_k_dense_replace={first_dense} < "
         f"num_hidden_layers={num_layers}, n_routed_experts={hf['n_routed_experts']}); "
-        "kvjax loads only dense DeepSeek MLA models")
+        "kvjax loads DeepSeek-V2 MLA models with dense MLPs only")
   if scaling is not None or hf.get("attention_bias"):
     raise ValueError("DeepSeek checkpoints with rope scaling or attention_bias are unsupported")
   eos = hf_eos_id(hf)
@@ -160,7 +163,7 @@ def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
       attention_type="mla", kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"),
       qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
       v_head_dim=hf["v_head_dim"], bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
-      pad_token_id=hf.get("pad_token_id"))
+      pad_token_id=hf.get("pad_token_id"), **moe)
 
 
 def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
@@ -305,11 +308,14 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
           bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
           q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
           k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
+    if cfg.is_moe_layer(i):
+      mlp = dict(moe=moe_params(cfg, hf_config["model_type"], get, pre))
+    else:
+      mlp = dict(w_gate=get(pre + "mlp.gate_proj.weight").T,
+                 w_up=get(pre + "mlp.up_proj.weight").T, w_down=get(pre + "mlp.down_proj.weight").T)
     blocks.append(BlockParams(
         attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
-        mlp_norm=get(pre + "post_attention_layernorm.weight"),
-        w_gate=get(pre + "mlp.gate_proj.weight").T, w_up=get(pre + "mlp.up_proj.weight").T,
-        w_down=get(pre + "mlp.down_proj.weight").T))
+        mlp_norm=get(pre + "post_attention_layernorm.weight"), **mlp))
   params = Params(
       embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
       final_norm=get("model.norm.weight"),

@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 from kvjax.config import ModelConfig
+from kvjax.weights.hf_moe import moe_tensors
 
 __all__ = ["FLOAT_DTYPES", "safetensors_headers", "expected_tensors", "check_hf_tensors"]
 
@@ -90,8 +91,9 @@ def _mla_layer(cfg: ModelConfig, pre: str) -> dict[str, tuple]:
   return out
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
-  """name -> torch shape of every tensor kvjax reads for `cfg` (dense or MLA layouts)."""
+def expected_tensors(cfg: ModelConfig, model_type: str = "") -> dict[str, tuple]:
+  """name -> torch shape of every tensor kvjax reads for `cfg` (dense or MLA layouts;
+  MoE layers named as `model_type`'s, kvjax/weights/hf_moe.py)."""
   d, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
   if not cfg.tie_word_embeddings:
@@ -101,8 +103,11 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
     pre = f"model.layers.{layer}."
     out.update(attention(cfg, pre))
     out.update({pre + "input_layernorm.weight": (d,),
-                pre + "post_attention_layernorm.weight": (d,),
-                pre + "mlp.gate_proj.weight": (i, d), pre + "mlp.up_proj.weight": (i, d),
+                pre + "post_attention_layernorm.weight": (d,)})
+    if cfg.is_moe_layer(layer):
+      out.update(moe_tensors(cfg, model_type, pre))
+      continue
+    out.update({pre + "mlp.gate_proj.weight": (i, d), pre + "mlp.up_proj.weight": (i, d),
                 pre + "mlp.down_proj.weight": (d, i)})
   return out
 
@@ -135,7 +140,7 @@ def check_hf_tensors(path: str, hf: dict[str, Any], cfg: ModelConfig,
     warnings.warn(f"{where}: config.json ties the head to the embedding but the checkpoint "
                   "stores lm_head.weight; using it, as transformers does", stacklevel=3)
     cfg = cfg.replace(tie_word_embeddings=False)
-  expected = expected_tensors(cfg)
+  expected = expected_tensors(cfg, hf.get("model_type", ""))
   for name, shape in expected.items():
     if name not in found:
       raise ValueError(f"{where}: tensor {name} is missing (config.json implies shape "

@@ -120,6 +120,9 @@ def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,
   if scheme not in SCHEMES:
     raise ValueError(f"unknown weight quantization scheme {scheme!r}; use one of "
                      f"{sorted(SCHEMES)}")
+  if cfg.num_experts:
+    raise ValueError(f"weight quantization ({scheme}) covers dense MLPs; {cfg.name!r} has "
+                     f"{cfg.num_experts} experts per MoE layer (kvjax/moe/)")
   bits, group_size = SCHEMES[scheme]
   inputs = None if calibration_tokens is None else _calibrate(params, cfg, calibration_tokens)
 

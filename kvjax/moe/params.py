@@ -1,0 +1,56 @@
+"""Expert parameter pytrees and their random initialization.
+
+Each expert is its own `ExpertParams` leaf triple, not a slice of one stacked
+[Ne, D, Fe] array: a small decode batch then reads a chosen expert's weights in
+place (kvjax/moe/grouped.py `switched_experts`), where slicing one stacked array
+by a traced index copies the slice first on XLA:CPU (3x the bytes).  The grouped
+path stacks them for `jax.lax.ragged_dot`.  Leaf names follow the dense MLP's
+(`w_gate`, `w_up`, `w_down`), so tensor parallelism (kvjax/sharding.py) splits
+each expert's width Fe over "model" and weight quantization finds them by name.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.config import ModelConfig
+
+__all__ = ["ExpertParams", "MoEParams", "init_moe"]
+
+
+@struct.dataclass
+class ExpertParams:
+  """One SwiGLU expert: down(silu(x gate) * (x up))."""
+  w_gate: jax.Array  # [D, Fe]
+  w_up: jax.Array  # [D, Fe]
+  w_down: jax.Array  # [Fe, D]
+
+
+@struct.dataclass
+class MoEParams:
+  router: jax.Array  # [D, Ne] router logits projection
+  experts: tuple  # tuple[ExpertParams, ...], Ne routed experts
+  score_bias: Optional[jax.Array] = None  # [Ne] DeepSeek-V3 e_score_correction_bias
+  shared: Optional[ExpertParams] = None  # always-on experts, one MLP of width Ns Fe
+
+
+def _expert(key: jax.Array, d: int, width: int, dtype, std: float) -> ExpertParams:
+  k_gate, k_up, k_down = jax.random.split(key, 3)
+  normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+  return ExpertParams(w_gate=normal(k_gate, (d, width)), w_up=normal(k_up, (d, width)),
+                      w_down=normal(k_down, (width, d)))
+
+
+def init_moe(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> MoEParams:
+  """Random MoE layer (normal(0, std) weights; a random choice bias where the config has one)."""
+  d, fe, ne = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+  k_router, k_experts, k_bias, k_shared = jax.random.split(key, 4)
+  experts = tuple(_expert(kk, d, fe, dtype, std) for kk in jax.random.split(k_experts, ne))
+  shared = (_expert(k_shared, d, fe * cfg.num_shared_experts, dtype, std)
+            if cfg.num_shared_experts else None)
+  bias = (std * jax.random.normal(k_bias, (ne,), jnp.float32) if cfg.moe_score_bias else None)
+  return MoEParams(router=(std * jax.random.normal(k_router, (d, ne))).astype(dtype),
+                   experts=experts, score_bias=bias, shared=shared)
