@@ -2,8 +2,8 @@
 
 Layers (imports only go down; tests/test_layering.py checks it):
   0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
-  1  layers, params, sampling, step_batch,           pure math, weight quantization and the
-     attention/, quant/                             step metadata pytree
+  1  layers, params, sampling, step_batch,           pure math, weight quantization, the
+     attention/, quant/, layer_kinds                step metadata pytree, layer-kind registry
   2  sharding, backends                              mesh + Megatron placement rules, capability
                                                     records (+ pallas_kernels, shard_map)
   3  caches/                                         KV cache layouts, one attend contract
