@@ -42,8 +42,8 @@ LORA_NORM_EPS = 1e-6
 class Attend:
   """How a layer reaches its cache, one typed callable per cache layout.
 
-  attention(cache, index, q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv])
-    -> (cache, out [B, T, N, Hv]);
+  attention(cache, index, q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv], *, sinks [N]
+    only where given) -> (cache, out [B, T, N, Hv]);
   linear(cache, index, inputs: LinearInputs) -> (cache, out [B, T, Nv, Hv] f32)
     (None where the caller has no recurrent state).
   `index` is the layer's row among its layout's cache rows (`ModelConfig.state_index`).
@@ -190,9 +190,9 @@ def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
   run their rule over the T tokens from zero states."""
   valid = jnp.ones(positions.shape, bool)
 
-  def attention(cache, layer, q, k, v):
+  def attention(cache, layer, q, k, v, sinks=None):
     visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
-    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5)
+    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5, sinks=sinks)
 
   return Attend(attention=attention, linear=lambda cache, index, inputs: (
       cache, stateless_mix(inputs)))
