@@ -38,9 +38,9 @@ def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> 
   its linear_attend), same batch."""
   backend = get_backend(backend)
 
-  def attention(cache, layer, q, k, v):
+  def attention(cache, layer, q, k, v, **options):
     return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
-                        window=config.window_of_layer(layer), backend=backend)
+                        window=config.window_of_layer(layer), backend=backend, **options)
 
   def linear(cache, index, inputs):
     return cache.linear_attend(index, inputs, batch, backend)
