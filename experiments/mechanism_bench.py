@@ -39,7 +39,7 @@ from kvjax.caches import create_paged_cache
 from kvjax.config import get_preset
 from kvjax.engine import Engine
 from kvjax.generation import next_pow2
-from kvjax.model import decoder, lm_logits
+from kvjax.model import Attend, decoder, lm_logits
 from kvjax.sampling import SamplingParams, sample
 from kvjax.step_batch import make_step_batch
 
@@ -78,7 +78,7 @@ def _forward_kv(params, tokens, *, config):
     out = masked_attention(q, k, v, visible, sm_scale=config.head_dim ** -0.5)
     return kv + ((k[0], v[0]),), out
 
-  kv, hidden = decoder(params, config, tokens, positions, (), attend)
+  kv, hidden = decoder(params, config, tokens, positions, (), Attend(attention=attend))
   return (jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv]),
           lm_logits(params, config, hidden[0]))
 

@@ -3,12 +3,12 @@
 Layers (imports only go down; tests/test_layering.py checks it):
   0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
   1  layers, params, sampling, step_batch,           pure math, weight quantization, the
-     logit_processors, attention/, quant/, moe/     step metadata pytree, vLLM's penalties,
-                                                    MoE experts
+     logit_processors, attention/, quant/, moe/,    step metadata pytree, vLLM's penalties,
+     layer_kinds                                    MoE experts, the layer-kind registry
   2  sharding, backends                              mesh + Megatron placement rules, capability
                                                     records (+ pallas_kernels, shard_map)
   3  caches/                                         KV cache layouts, one attend contract
-  4  model, hybrid                                   the decoder (GQA and MLA blocks), Gated DeltaNet
+  4  model, hybrid, learned_sinks                    the decoder and its layer kinds (GQA, MLA, DeltaNet, sinks)
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix

@@ -1,17 +1,19 @@
 """The decoder as pure functions of (params, cache).
 
-One block implementation serves every cache kind: the block computes q, k, v
-and hands them to an `attend(cache, layer, q, k, v) -> (cache, out)` callable
-supplied by the caller (dense causal for the no-cache forward, or a cache's
-`attend` for a StepBatch; kvjax/caches/).  Both attention blocks live here:
-GQA (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope) and MLA
-(latent attention); a hybrid's linear-attention layers dispatch to the Gated
-DeltaNet mixer (kvjax/hybrid.py), which hands its state to the same callback.
+One block implementation serves every cache kind: each layer's registered kind
+(kvjax/layer_kinds.py) computes its inputs and hands them to an `Attend`
+record supplied by the caller (dense causal for the no-cache forward, or a
+cache's methods for a StepBatch; kvjax/caches/): `attention(cache, index, q, k,
+v)` for KV layouts, `linear(cache, index, inputs)` for recurrent ones.  The GQA
+kind (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope), the MLA
+kind (latent attention) and the dense SwiGLU MLP kind are declared here; the
+Gated DeltaNet kind is kvjax/hybrid.py.
 Layers reach the cache by `ModelConfig.state_index` (a hybrid's KV rows count
 only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache goes in and comes out; nothing is mutated.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
@@ -20,21 +22,35 @@ import jax.numpy as jnp
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.attention.gated_delta import LinearInputs
 from kvjax.config import ModelConfig
-from kvjax.hybrid import gated_delta_net, stateless_mix
+from kvjax.hybrid import stateless_mix
+from kvjax.layer_kinds import LayerKind, MLPKind, layer_kind, mlp_kind, register_layer_kind, \
+    register_mlp_kind, register_selector
 from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
 from kvjax.moe.block import moe_mlp
-from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
+from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params, gqa_init, \
+    moe_init, swiglu_init
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
            "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend",
-           "mla_attention", "LORA_NORM_EPS"]
+           "mla_attention", "gqa_attention", "swiglu", "LORA_NORM_EPS", "GQA", "MLA", "SWIGLU", "MOE"]
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
 
-# attend(cache, layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (cache, out [B,T,N,H]);
-# a hybrid's linear layer passes a LinearInputs as q and None as k, v (kvjax/hybrid.py).
-Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+  """How a layer reaches its cache, one typed callable per cache layout.
+
+  attention(cache, index, q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv], *, sinks [N]
+    only where given) -> (cache, out [B, T, N, Hv]);
+  linear(cache, index, inputs: LinearInputs) -> (cache, out [B, T, Nv, Hv] f32)
+    (None where the caller has no recurrent state).
+  `index` is the layer's row among its layout's cache rows (`ModelConfig.state_index`).
+  """
+  attention: Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple]
+  linear: Optional[Callable[[Any, int, LinearInputs], tuple]] = None
 
 
 def _inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -52,7 +68,7 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], -1)
 
 
-def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
+def gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
                    inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
   """MHA / GQA / MQA: h [B, T, D] -> (cache, out [B, T, D])."""
   q = dense("btd,dnh->btnh", h, a.wq)
@@ -66,7 +82,7 @@ def _gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions
   q = _rope(q, positions, inv_freq)
   k = _rope(k, positions, inv_freq)
   with jax.named_scope(f"attention_{layer}"):
-    cache, out = attend(cache, cfg.state_index(layer), q, k, v)
+    cache, out = attend.attention(cache, cfg.state_index(layer), q, k, v)
   if a.wg is not None:  # Qwen3.5: each head's output scaled by its own sigmoid gate
     out = out * jax.nn.sigmoid(dense("btd,dnh->btnh", h, a.wg))
   return cache, dense("btnh,nhd->btd", out, a.wo)
@@ -94,7 +110,7 @@ def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.A
     q = jnp.einsum("btd,dnh->btnh", h, a.wq)  # [B, T, N, Hn + Hr]
   else:
     q_low = rms_norm(h @ a.wq_a, a.q_norm, LORA_NORM_EPS)  # [B, T, Rq]
-    q = jnp.einsum("btr,rnh->btnh", q_low, a.wq_b)
+    q = jnp.tensordot(q_low, a.wq_b, axes=1)  # [B, T, N, Hn + Hr]
   q_nope, q_rope = q[..., :hn], apply_rope(q[..., hn:], positions, inv_freq)
   kv = h @ a.wkv_a  # [B, T, R + Hr]
   latent = rms_norm(kv[..., :r], a.kv_norm, LORA_NORM_EPS)  # [B, T, R]
@@ -103,25 +119,41 @@ def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.A
   queries = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, R + Hr]
   entry = jnp.concatenate([latent[:, :, None], k_rope], axis=-1)  # [B, T, 1, R + Hr]
   with jax.named_scope(f"attention_{layer}"):
-    cache, out = attend(cache, layer, queries, entry, entry[..., :r])  # [B, T, N, R]
-  out = jnp.einsum("btnr,rnv->btnv", out, a.wv_b)  # absorbed W_uv: [B, T, N, Hv]
-  return cache, jnp.einsum("btnv,nvd->btd", out, a.wo)
+    cache, out = attend.attention(cache, layer, queries, entry, entry[..., :r])  # [B, T, N, R]
+  out = jnp.einsum("btnr,rno->btno", out, a.wv_b)  # absorbed W_uv: [B, T, N, Hv]
+  return cache, jnp.einsum("btno,nod->btd", out, a.wo)
+
+
+def swiglu(cfg: ModelConfig, p: BlockParams, h: jax.Array) -> jax.Array:
+  """The dense SwiGLU MLP: h [B, T, D] -> [B, T, D]."""
+  del cfg
+  gated = jax.nn.silu(dense("btd,df->btf", h, p.w_gate)) * dense("btd,df->btf", h, p.w_up)
+  return dense("btf,fd->btd", gated, p.w_down)
+
+
+GQA = register_layer_kind(LayerKind(
+    name="gqa", init=gqa_init, cache="kv",
+    step=gqa_attention))
+MLA = register_layer_kind(LayerKind(
+    name="mla", init=None, cache="latent",
+    step=mla_attention))
+SWIGLU = register_mlp_kind(MLPKind(name="swiglu", init=swiglu_init, apply=swiglu))
+# Routed (+ shared) experts on the layers the config makes sparse (kvjax/moe/).
+MOE = register_mlp_kind(MLPKind(name="moe", init=moe_init,
+                                apply=lambda cfg, p, h: moe_mlp(cfg, p.moe, h)))
+register_selector(lambda cfg, layer: "moe" if cfg.is_moe_layer(layer) else None,
+                  registry="mlp")
 
 
 def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
            inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
   """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
   h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-  attention = mla_attention if cfg.attention_type == "mla" else _gqa_attention
-  if cfg.is_linear_layer(layer):
-    attention = gated_delta_net
-  cache, out = attention(cfg, p.attn, h, positions, inv_freq, cache, layer, attend)
+  cache, out = layer_kind(cfg, layer).step(cfg, p.attn, h, positions, inv_freq, cache, layer,
+                                           attend)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-  if p.moe is not None:  # routed experts (kvjax/moe/)
-    return cache, x + moe_mlp(cfg, p.moe, h)
-  gated = jax.nn.silu(dense("btd,df->btf", h, p.w_gate)) * dense("btd,df->btf", h, p.w_up)
-  return cache, x + dense("btf,fd->btd", gated, p.w_down)
+  return cache, x + mlp_kind(cfg, layer).apply(cfg, p, h)
 
 
 def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -164,13 +196,12 @@ def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
   run their rule over the T tokens from zero states."""
   valid = jnp.ones(positions.shape, bool)
 
-  def attend(cache, layer, q, k, v):
-    if isinstance(q, LinearInputs):
-      return cache, stateless_mix(q)
+  def attention(cache, layer, q, k, v, sinks=None):
     visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
-    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5)
+    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5, sinks=sinks)
 
-  return attend
+  return Attend(attention=attention, linear=lambda cache, index, inputs: (
+      cache, stateless_mix(inputs)))
 
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

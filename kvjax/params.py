@@ -14,10 +14,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.config import ModelConfig
+from kvjax.layer_kinds import layer_kind, mlp_kind
 from kvjax.moe.params import MoEParams, init_moe
 
 __all__ = ["AttentionParams", "GatedDeltaParams", "MLAParams", "BlockParams", "MTPParams",
-           "Params", "init_params", "count_params"]
+           "Params", "init_params", "count_params", "gqa_init", "gated_delta_init",
+           "swiglu_init", "moe_init"]
 
 
 @struct.dataclass
@@ -71,8 +73,8 @@ class MLAParams:
 @struct.dataclass
 class BlockParams:
   attn_norm: jax.Array  # [D]
-  attn: AttentionParams  # MLAParams when config.attention_type == "mla", GatedDeltaParams
-  #                       on a hybrid's linear_attention layers
+  attn: AttentionParams  # the layer kind's params (kvjax/layer_kinds.py): MLAParams for
+  #                       "mla", GatedDeltaParams for "gated_delta", ...
   mlp_norm: jax.Array  # [D]
   w_gate: Optional[jax.Array] = None  # [D, F]  (None on MoE layers)
   w_up: Optional[jax.Array] = None  # [D, F]
@@ -103,7 +105,16 @@ class Params:
     return self.embed.T if self.lm_head is None else self.lm_head
 
 
-def _gated_delta_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> GatedDeltaParams:
+def _block_keys(key: jax.Array) -> jax.Array:
+  """A block key's 10 streams: the token mixer draws from 0-6, the MLP from 7-9 (fixed
+  so seeded models, and the golden runs built on them, stay bit-identical)."""
+  return jax.random.split(key, 10)
+
+
+def gated_delta_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> GatedDeltaParams:
+  """The Gated DeltaNet layer kind's params (kvjax/hybrid.py GATED_DELTA) from the
+  block key."""
+  key = _block_keys(key)[0]
   d, nv, hv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
   channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + nv * hv
   keys = jax.random.split(key, 7)
@@ -118,40 +129,53 @@ def _gated_delta_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> Ga
       norm=jnp.ones((hv,), dtype), wo=normal(keys[5], (nv, hv, d)))
 
 
-def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float,
-                layer: int = 0) -> BlockParams:
-  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size)
-  keys = jax.random.split(key, 10)
+def gqa_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> AttentionParams:
+  """The GQA layer kind's params (kvjax/model.py GQA_ATTENTION) from the block key."""
+  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  keys = _block_keys(key)
   normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
   bias = cfg.attention_bias
-  if cfg.is_linear_layer(layer):
-    attn = _gated_delta_init(cfg, keys[0], dtype, std)
-  else:
-    attn = AttentionParams(
-        wq=normal(keys[0], (d, n, h)), wk=normal(keys[1], (d, k, h)),
-        wv=normal(keys[2], (d, k, h)), wo=normal(keys[3], (n, h, d)),
-        bq=normal(keys[4], (n, h)) if bias else None,
-        bk=normal(keys[5], (k, h)) if bias else None,
-        bv=normal(keys[6], (k, h)) if bias else None,
-        q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
-        k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
-        wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None)
-  if cfg.is_moe_layer(layer):
-    mlp = dict(moe=init_moe(cfg, keys[7], dtype, std))
-  else:
-    mlp = dict(w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
-               w_down=normal(keys[9], (f, d)))
-  return BlockParams(attn_norm=jnp.ones((d,), dtype), attn=attn,
-                     mlp_norm=jnp.ones((d,), dtype), **mlp)
+  return AttentionParams(
+      wq=normal(keys[0], (d, n, h)), wk=normal(keys[1], (d, k, h)),
+      wv=normal(keys[2], (d, k, h)), wo=normal(keys[3], (n, h, d)),
+      bq=normal(keys[4], (n, h)) if bias else None,
+      bk=normal(keys[5], (k, h)) if bias else None,
+      bv=normal(keys[6], (k, h)) if bias else None,
+      q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
+      k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
+      wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None)
+
+
+def swiglu_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> dict:
+  """The dense SwiGLU MLP kind's BlockParams fields (kvjax/model.py SWIGLU) from the
+  block key."""
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  keys = _block_keys(key)
+  normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+  return dict(w_gate=normal(keys[7], (d, f)), w_up=normal(keys[8], (d, f)),
+              w_down=normal(keys[9], (f, d)))
+
+
+def moe_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> dict:
+  """The MoE MLP kind's BlockParams fields (kvjax/model.py MOE) from the block key."""
+  return dict(moe=init_moe(cfg, _block_keys(key)[7], dtype, std))
+
+
+def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float,
+                layer: int = 0) -> BlockParams:
+  """Norms, then the layer's token mixer and MLP from their registered kinds."""
+  kind = layer_kind(cfg, layer)
+  if kind.init is None:
+    raise NotImplementedError(f"layer kind {kind.name!r} has no random init (load weights)")
+  d = cfg.hidden_size
+  return BlockParams(
+      attn_norm=jnp.ones((d,), dtype), attn=kind.init(cfg, key, dtype, std),
+      mlp_norm=jnp.ones((d,), dtype), **mlp_kind(cfg, layer).init(cfg, key, dtype, std))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 std: float = 0.02) -> Params:
   """Random init (HF's normal(0, initializer_range) convention, unit norms)."""
-  if cfg.attention_type != "gqa":
-    raise NotImplementedError(
-        f"init_params supports attention_type 'gqa', got {cfg.attention_type!r}")
   k_embed, k_head, k_blocks, k_mtp = jax.random.split(key, 4)
   d = cfg.hidden_size
   blocks = tuple(_block_init(cfg, kk, dtype, std, layer)

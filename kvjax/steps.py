@@ -34,14 +34,18 @@ BackendArg = Union[str, Backend]
 
 
 def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> Attend:
-  """The model's attend callback for `batch`: every layer's cache.attend, same batch."""
+  """The model's Attend for `batch`: every layer's cache.attend (a hybrid's linear layers
+  its linear_attend), same batch."""
   backend = get_backend(backend)
 
-  def attend(cache, layer, q, k, v):
+  def attention(cache, layer, q, k, v, **options):
     return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
-                        window=config.window_of_layer(layer), backend=backend)
+                        window=config.window_of_layer(layer), backend=backend, **options)
 
-  return attend
+  def linear(cache, index, inputs):
+    return cache.linear_attend(index, inputs, batch, backend)
+
+  return Attend(attention=attention, linear=linear)
 
 
 def model_step(params: Params, cache, batch: StepBatch, *, config: ModelConfig,

@@ -48,12 +48,15 @@ def padded_visibility(kv_lens: jax.Array, t: int, s: int,
 
 
 def grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, *,
-                      sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
+                      sm_scale: float, soft_cap: Optional[float] = None,
+                      sinks: Optional[jax.Array] = None) -> jax.Array:
   """q [K, B, Gq, T, H], k_t [K, B, H, S], v [K, B, S, Hv], visible [B, T, S]
   -> f32 [K, B, Gq, T, Hv].
 
   Softmax normalization is applied after the value matmul (on [.., Hv], not
   [.., S]); rows with no visible key (padding) get zeros instead of NaN.
+  `sinks` [K, Gq] (gpt-oss's learned per-head sinks) add one logit per head to
+  each softmax denominator: a key every query sees whose value is zero.
   """
   num_kv, b, group, t, h = q.shape
   scores = jnp.einsum("kbih,kbhs->kbis", q.reshape(num_kv, b, group * t, h), k_t,
@@ -63,9 +66,14 @@ def grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.A
     scores = soft_cap * jnp.tanh(scores / soft_cap)
   scores = jnp.where(visible[None, :, None], scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32)[:, None, :, None, None]  # [K, 1, Gq, 1, 1]
+    row_max = jnp.maximum(row_max, sink)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   weights = jnp.exp(scores - row_max)  # exactly 0 where not visible
   denom = jnp.sum(weights, axis=-1, keepdims=True)
+  if sinks is not None:
+    denom = denom + jnp.exp(sink - row_max)
   out = jnp.einsum("kbis,kbsh->kbih", weights.reshape(num_kv, b, group * t, -1),
                    v.astype(jnp.float32))
   out = out.reshape(num_kv, b, group, t, -1)
@@ -73,8 +81,10 @@ def grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.A
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
-                     sm_scale: float, soft_cap: Optional[float] = None) -> jax.Array:
-  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], visible [B, T, S] -> [B, T, N, Hv] (q's dtype).
+                     sm_scale: float, soft_cap: Optional[float] = None,
+                     sinks: Optional[jax.Array] = None) -> jax.Array:
+  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], visible [B, T, S], sinks [N] or None
+  -> [B, T, N, Hv] (q's dtype).
 
   Hv may differ from H (MLA attends with latent values narrower than its keys).
   """
@@ -82,5 +92,6 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
   num_kv = k.shape[2]
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   out = grouped_attention(qg, k.transpose(2, 0, 3, 1), v.transpose(2, 0, 1, 3), visible,
-                          sm_scale=sm_scale, soft_cap=soft_cap)
+                          sm_scale=sm_scale, soft_cap=soft_cap,
+                          sinks=None if sinks is None else sinks.reshape(num_kv, -1))
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, v.shape[-1]).astype(q.dtype)

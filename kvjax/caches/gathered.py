@@ -55,9 +55,10 @@ class GatheredKVCache:
     return cls(pages=pages, k=keys_t, v=dense(pages.v_pages))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend):
+             window: Optional[int], backend, **options):
     """Write k, v [B, T, K, H] at their positions, then q [B, T, N, H] attends the copy;
-    batch's rows are the gathered rows (padding columns write nothing)."""
+    batch's rows are the gathered rows (padding columns write nothing); `options` (a
+    layer kind's extras, e.g. sinks) go to the backend's attention."""
     rows = jnp.arange(q.shape[0])[:, None]  # [B, 1]
     positions = jnp.where(batch.valid, batch.positions, self.num_positions)  # S: dropped
     # Advanced indices split by a slice put their [B, T] first: the value is new [B, T, K, H].
@@ -67,7 +68,7 @@ class GatheredKVCache:
         v.astype(self.v[layer].dtype).transpose(2, 0, 1, 3), mode="drop")
     cache = self.replace(k=_with(self.k, layer, keys), v=_with(self.v, layer, values))
     out = backend.gathered_attention(q, keys.astype(q.dtype), values, batch,
-                                     sm_scale=sm_scale, sliding_window=window)
+                                     sm_scale=sm_scale, sliding_window=window, **options)
     return cache, out
 
   @property

@@ -113,13 +113,14 @@ class PagedKVCache(PagedLayout):
         v_scales=self.v_scales.at[layer, :, pages, offsets].set(v_scale))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Backend):
-    """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H])."""
+             window: Optional[int], backend: Backend, **options):
+    """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H]);
+    `options` (a layer kind's extras, e.g. sinks) go to the backend's attention."""
     cache = self.write(layer, k, v, batch)
     scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales[layer],
                                                      v_scales=cache.v_scales[layer])
     out = backend.attention(q, cache.k_pages[layer], cache.v_pages[layer], batch,
-                            sm_scale=sm_scale, sliding_window=window, **scales)
+                            sm_scale=sm_scale, sliding_window=window, **scales, **options)
     return cache, out
 
 

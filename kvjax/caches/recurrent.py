@@ -9,10 +9,13 @@ holds both and keeps the one contract:
 
   cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
 
-for attention layers (the KV base class's attend), while a linear layer passes
-its LinearInputs (kvjax/attention/gated_delta.py) as q, with k = v = None,
-and `layer` its row among the linear layers; that goes to `linear_attend`,
-which reads the rows' slots, runs the rule and writes the new states back.
+for attention layers (the KV base class's attend), while a linear layer calls
+
+  cache, out = cache.linear_attend(layer, inputs, batch, backend)
+
+with its LinearInputs (kvjax/attention/gated_delta.py) and `layer` its row
+among the linear layers: it reads the rows' slots, runs the rule and writes
+the new states back.
 
 A row whose step starts at position 0 with real columns is a new (or a
 preempted, recomputed) request: it starts from zero states whatever its slot
@@ -75,12 +78,6 @@ class RecurrentState:
 
   SLOT_ARRAYS = ("conv_state", "delta_state")
   num_verify_states = 0  # J + 1 where speculation keeps a state per verify column
-
-  def attend(self, layer: int, q, k, v, batch: StepBatch, **attention):
-    """Attention layers: the KV cache's attend; linear layers (q a LinearInputs): the rule."""
-    if isinstance(q, LinearInputs):
-      return self.linear_attend(layer, q, batch, attention["backend"])
-    return super().attend(layer, q, k, v, batch, **attention)
 
   def linear_attend(self, layer: int, inputs: LinearInputs, batch: StepBatch, backend):
     """Run linear layer `layer` on the rows' slot states with the backend's delta rule
