@@ -16,7 +16,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
   7  scheduler, ledger, metrics, draft_policy,       host policy, accounting, n-gram
      draft_choice, ngram, constraints/              drafting, grammar matchers and masks
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
-     kv_events                                      warm-up, data-parallel replicas (router),
+     engine_warm_up, kv_events                      warm-up, data-parallel replicas (router),
                                                     its prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
      constraints/vocabulary, chat_template,         and their vocabularies for the matcher,

@@ -44,23 +44,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.batching import Packing, StepShape, burst_limits
+from kvjax.batching import Packing, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
+from kvjax.engine_warm_up import EngineWarmUp
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.logit_processors import with_processing
 from kvjax.metrics import RequestMetrics, StepLog, summarize
-from kvjax.ngram import NgramDrafter, host_draft_shapes, with_drafts
+from kvjax.ngram import NgramDrafter, with_drafts
 from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
                                serve_step)
 from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
-from kvjax.warm_up import WarmUp, WarmUpPlan, draft_counts, warm_up
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "run_until_finished"]
 
@@ -88,7 +88,7 @@ def _logprobs(emitted, row: int, counts, num_top: Optional[int]) -> Optional[lis
           for s, n in enumerate(counts) for c in range(n)]
 
 
-class Engine:
+class Engine(EngineWarmUp):
   """Continuous-batching inference engine over one model.
 
   `Engine(model, config)` or `Engine(model, **options)`: the options are the
@@ -419,50 +419,6 @@ class Engine:
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
         np.int32(num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
     return emitted, drafted, steps
-
-  # -- warm-up ----------------------------------------------------------------
-
-  def warm_up(self, *, progress: Optional[str] = None, **variants) -> WarmUp:
-    """Compile every step program this engine can run, before it serves -> WarmUp
-    (programs compiled, programs run, seconds); kvjax/warm_up.py.
-
-    Runs serve_step / serve_burst once per shape its packing can form
-    (Packing.shapes), per draft count its policy may pick and per variant, on
-    padding-only batches, and the page copy / clear programs on the null page, so
-    no request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's
-    logprobs / filtered / stop_widths (the programs of requests asking for logprobs / with
-    top-k or top-p / with stop ids) and map_budget.  progress: a progress bar's label.
-    """
-    with self._lock:
-      return warm_up(self.warm_up_plan(**variants), progress)
-
-  def warm_up_plan(self, **variants) -> WarmUpPlan:
-    """`warm_up`'s programs, to run one at a time (a server's warm-up thread: between requests)."""
-    counts = draft_counts(self.draft_policy, self.num_draft)
-    shapes = self.packing.shapes((0, *counts) if self.ngram else counts,
-                                 bursts=self.scheduler.num_scheduler_steps > 1)
-    if self.ngram is not None:
-      shapes = host_draft_shapes(shapes, counts)
-    return WarmUpPlan(shapes, self._run_padding, prepare=self._warm_up_pages,
-                      finish=lambda: jax.block_until_ready(self.state), **variants)
-
-  def _warm_up_pages(self) -> None:
-    with self._lock:
-      if self.config.prefix_cache and self.config.prefix_match == "token":
-        self._copy_pages([])
-      self._clear([], self.config.max_num_seqs)  # the scratch slot
-
-  def _run_padding(self, shape: StepShape, use_filter: bool, logprobs: bool,
-                   stop_width: int = 1) -> None:
-    """One step program of `shape` on padding rows (a burst's: none runs a step), its
-    stop-id array `stop_width` wide."""
-    with self._lock:
-      batch = self.packing.padding(shape, snapshots=self.snapshots is not None)
-      burst = None
-      if shape.kind == "burst":
-        left, _ = burst_limits([], shape.rows)
-        burst = (left, np.full((shape.rows, stop_width), -1, np.int32), 1)
-      self._run(batch, shape.num_draft, use_filter, logprobs, burst)
 
   # -- one-shot ---------------------------------------------------------------
 

@@ -204,7 +204,7 @@ def test_prose_in_the_table_is_not_read_as_names(tree):
   init = tree / "kvjax" / "__init__.py"
   text = init.read_text()
   # A names-column typo is caught; the description column's words never are names.
-  init.write_text(text.replace("  4  model, hybrid ", "  4  model, hybrdi "))
+  init.write_text(text.replace("  4  model, hybrid,", "  4  model, hybrdi,"))
   assert table_names_not_modules(str(tree)) == ["hybrdi"]
   assert "kvjax.hybrid has no layer" in upward_imports(str(tree))
   assert {"records", "(+", "shard_map)", "the", "KV"}.isdisjoint(layers_of(ROOT))

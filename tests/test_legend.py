@@ -139,7 +139,7 @@ def test_shapes_and_einsums_follow_the_legend(path):
 def test_the_legend_is_read():
   assert {"B", "T", "Gq", "Hn", "Hr", "Lc", "Nc", "J", "Z", "I", "O"} <= set(LEGEND)
   assert not {"G", "g", "letter", "---"} & set(LEGEND)
-  assert (LEGEND["B"], LEGEND["Gq"], LEGEND["Hv"], LEGEND["Hn"]) == ("b", "g", "", "")
+  assert (LEGEND["B"], LEGEND["Gq"], LEGEND["Hv"], LEGEND["Hn"]) == ("b", "g", "o", "")
 
 
 def test_planted_violations_are_caught():
@@ -157,7 +157,7 @@ def f(q, k):
   assert violations(source, LEGEND) == [
       "line 3: shape [B, G, K, H] uses G",
       "line 5: einsum 'bgnh,bsnh->bgs' gives 'g' for Z (its letter: z)",
-      "line 7: einsum 'btnr,rnv->btnv' gives 'v' for Hv (its letter: none)",
+      "line 7: einsum 'btnr,rnv->btnv' gives 'v' for Hv (its letter: o)",
       "line 8: einsum 'bTh,bsh->bTs' uses T",
       "line 8: einsum 'bTh,bsh->bTs' gives 'T' for T (its letter: t)",
       "line 10: shape [S_kv] uses S_kv",

@@ -36,7 +36,8 @@ __all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_
 
 
 def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
-  """block_tables [B, W], logical page ids [B, n] -> physical page ids [B, n] (clipped into W)."""
+  """block_tables [B, W], logical page ids (B rows, any count) -> physical page ids of the
+  same shape (logical ids clipped into W)."""
   logical = jnp.clip(logical, 0, block_tables.shape[1] - 1)
   return jnp.take_along_axis(block_tables, logical, axis=1)
 

@@ -135,7 +135,7 @@ class ConstraintBook:
 
   @staticmethod
   def padded(mask: Optional[np.ndarray], num_rows: int) -> Optional[np.ndarray]:
-    """mask [b, J+1, Vb] with all-ones padding rows up to num_rows (a packed batch's B)."""
+    """mask (its rows, J+1, Vb) with all-ones padding rows up to num_rows (a packed batch's B)."""
     if mask is None or mask.shape[0] == num_rows:
       return mask
     pad = np.full((num_rows - mask.shape[0], *mask.shape[1:]), -1, np.int32)
