@@ -122,6 +122,10 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
 
   def __post_init__(self):
+    # A config read back from JSON holds lists; steps hash the config, so tuples.
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+    if self.layer_windows is not None:
+      object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
       value = getattr(self, field)
@@ -159,7 +163,6 @@ class ModelConfig:
     if not ke <= self.moe_topk_groups * ne // groups:
       raise ValueError(f"num_experts_per_tok={ke} exceeds the {self.moe_topk_groups * ne // groups}"
                        f" experts that moe_topk_groups={self.moe_topk_groups} groups hold")
-    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # hashable
 
   def is_moe_layer(self, layer: int) -> bool:
     """Layer `layer` (MTP blocks count from num_layers) has routed experts, not a dense MLP."""

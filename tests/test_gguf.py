@@ -294,7 +294,9 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_prompts):
   diff = np.abs(got - ref).max()
   print(f"SmolLM2 float32 logits vs transformers: max abs diff {diff:.3g} "
         f"(logits up to {np.abs(ref).max():.1f}); kvjax load {seconds:.1f} s")
-  assert diff < 1e-3
+  # float32 through 30 layers in two orders of summation: ~4e-5 of the logit range; a
+  # mis-read tensor (a transposed block, a wrong scale) moves logits by whole units.
+  assert diff < 1e-4 * np.abs(ref).max()
   np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
