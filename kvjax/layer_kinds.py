@@ -8,7 +8,7 @@ per-slot state) and how one step runs (`step`, typed below).  An MLP kind
 The decoder (kvjax/model.py) and the initializer (kvjax/params.py) only look
 kinds up: `layer_kind(cfg, layer)` resolves the name through the registered
 selectors, so a new kind is one module that calls `register_layer_kind` (and,
-to be chosen, `register_selector`).  Docs: docs/EXTENDING_LAYERS.md.
+to be chosen, `register_selector`).  Docs: docs/EXTENDING.md.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Everything else is the GQA kind (kvjax/model.py `gqa_attention`, its KV cache
 layout and Megatron placement: sinks split by q head like wq); the sinks reach
 the softmax as the `sinks` keyword of `Attend.attention`
 (kvjax/attention/dense.py `grouped_attention`).  A config selects the kind by
-its name: `with_learned_sinks(cfg)`.  Walkthrough: docs/EXTENDING_LAYERS.md.
+its name: `with_learned_sinks(cfg)`.  Walkthrough: docs/EXTENDING.md.
 """
 from __future__ import annotations
 
