@@ -15,14 +15,11 @@ Deduplication, before splitting, over all sources together:
     docstring, that names a license or copyright) is stripped, trailing spaces and
     blank lines are dropped; the corpus keeps each file as it is;
   * exact: same sha256 of the normalized text;
-  * near: Jaccard similarity >= `near_threshold` between the sets of 5-token shingles
-    (tokens: identifiers, numbers, single punctuation marks).  Each file gets a
-    128-permutation MinHash; every pair whose signatures agree on at least
-    `near_threshold - 0.15` of the permutations has its exact Jaccard computed.  With
-    ~10^4 files the all-pairs signature comparison costs less than the hashing, so
-    no LSH banding.  Near pairs are joined into clusters (union-find); this catches
-    generated tables (the stdlib's cp*.py / mac_*.py codecs), vendored copies
-    (pip/_vendor/rich vs rich) and copied model files (transformers' sibling models).
+  * near: Jaccard similarity >= `near_threshold` between the sets of 5-token shingles,
+    found through MinHash signatures and joined into clusters
+    (kvjax/training/near_duplicates.py); this catches generated tables (the stdlib's
+    cp*.py / mac_*.py codecs), vendored copies (pip/_vendor/rich vs rich) and copied
+    model files (transformers' sibling models).
   * one file per cluster is kept: a copy outside a vendoring directory first, then the
     earlier source (the stdlib, then the pinned list's order), then the path.
 
@@ -50,6 +47,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from kvjax.training import corpus as stdlib_corpus
+from kvjax.training import near_duplicates
 from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Source", "KeptFile", "Removed", "CodeCorpus", "STDLIB", "SPLITS",
@@ -64,10 +62,6 @@ _TEST_DIRS = frozenset({"test", "tests", "testdata", "test_data", "internal_test
 _VENDOR_DIRS = frozenset({"_vendor", "vendor", "vendored", "_vendored", "third_party",
                           "externals", "_external"})
 _LICENSE_RE = re.compile(r"copyright|licen[cs]e|spdx-|permission is hereby granted", re.I)
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-_SHINGLE = 5
-_NUM_PERM = 128
-_SIG_MARGIN = 0.15  # how far below the threshold a signature estimate still gets checked
 _PACK_DATE = (1980, 1, 1, 0, 0, 0)  # fixed zip timestamps: the pack's bytes are reproducible
 
 
@@ -126,7 +120,7 @@ def _is_test(path: str) -> bool:
 
 def _numeric_fraction(text: str) -> float:
   """Share of the words that are number literals, 0 for files under 1,000 words."""
-  words = [t for t in _TOKEN_RE.findall(text) if t[0].isalnum() or t[0] == "_"]
+  words = [t for t in near_duplicates.TOKEN_RE.findall(text) if t[0].isalnum() or t[0] == "_"]
   return 0.0 if len(words) < 1000 else sum(w[0].isdigit() for w in words) / len(words)
 
 
@@ -210,63 +204,6 @@ def normalize(text: str) -> str:
   return "\n".join(line for line in lines if line)
 
 
-def _token_hashes(text: str, cache: dict) -> np.ndarray:
-  out = []
-  for tok in _TOKEN_RE.findall(text):
-    h = cache.get(tok)
-    if h is None:
-      h = cache[tok] = int.from_bytes(hashlib.blake2b(tok.encode(), digest_size=8).digest(),
-                                      "little")
-    out.append(h)
-  return np.array(out, np.uint64)
-
-
-def _shingles(tokens: np.ndarray) -> np.ndarray:
-  """uint64 sorted unique hashes of every run of _SHINGLE tokens (one for shorter texts)."""
-  if len(tokens) < _SHINGLE:
-    tokens = np.concatenate([tokens, np.zeros(_SHINGLE - len(tokens), np.uint64)])
-  n = len(tokens) - _SHINGLE + 1
-  h = np.zeros(n, np.uint64)
-  with np.errstate(over="ignore"):  # arithmetic mod 2**64 is the hash
-    for j in range(_SHINGLE):
-      h = h * np.uint64(0x100000001B3) + tokens[j:j + n]
-  return np.unique(h)
-
-
-def _minhash(shingles: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """uint32 [_NUM_PERM]: per permutation the top 32 bits of min((a * x + b) mod 2**64)."""
-  sig = np.full(len(a), np.iinfo(np.uint64).max, np.uint64)
-  for start in range(0, len(shingles), 1 << 14):  # bounds the [perm, chunk] temporary
-    with np.errstate(over="ignore"):
-      part = a[:, None] * shingles[None, start:start + (1 << 14)] + b[:, None]
-    sig = np.minimum(sig, part.min(1))
-  return (sig >> np.uint64(32)).astype(np.uint32)
-
-
-def _jaccard(x: np.ndarray, y: np.ndarray) -> float:
-  inter = len(np.intersect1d(x, y, assume_unique=True))
-  return inter / (len(x) + len(y) - inter)
-
-
-def _near_pairs(shingle_sets: Sequence[np.ndarray], threshold: float) -> list:
-  """(i, j, jaccard) with i < j and exact Jaccard >= threshold."""
-  rng = np.random.default_rng(0)
-  a = rng.integers(1, 2**63, _NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-  b = rng.integers(0, 2**63, _NUM_PERM, dtype=np.uint64)
-  sigs = np.stack([_minhash(s, a, b) for s in shingle_sets])  # [files, perms]
-  min_agree = int(np.floor((threshold - _SIG_MARGIN) * _NUM_PERM))
-  pairs = []
-  for i0 in range(0, len(sigs), 64):
-    agree = (sigs[i0:i0 + 64, None, :] == sigs[None, :, :]).sum(-1)  # [chunk, files]
-    for di, j in zip(*np.nonzero(agree >= min_agree)):
-      i = i0 + int(di)
-      if i < j:
-        jac = _jaccard(shingle_sets[i], shingle_sets[j])
-        if jac >= threshold:
-          pairs.append((i, int(j), jac))
-  return pairs
-
-
 def split_of(name: str, heldout_fraction: float, unseen: Sequence[str]) -> str:
   """The split of every file of package `name`: a function of the name alone."""
   if name == STDLIB:
@@ -310,26 +247,10 @@ def build(sources: Sequence[Source], heldout_fraction: float = 0.1,
       survivors.append(k)
       texts.append(text)
 
-  cache = {}
-  shingle_sets = [_shingles(_token_hashes(t, cache)) for t in texts]
-  parent = list(range(len(survivors)))  # union-find over survivors, root = preferred
-
-  def root(i):
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
-
-  best_jaccard = {}
-  for i, j, jac in _near_pairs(shingle_sets, near_threshold):
-    ri, rj = root(i), root(j)
-    if ri != rj:
-      parent[max(ri, rj)] = min(ri, rj)  # survivors are in preference order
-    for x in (i, j):
-      best_jaccard[x] = max(best_jaccard.get(x, 0.0), jac)
+  roots, best_jaccard = near_duplicates.clusters(texts, near_threshold)
   kept = set()
   for i, k in enumerate(survivors):
-    r = root(i)
+    r = roots[i]
     if r == i:
       kept.add(k)
     else:
@@ -384,7 +305,8 @@ def manifest(corpus: CodeCorpus, packages: Sequence[dict], config: dict) -> dict
       "format": 1,
       "config": dict(config, heldout_fraction=corpus.heldout_fraction,
                      unseen=list(corpus.unseen), near_threshold=corpus.near_threshold,
-                     shingle_tokens=_SHINGLE, minhash_permutations=_NUM_PERM),
+                     shingle_tokens=near_duplicates.SHINGLE_TOKENS,
+                     minhash_permutations=near_duplicates.NUM_PERMUTATIONS),
       "listing_sha256": hashlib.sha256(listing.encode()).hexdigest(),
       "splits": splits,
       "dedup": {
