@@ -34,7 +34,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import kvjax  # noqa: E402
 from experiments import common  # noqa: E402
-from kvjax import ledger, sharding  # noqa: E402
+from kvjax import ledger, ledger_tp, sharding  # noqa: E402
 from kvjax.backends import get_backend, on_mesh  # noqa: E402
 from kvjax.caches import create_paged_cache  # noqa: E402
 from kvjax.params import init_params  # noqa: E402
@@ -104,7 +104,7 @@ def paper_rows(config, hidden_values_per_layer: float) -> list[dict]:
   rows = []
   for tp in config.paper_tps:
     for batch in config.batches:
-      plan = ledger.tp_plan(cfg, config.context, tp, batch=batch, kv_dtype=config.kv_dtype,
+      plan = ledger_tp.tp_plan(cfg, config.context, tp, batch=batch, kv_dtype=config.kv_dtype,
                             weight_dtype=config.weight_dtype, gpu_gib=config.gpu_gib)
       read = plan.weight_bytes_per_device + batch * plan.kv_bytes_per_request_per_device
       hbm_s = read / (config.hbm_gbps * 1e9)

@@ -13,8 +13,9 @@ Layers (imports only go down; tests/test_layering.py checks it):
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
-  7  scheduler, ledger, metrics, draft_policy,       host policy, accounting, n-gram
-     draft_choice, ngram, constraints/              drafting, grammar matchers and masks
+  7  scheduler, ledger, ledger_tp, metrics,          host policy, accounting (one device, tp-way),
+     draft_policy, draft_choice, ngram,              n-gram drafting, grammar matchers and
+     constraints/                                    masks
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
      engine_warm_up, kv_events                      warm-up, data-parallel replicas (router),
                                                     its prefix cache's KV events

@@ -161,9 +161,9 @@ def _gguf_tokenizer(reader) -> Optional[Tokenizer]:
 
 def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
   """load_checks.check_fits on one device; on a mesh, this process's share of the
-  weights (one device's slice each, kvjax.ledger.weight_bytes_per_device) against
+  weights (one device's slice each, kvjax.ledger_tp.weight_bytes_per_device) against
   its first device's free bytes (on CPU the fake devices share the host's memory)."""
-  from kvjax import ledger
+  from kvjax import ledger_tp
   from kvjax.weights import load_checks
 
   if mesh is None:
@@ -176,7 +176,7 @@ def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
       load_checks.available_device_bytes(local[0])
   tp, short = sharding.tp_size(mesh), DTYPE_SHORT_NAMES[np.dtype(dtype).name]
   sharers = len(local) if local[0].platform == "cpu" else 1
-  need = sharers * ledger.weight_bytes_per_device(cfg, tp, short)
+  need = sharers * ledger_tp.weight_bytes_per_device(cfg, tp, short)
   if free is not None and need > free:
     raise ValueError(f"{cfg.name} at {short} needs {need} bytes of weights per "
                      f"{'host' if sharers > 1 else 'device'} at tp={tp}, {local[0]} has "

@@ -17,7 +17,7 @@ import sys
 
 import jax
 
-from kvjax import ledger
+from kvjax import ledger, ledger_tp
 from kvjax.api import resolve_dtype
 from kvjax.caches import create_paged_cache, layout_names
 from kvjax.config import PRESETS, ModelConfig, get_preset
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype, weight_gib=args.weight_gib, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales)
-    per_device = None if args.tp is None else ledger.tp_plan(
+    per_device = None if args.tp is None else ledger_tp.tp_plan(
         get_preset(args.preset), args.context, args.tp, batch=args.batch,
         kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _print_tp(t: ledger.TPPlan, gpu_bytes: int, mla: bool) -> None:
+def _print_tp(t: ledger_tp.TPPlan, gpu_bytes: int, mla: bool) -> None:
   print(f"  per device at tp={t.tp}:")
   print(f"    weights        {_gib(t.weight_bytes_per_device)}")
   print(f"    KV per token   {t.kv_bytes_per_token_per_device / ledger.KIB:g} KiB "

@@ -42,14 +42,12 @@ from typing import Optional
 from kvjax.caches.layout import FLOAT_STORES, PoolSizes, sizing_layout
 from kvjax.caches.recurrent import state_arrays
 from kvjax.config import ModelConfig, short_dtype_name
-from kvjax.sharding import param_spec, replicated_kv_heads
 
 __all__ = ["KIB", "GIB", "DTYPE_BITS", "PAGE_SIZE", "MemoryPlan", "bytes_for",
            "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
            "kv_bytes_per_request", "slot_bytes_per_request", "state_bytes_per_request",
            "param_count", "weight_bytes", "max_concurrency",
-           "plan", "TPPlan", "weight_bytes_per_device", "kv_bytes_per_token_per_device",
-           "tp_plan", "smallest_tp"]
+           "plan", "check_dtype", "check_positive_int", "gib_to_bytes"]
 
 KIB, GIB = 1 << 10, 1 << 30
 
@@ -58,21 +56,21 @@ DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 PAGE_SIZE = 16  # the Engine's default page_size: sizes per-page scales and int4's residual
 
 
-def _check_dtype(dtype: str, what: str) -> int:
+def check_dtype(dtype: str, what: str) -> int:
   dtype = short_dtype_name(dtype)
   if dtype not in DTYPE_BITS:
     raise ValueError(f"unsupported {what} dtype {dtype!r}; use one of {sorted(DTYPE_BITS)}")
   return DTYPE_BITS[dtype]
 
 
-def _check_positive_int(value, name: str) -> None:
+def check_positive_int(value, name: str) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def bytes_for(num_values: int, dtype: str) -> int:
   """Bytes to store `num_values` values of `dtype` (int4 rounds up to whole bytes)."""
-  return -(-num_values * _check_dtype(dtype, "value") // 8)
+  return -(-num_values * check_dtype(dtype, "value") // 8)
 
 
 def _cache_layer_windows(cfg: ModelConfig, include_mtp: bool) -> list:
@@ -119,7 +117,7 @@ def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
                          include_mtp: bool = False, count_scales: bool = False) -> int:
   """KV bytes one request of `context` tokens holds: each windowed layer caps it, and
   a layout that releases pages itself (sinks + window) holds what it keeps."""
-  _check_positive_int(context, "context")
+  check_positive_int(context, "context")
   held = sizing_layout(kv_dtype, cfg).tokens_held(context, PAGE_SIZE)
   tokens = sum(held if w is None else min(held, w)
                for w in _cache_layer_windows(cfg, include_mtp))
@@ -213,7 +211,7 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
 
 def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bf16") -> int:
   """Bytes of all parameters stored as `weight_dtype` (quantization scales excluded)."""
-  _check_dtype(weight_dtype, "weight")
+  check_dtype(weight_dtype, "weight")
   return bytes_for(param_count(cfg), weight_dtype)
 
 
@@ -246,7 +244,7 @@ class MemoryPlan:
   fits: bool  # total_bytes <= gpu_bytes.
 
 
-def _gib_to_bytes(value: float, name: str) -> int:
+def gib_to_bytes(value: float, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
     raise ValueError(f"{name} must be a number >= 0, got {value!r}")
   return round(value * GIB)
@@ -257,18 +255,18 @@ def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
          gpu_gib: float = 80.0, reserve_gib: float = 4.0, include_mtp: bool = False,
          count_scales: bool = False) -> MemoryPlan:
   """Sizes weights plus `batch` requests of `context` tokens on a `gpu_gib` card."""
-  _check_positive_int(context, "context")
-  _check_positive_int(batch, "batch")
-  _check_dtype(weight_dtype, "weight")
+  check_positive_int(context, "context")
+  check_positive_int(batch, "batch")
+  check_dtype(weight_dtype, "weight")
   per_request = kv_bytes_per_request(cfg, context, kv_dtype, include_mtp, count_scales)
   state = slot_bytes_per_request(cfg, kv_dtype, weight_dtype if weight_dtype in FLOAT_STORES
                                  else "bf16")  # slot state: the float model dtype
   weights = (weight_bytes(cfg, weight_dtype) if weight_gib is None
-             else _gib_to_bytes(weight_gib, "weight_gib"))
-  gpu = _gib_to_bytes(gpu_gib, "gpu_gib")
+             else gib_to_bytes(weight_gib, "weight_gib"))
+  gpu = gib_to_bytes(gpu_gib, "gpu_gib")
   if gpu == 0:
     raise ValueError(f"gpu_gib must be > 0, got {gpu_gib!r}")
-  reserve = _gib_to_bytes(reserve_gib, "reserve_gib")
+  reserve = gib_to_bytes(reserve_gib, "reserve_gib")
   free = gpu - weights - reserve
   total = weights + batch * (per_request + state) + reserve
   return MemoryPlan(
@@ -282,156 +280,3 @@ def plan(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
       reserve_bytes=reserve, free_kv_bytes=free,
       max_concurrency=max_concurrency(free, per_request + state), total_bytes=total,
       fits=total <= gpu)
-
-
-# -- tensor parallelism: what one device of a tp-way mesh holds (kvjax/sharding.py) --
-
-
-def _leaf_shapes(cfg: ModelConfig, kv_heads: int) -> list[tuple[str, tuple]]:
-  """(leaf name, shape) of every parameter kvjax places, kv_heads kv heads stored."""
-  d, n, f = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
-  if cfg.attention_type == "mla":
-    r, hn, hr, hv = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                     cfg.v_head_dim)
-    q = ([("wq_a", (d, cfg.q_lora_rank)), ("q_norm", (cfg.q_lora_rank,)),
-          ("wq_b", (cfg.q_lora_rank, n, hn + hr))] if cfg.q_lora_rank else
-         [("wq", (d, n, hn + hr))])
-    attn = q + [("wkv_a", (d, r + hr)), ("kv_norm", (r,)), ("wk_b", (r, n, hn)),
-                ("wv_b", (r, n, hv)), ("wo", (n, hv, d))]
-  else:
-    h = cfg.head_dim
-    attn = [("wq", (d, n, h)), ("wk", (d, kv_heads, h)), ("wv", (d, kv_heads, h)),
-            ("wo", (n, h, d))]
-    attn += [("bq", (n, h)), ("bk", (kv_heads, h)), ("bv", (kv_heads, h))
-             ] if cfg.attention_bias else []
-    attn += [("q_norm", (h,)), ("k_norm", (h,))] if cfg.qk_norm else []
-  block = attn + [("attn_norm", (d,)), ("mlp_norm", (d,)), ("w_gate", (d, f)),
-                  ("w_up", (d, f)), ("w_down", (f, d))]
-  mtp = [("embed_norm", (d,)), ("hidden_norm", (d,)), ("proj", (2 * d, d)),
-         ("out_norm", (d,))] + block
-  head = [] if cfg.tie_word_embeddings else [("lm_head", (d, cfg.vocab_size))]
-  return ([("embed", (cfg.vocab_size, d)), ("final_norm", (d,))] + head +
-          block * cfg.num_layers + mtp * cfg.mtp_num_hidden_layers)
-
-
-def _stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
-  return cfg.num_kv_heads if cfg.attention_type == "mla" else replicated_kv_heads(
-      cfg.num_kv_heads, tp)
-
-
-def _check_tp_sizing(cfg: ModelConfig, tp: int) -> None:
-  _check_positive_int(tp, "tp")
-  if cfg.num_experts:
-    raise ValueError(f"{cfg.name!r} has MoE layers; tensor-parallel sizing covers dense "
-                     "models only (kvjax/sharding.py has no expert rules)")
-
-
-def weight_bytes_per_device(cfg: ModelConfig, tp: int, weight_dtype: str = "bf16") -> int:
-  """Weight bytes on each device of a tp-way mesh: split leaves 1/tp, the rest whole."""
-  _check_tp_sizing(cfg, tp)
-  _check_dtype(weight_dtype, "weight")
-  total = 0
-  for name, shape in _leaf_shapes(cfg, _stored_kv_heads(cfg, tp)):
-    size = 1
-    for dim in shape:
-      size *= dim
-    total += bytes_for(size // (tp if param_spec(name, shape, tp) else 1), weight_dtype)
-  return total
-
-
-def kv_bytes_per_token_per_device(cfg: ModelConfig, tp: int, kv_dtype: str = "bf16",
-                                  include_mtp: bool = False,
-                                  count_scales: bool = False) -> int:
-  """KV bytes per token of history on each device: K'/tp kv heads of a layout whose
-  cache splits kv heads (`HEAD_AXES`, kvjax/sharding.py), else the whole replicated
-  pages (MLA's latent); scales follow their pages."""
-  _check_tp_sizing(cfg, tp)
-  if getattr(sizing_layout(kv_dtype, cfg).cache, "HEAD_AXES", None):
-    cfg = cfg.replace(num_kv_heads=_stored_kv_heads(cfg, tp) // tp)
-  total = kv_bytes_per_token(cfg, kv_dtype, include_mtp)
-  if count_scales:
-    total += kv_scale_bytes_per_token(cfg, kv_dtype, include_mtp)
-  return total
-
-
-@dataclasses.dataclass(frozen=True)
-class TPPlan:
-  """Per-device sizing on a tp-way mesh (the seeds' Q7/Q8 questions, per device)."""
-
-  preset: str
-  tp: int
-  context: int
-  batch: int
-  stored_kv_heads: int  # K' = lcm(K, tp): kv heads the mesh stores (MLA: its K)
-  kv_replication: int  # K' / K
-  weight_bytes_per_device: int
-  kv_bytes_per_token_per_device: int
-  kv_replication_bytes_per_token: int  # mesh-wide bytes per token beyond one copy
-  kv_bytes_per_request_per_device: int  # context tokens (windows not capped)
-  free_kv_bytes_per_device: int
-  max_concurrency: int
-  fits: bool  # weights + batch requests + reserve on every device
-  smallest_tp: Optional[int]  # the least power-of-two tp (<= 64) at which it fits
-
-
-def _fits(cfg, context, batch, tp, kv_dtype, weight_dtype, gpu, reserve, include_mtp,
-          count_scales) -> tuple[int, int, int]:
-  """-> (weights, per-request KV, free KV bytes) per device."""
-  weights = weight_bytes_per_device(cfg, tp, weight_dtype)
-  per_request = context * kv_bytes_per_token_per_device(cfg, tp, kv_dtype, include_mtp,
-                                                        count_scales)
-  return weights, per_request, gpu - weights - reserve
-
-
-def _splits(cfg: ModelConfig, tp: int) -> bool:
-  """Whether kvjax/sharding.py can split cfg tp ways (heads, MLP, kv-head groups)."""
-  if cfg.num_heads % tp or cfg.intermediate_size % tp:
-    return False
-  return cfg.attention_type == "mla" or cfg.num_heads % _stored_kv_heads(cfg, tp) == 0
-
-
-def smallest_tp(cfg: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "bf16",
-                weight_dtype: str = "bf16", gpu_gib: float = 80.0, reserve_gib: float = 4.0,
-                include_mtp: bool = False, count_scales: bool = False) -> Optional[int]:
-  """The least power-of-two tp <= 64 at which weights and `batch` requests of
-  `context` tokens fit every device; None if none does."""
-  gpu, reserve = _gib_to_bytes(gpu_gib, "gpu_gib"), _gib_to_bytes(reserve_gib, "reserve_gib")
-  for tp in (1, 2, 4, 8, 16, 32, 64):
-    if not _splits(cfg, tp):
-      continue
-    weights, per_request, free = _fits(cfg, context, batch, tp, kv_dtype, weight_dtype, gpu,
-                                       reserve, include_mtp, count_scales)
-    if batch * per_request <= free:
-      return tp
-  return None
-
-
-def tp_plan(cfg: ModelConfig, context: int, tp: int, batch: int = 1, kv_dtype: str = "bf16",
-            weight_dtype: str = "bf16", gpu_gib: float = 80.0, reserve_gib: float = 4.0,
-            include_mtp: bool = False, count_scales: bool = False) -> TPPlan:
-  """Sizes one device of a tp-way mesh; ValueError naming what does not split."""
-  _check_positive_int(context, "context")
-  _check_positive_int(batch, "batch")
-  _check_tp_sizing(cfg, tp)
-  if not _splits(cfg, tp):
-    raise ValueError(f"{cfg.name!r} does not split over tp={tp}: num_heads {cfg.num_heads}, "
-                     f"intermediate_size {cfg.intermediate_size}, num_kv_heads "
-                     f"{cfg.num_kv_heads} (stored {_stored_kv_heads(cfg, tp)})")
-  gpu, reserve = _gib_to_bytes(gpu_gib, "gpu_gib"), _gib_to_bytes(reserve_gib, "reserve_gib")
-  if gpu == 0:
-    raise ValueError(f"gpu_gib must be > 0, got {gpu_gib!r}")
-  weights, per_request, free = _fits(cfg, context, batch, tp, kv_dtype, weight_dtype, gpu,
-                                     reserve, include_mtp, count_scales)
-  per_token = kv_bytes_per_token_per_device(cfg, tp, kv_dtype, include_mtp, count_scales)
-  one_copy = kv_bytes_per_token_per_device(cfg, 1, kv_dtype, include_mtp, count_scales)
-  stored = _stored_kv_heads(cfg, tp)
-  return TPPlan(
-      preset=cfg.name, tp=tp, context=context, batch=batch, stored_kv_heads=stored,
-      kv_replication=stored // cfg.num_kv_heads, weight_bytes_per_device=weights,
-      kv_bytes_per_token_per_device=per_token,
-      kv_replication_bytes_per_token=tp * per_token - one_copy,
-      kv_bytes_per_request_per_device=per_request, free_kv_bytes_per_device=free,
-      max_concurrency=max_concurrency(free, per_request),
-      fits=batch * per_request <= free,
-      smallest_tp=smallest_tp(cfg, context, batch, kv_dtype, weight_dtype, gpu_gib,
-                              reserve_gib, include_mtp, count_scales))

@@ -14,7 +14,7 @@ KV pages split over "model" by kv head (`cache_shardings`, from each cache's
 copies each kv head r times (K' = lcm(K, tp), r = K'/K) in wk/wv (and their
 biases), an equivalent model whose K' heads split evenly: query head n still
 reads a copy of kv head n // (N/K).  The cost, r x the KV bytes per token, is
-logged here and reported by kvjax/ledger.py `tp_plan`.  MLA's latent cache
+logged here and reported by kvjax/ledger_tp.py `tp_plan`.  MLA's latent cache
 has no head axis and is replicated; its query and output heads split.
 
 The steps themselves need no change: jit propagates these shardings through
@@ -179,7 +179,7 @@ def replicate_kv_heads(cfg: ModelConfig, params, mesh: Mesh):
   repeats = kv_heads // k
   _log.warning("num_kv_heads %d of %r does not split over tp=%d: each kv head is stored %dx "
                "(%d heads, one or more per device); the KV cache costs %dx its single-device "
-               "bytes per token (kvjax.ledger.tp_plan)", k, cfg.name, tp, repeats, kv_heads,
+               "bytes per token (kvjax.ledger_tp.tp_plan)", k, cfg.name, tp, repeats, kv_heads,
                repeats)
   params = init_on_mesh(functools.partial(_repeat_heads, repeats=repeats), mesh, params)
   return dataclasses.replace(cfg, num_kv_heads=kv_heads), params

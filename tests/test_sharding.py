@@ -17,7 +17,7 @@ import jax
 import pytest
 
 import kvjax
-from kvjax import ledger, sharding
+from kvjax import ledger_tp, sharding
 from kvjax.params import init_params
 from tests.run_once import once_per_run
 from kvjax.weights.checkpoint import save
@@ -100,14 +100,14 @@ def test_per_device_bytes_equal_kvjax_memory(report):
 def test_tp_plan_by_hand():
   """Llama-3-70B (80 layers, 8 kv heads of 128, bf16) at tp 8: one kv head a device."""
   cfg = kvjax.get_preset("llama3-70b")
-  plan = ledger.tp_plan(cfg, 8192, 8, batch=64, gpu_gib=141)
+  plan = ledger_tp.tp_plan(cfg, 8192, 8, batch=64, gpu_gib=141)
   assert plan.kv_bytes_per_token_per_device == 80 * 2 * 128 * 2
   assert plan.kv_replication == 1 and plan.kv_replication_bytes_per_token == 0
   assert plan.fits and plan.smallest_tp == 4
-  tiny = ledger.tp_plan(kvjax.get_preset("tiny"), 64, 4)  # K=2 -> 4 stored heads
+  tiny = ledger_tp.tp_plan(kvjax.get_preset("tiny"), 64, 4)  # K=2 -> 4 stored heads
   assert (tiny.kv_replication, tiny.kv_replication_bytes_per_token) == (2, 2 * 2 * 2 * 32 * 2)
   with pytest.raises(ValueError, match="'tiny' does not split over tp=8"):
-    ledger.tp_plan(kvjax.get_preset("tiny"), 64, 8)
+    ledger_tp.tp_plan(kvjax.get_preset("tiny"), 64, 8)
 
 
 def _free_port() -> int:
