@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import check_q_and_pages
+from pallas_kernels.paged_attention_reference import check_q_and_pages
 
 __all__ = ["mosaic_paged_decode", "mosaic_paged_decode_reference"]
 
