@@ -2,8 +2,9 @@
 """What each KV and weight variant costs in quality on SmolLM2-135M-Instruct (C6, C12, C16).
 
 A variant name: "float" (the GGUF's Q4_1 weights dequantized to float32, fp32 KV
-pages), "kv-<bf16|int8|int4>", "window-<N>" (every layer's sliding window) or
-"weights-<int8|int4|int4-g128>" (int4 = int4-g32, the GGUF's own Q4_1 blocks
+pages), "kv-<bf16|int8|int4>", "window-<N>" (every layer's sliding window),
+"sinks<S>-window<W>" (S attention sinks + the last W tokens: the streaming KV
+layout) or "weights-<int8|int4|int4-g128>" (int4 = int4-g32, the GGUF's own Q4_1 blocks
 kept as codes).  get_config("runlocal"): a smoke run of a few variants, short
 text, two problems, one needle length.
 """
@@ -14,7 +15,7 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.model = "smollm2-135m-instruct"
   config.variants = ("float", "kv-bf16", "kv-int8", "kv-int4", "window-256", "window-1024",
-                     "weights-int8", "weights-int4", "weights-int4-g128")
+                     "sinks4-window252", "sinks4-window1020", "weights-int8", "weights-int4", "weights-int4-g128")
   config.page_size = 16
   # Perplexity (kvjax/eval/perplexity.py) of the stdlib text (kvjax/eval/text_set.py).
   config.ppl_context = 1280  # > 1024: window-1024 drops context
@@ -28,20 +29,21 @@ def get_config(arg=None):
   config.humaneval_new_tokens = 128
   config.humaneval_timeout_s = 10.0
   # Needle retrieval (C16), these variants.
-  config.needle_variants = ("float", "window-256", "window-1024")
+  config.needle_variants = ("float", "window-256", "window-1024", "sinks4-window252",
+                            "sinks4-window1020")
   config.needle_lengths = (512, 1280)
   config.needle_depths = (0.0, 0.5, 1.0)
   config.max_num_seqs = 10
   config.out_dir = "results"
   config.name = "variant_quality"
   if arg == "runlocal":
-    config.variants = ("float", "kv-int8", "window-256")
+    config.variants = ("float", "kv-int8", "window-256", "sinks4-window252")
     config.ppl_context = 256
     config.ppl_tokens = 256
     config.humaneval_variants = ("float",)
     config.humaneval_limit = 2
     config.humaneval_new_tokens = 32
-    config.needle_variants = ("float", "window-256")
+    config.needle_variants = ("float", "window-256", "sinks4-window252")
     config.needle_lengths = (512,)
     config.needle_depths = (0.0, 1.0)
     config.name = "variant_quality_runlocal"  # never overwrite the committed results

@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct: teacher-forced perplexity of the stdlib text through the
 paged cache the variant uses (prefill chunks + decode steps, kvjax/eval/perplexity.py)
 and its delta against "float", KV bytes per token, HumanEval pass@1 (greedy, a
 subset, kvjax/eval/humaneval.py) and needle accuracy by context length
-(kvjax/eval/needle.py).  kvjax has no attention sinks, so windows are measured
-alone.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
+(kvjax/eval/needle.py).  Sinks + window (the "streaming" KV layout,
+kvjax/caches/streaming.py) sits beside the plain window of the same size (4 + 252
+vs 256, 4 + 1020 vs 1024): what the sinks buy back.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
 within 3%, int8 weights within 1%) beside ours, writes results/<name>.json + .png.
 """
 import time
@@ -24,24 +25,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 GOALS = {"kv-int8": 0.5, "kv-int4": 3.0, "weights-int8": 1.0}  # % perplexity over float
 
 
-def parse_variant(name: str) -> dict:
-  """'float' | 'kv-<dtype>' | 'window-<N>' | 'weights-<scheme>' -> load / engine options."""
-  options = dict(weight_dtype=None, kv_dtype=None, sliding_window=None)
-  kind, _, value = name.partition("-")
-  if name == "float":
-    return options
-  if kind == "kv" and value:
-    return options | dict(kv_dtype=value)
-  if kind == "window" and value.isdigit():
-    return options | dict(sliding_window=int(value))
-  if kind == "weights" and value:
-    return options | dict(weight_dtype=value)
-  raise ValueError(f"unknown variant {name!r}: use float, kv-<dtype>, window-<N> or "
-                   "weights-<scheme>")
-
-
 def _row(cfg, name: str, model, ids) -> dict:
-  opts = parse_variant(name)
+  opts = variant.parse_variant(name)
   row = dict(variant=name, **opts)
   row["perplexity"] = perplexity.perplexity(
       model, ids, context=cfg.ppl_context, chunk=cfg.ppl_chunk,
@@ -78,7 +63,8 @@ def _claims(rows: dict, cfg) -> list:
   for name, claim, seed in (("kv-int8", "C6", "goal <= 0.5%"), ("kv-int4", "C6", "goal <= 3%"),
                             ("kv-bf16", "C6", "-"), ("weights-int8", "C12", "goal <= 1%"),
                             ("weights-int4", "C12", "-"), ("weights-int4-g128", "C12", "-"),
-                            ("window-256", "C16", "-"), ("window-1024", "C16", "-")):
+                            ("window-256", "C16", "-"), ("window-1024", "C16", "-"),
+                            ("sinks4-window252", "C16", "-"), ("sinks4-window1020", "C16", "-")):
     if name in rows:
       out.append(dict(claim=claim, what=f"{ctx}: perplexity {name} vs float (paged, "
                       f"float {base:.4f} nats/token)", seed=seed, ours=f"{delta(name):+.2f}%"))
@@ -120,7 +106,7 @@ def _plot(rows: dict, path: str) -> None:
         right.plot([int(x) for x in lengths], list(r["needle"]["by_length"].values()),
                    marker="o", label=n)
     right.set(xlabel="context (tokens)", ylabel="needle accuracy", ylim=(-0.05, 1.05),
-              title="needle retrieval (C16; no sinks in kvjax)")
+              title="needle retrieval (C16)")
     right.legend()
 
 
@@ -131,7 +117,7 @@ def main(_):
         "within 1% (C6, C12); C16: where a window starts to lose far context", flush=True)
   models, rows = {}, {}
   for name in cfg.variants:
-    weight_dtype = parse_variant(name)["weight_dtype"]
+    weight_dtype = variant.parse_variant(name)["weight_dtype"]
     if weight_dtype not in models:
       models.clear()  # one weight variant in memory at a time
       models[weight_dtype] = kvjax.load_checkpoint(cfg.model, weight_dtype=weight_dtype)

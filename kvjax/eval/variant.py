@@ -1,24 +1,53 @@
-"""A variant of a loaded model: its window, its engine options checked, its KV bytes.
+"""A variant of a loaded model: its name's options, its window, its engine options
+checked, its KV bytes.
 
 Weight variants are chosen at load time (kvjax.load_checkpoint's weight_dtype);
 what the engine decides (kv_dtype, page_size, backend) is validated here by
 EngineConfig.resolve, the Engine's own checks, so an evaluation refuses
 exactly what serving would.  A sliding window is a model property
-(ModelConfig.sliding_window, every layer); kvjax has no attention sinks, so a
-window alone is what can be measured.
+(ModelConfig.sliding_window, every layer); attention sinks + a window are a KV
+layout (kvjax/caches/streaming.py), so "sinks<S>-window<W>" is a kv_dtype: the
+model keeps full attention and the cache masks (and frees) what lies between.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
-import jax
-
 from kvjax.api import Model
-from kvjax.caches import create_paged_cache
+from kvjax.caches.layout import PoolSizes, get_layout, register, store_name
+from kvjax.caches.streaming import streaming_layout
 from kvjax.engine_config import EngineConfig
 
-__all__ = ["with_window", "resolved_engine_config", "kv_bytes_per_token"]
+__all__ = ["parse_variant", "with_window", "resolved_engine_config", "kv_bytes_per_token"]
+
+_SINKS_WINDOW = re.compile(r"sinks(\d+)-window(\d+)")
+
+
+def parse_variant(name: str) -> dict:
+  """'float' | 'kv-<dtype>' | 'window-<N>' | 'sinks<S>-window<W>' | 'weights-<scheme>' ->
+  load / engine options (weight_dtype, kv_dtype, sliding_window).  sinks + window
+  registers streaming_layout(S, W) under the variant's name, its kv_dtype."""
+  options = dict(weight_dtype=None, kv_dtype=None, sliding_window=None)
+  kind, _, value = name.partition("-")
+  if name == "float":
+    return options
+  if kind == "kv" and value:
+    return options | dict(kv_dtype=value)
+  if kind == "window" and value.isdigit():
+    return options | dict(sliding_window=int(value))
+  sinks_window = _SINKS_WINDOW.fullmatch(name)
+  if sinks_window:
+    try:
+      layout = streaming_layout(int(sinks_window[1]), int(sinks_window[2]))
+    except ValueError as error:
+      raise ValueError(f"variant {name!r}: {error}") from None
+    return options | dict(kv_dtype=register(layout).name)
+  if kind == "weights" and value:
+    return options | dict(weight_dtype=value)
+  raise ValueError(f"unknown variant {name!r}: use float, kv-<dtype>, window-<N>, "
+                   "sinks<S>-window<W> or weights-<scheme>")
 
 
 def with_window(model: Model, sliding_window: Optional[int]) -> Model:
@@ -38,12 +67,11 @@ def resolved_engine_config(model: Model, **options) -> EngineConfig:
 
 
 def kv_bytes_per_token(model: Model, kv_dtype: Optional[str], page_size: int) -> float:
-  """Bytes one cached token takes in the pool (pages + scales), from the allocated arrays;
-  int4's per-slot residual is a fixed cost per request, left out."""
+  """Bytes one cached token takes in the pool: the layout's page arrays (values + scales)
+  over their tokens; per-slot arrays (int4's residual) are a fixed cost per request, left
+  out.  Sinks + window pages cost what float pages do (what it frees is per request)."""
   num_pages = 64
-  cache = jax.eval_shape(lambda: create_paged_cache(model.config, kv_dtype, 1, num_pages,
-                                                    page_size, model.dtype))
-  fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
-  stored = sum(x.size * x.dtype.itemsize for name, x in fields.items()
-               if x is not None and not name.endswith("residual"))
-  return stored / (num_pages * page_size)
+  layout = get_layout(kv_dtype, model.config)
+  specs = layout.arrays(model.config, layout.store or store_name(model.dtype),
+                        PoolSizes(num_pages, page_size, 1))
+  return sum(a.nbytes for a in specs.values() if a.role == "page") / (num_pages * page_size)
