@@ -2,10 +2,12 @@
 
 Two `python -m kvjax serve` processes and `smg launch --policy cache_aware` on loopback
 ephemeral ports.  Oracles: each worker's own answers (greedy, asked directly), smg's
-/workers list, and the HTTP status of every request after one worker is killed.
+/workers list, the prefix-cache counters each worker reports on /metrics, and the HTTP
+status of every request after one worker is killed.
 Skipped when the smg binary is not installed (`pip install smg==1.13.0`)."""
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -116,6 +118,50 @@ def test_smg_reads_the_workers_metadata(cluster):
     assert httpx.get(w.root + "/get_model_info", timeout=10).json()["is_generation"]
   log = open(gateway.log_path).read()
   assert "returned 404" not in log  # /server_info and /model_info answered
+
+
+def _prefix_counters(workers) -> tuple[float, float]:
+  """(hit, queried) prompt tokens summed over the workers' /metrics."""
+  totals = {"hits": 0.0, "queries": 0.0}
+  for w in workers:
+    for line in httpx.get(w.root + "/metrics", timeout=10).text.splitlines():
+      match = re.match(r"kvjax:prefix_cache_(hits|queries)_total(?:\{.*\})? (\S+)$", line)
+      if match:
+        totals[match.group(1)] += float(match.group(2))
+  return totals["hits"], totals["queries"]
+
+
+def _multi_turn_hit_rate(workers, gateway, tag: str) -> float:
+  """Prefix-cache hit rate over the workers of 3 conversations of 3 turns each, one
+  conversation after the other, every turn's prompt the previous prompt + its answer + a
+  new line (`tag` keeps each run's prompts out of the other run's cache)."""
+  model = workers[0].model
+  hits0, queries0 = _prefix_counters(workers)
+  for conversation in range(3):
+    prompt = f"# {tag} {conversation}: a stack class\n"
+    for turn in range(3):
+      answer = httpx.post(gateway.root + "/v1/completions", timeout=60, json={
+          "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+      assert answer.status_code == 200, answer.text
+      prompt += answer.json()["choices"][0]["text"] + f"\n#{turn}\n"
+  time.sleep(0.5)  # the counters follow the engine's step after the last answer
+  hits1, queries1 = _prefix_counters(workers)
+  assert queries1 > queries0
+  return (hits1 - hits0) / (queries1 - queries0)
+
+
+def test_cache_aware_hits_the_prefix_cache_at_least_as_often_as_round_robin(
+    cluster, tmp_path):
+  workers, cache_aware = cluster
+  round_robin = Gateway(workers, tmp_path / "smg-rr.log", policy="round_robin")
+  try:
+    rates = {"round_robin": _multi_turn_hit_rate(workers, round_robin, "rr"),
+             "cache_aware": _multi_turn_hit_rate(workers, cache_aware, "ca")}
+  finally:
+    round_robin.stop()
+  print(f"multi-turn prefix-cache hit rate over 2 workers: {rates}")
+  assert rates["cache_aware"] >= rates["round_robin"], rates
+  assert rates["cache_aware"] > 0, rates  # turns 2 and 3 find their conversation's blocks
 
 
 def test_killing_a_worker_leaves_every_later_request_served(cluster):
