@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.gateway_servers import TINY, ServeProcess
+from tests.gateway_servers import TINY, Gateway, ServeProcess
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("smg") is None, reason="smg is not installed")]
@@ -24,52 +22,6 @@ pytestmark = [pytest.mark.slow,
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):", "# sort a list\ndef sort(xs):", "x = [1, 2, 3]\n"]
 _MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Gateway:
-  """`smg launch` over `workers`; `.root`; every wait bounded."""
-
-  def __init__(self, workers, log_path, policy: str = "cache_aware", timeout_s: float = 60):
-    port = _free_port()
-    self.root = f"http://127.0.0.1:{port}"
-    self._log = open(log_path, "w")
-    self.log_path = log_path
-    self.proc = subprocess.Popen(
-        ["smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[w.root for w in workers], "--policy", policy,
-         "--prometheus-port", str(_free_port()), "--health-check-interval-secs", "1",
-         "--request-timeout-secs", "60", "--log-level", "debug"],
-        stdout=self._log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while self.num_workers() < len(workers):
-      if self.proc.poll() is not None or time.monotonic() > deadline:
-        self.stop()
-        raise RuntimeError(f"smg registered {self.num_workers()} of {len(workers)} workers; "
-                           f"log:\n{open(log_path).read()[-3000:]}")
-      time.sleep(0.25)
-
-  def num_workers(self) -> int:
-    try:
-      listing = httpx.get(self.root + "/workers", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-      return 0
-    return len(listing.get("workers", listing) if isinstance(listing, dict) else listing)
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(15)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait(10)
-    self._log.close()
 
 
 @pytest.fixture(scope="module")
