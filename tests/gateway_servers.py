@@ -1,10 +1,11 @@
-"""`python -m kvjax serve` processes for the gateway tests: start on a free loopback port,
-read the URL line, stop; every wait bounded."""
+"""`python -m kvjax serve` processes and `smg launch` over them, for the gateway tests and
+experiments/gateway_bench.py: start on free loopback ports, stop; every wait bounded."""
 from __future__ import annotations
 
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -96,3 +97,49 @@ def _readline(stream, timeout_s: float) -> Optional[str]:
   reader.start()
   reader.join(timeout_s)
   return lines[0] if lines else None
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Gateway:
+  """`smg launch` over `workers`; `.root`; every wait bounded."""
+
+  def __init__(self, workers, log_path, policy: str = "cache_aware", timeout_s: float = 60):
+    port = _free_port()
+    self.root = f"http://127.0.0.1:{port}"
+    self._log = open(log_path, "w")
+    self.log_path = log_path
+    self.proc = subprocess.Popen(
+        ["smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-urls", *[w.root for w in workers], "--policy", policy,
+         "--prometheus-port", str(_free_port()), "--health-check-interval-secs", "1",
+         "--request-timeout-secs", "60", "--log-level", "debug"],
+        stdout=self._log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while self.num_workers() < len(workers):
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise RuntimeError(f"smg registered {self.num_workers()} of {len(workers)} workers; "
+                           f"log:\n{open(log_path).read()[-3000:]}")
+      time.sleep(0.25)
+
+  def num_workers(self) -> int:
+    try:
+      listing = httpx.get(self.root + "/workers", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+      return 0
+    return len(listing.get("workers", listing) if isinstance(listing, dict) else listing)
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(15)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait(10)
+    self._log.close()

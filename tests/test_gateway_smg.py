@@ -2,19 +2,19 @@
 
 Two `python -m kvjax serve` processes and `smg launch --policy cache_aware` on loopback
 ephemeral ports.  Oracles: each worker's own answers (greedy, asked directly), smg's
-/workers list, and the HTTP status of every request after one worker is killed.
+/workers list, the prefix-cache counters each worker reports on /metrics, and the HTTP
+status of every request after one worker is killed.
 Skipped when the smg binary is not installed (`pip install smg==1.13.0`)."""
 from __future__ import annotations
 
+import re
 import shutil
-import socket
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.gateway_servers import TINY, ServeProcess
+from tests.gateway_servers import TINY, Gateway, ServeProcess
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("smg") is None, reason="smg is not installed")]
@@ -22,52 +22,6 @@ pytestmark = [pytest.mark.slow,
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):", "# sort a list\ndef sort(xs):", "x = [1, 2, 3]\n"]
 _MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Gateway:
-  """`smg launch` over `workers`; `.root`; every wait bounded."""
-
-  def __init__(self, workers, log_path, policy: str = "cache_aware", timeout_s: float = 60):
-    port = _free_port()
-    self.root = f"http://127.0.0.1:{port}"
-    self._log = open(log_path, "w")
-    self.log_path = log_path
-    self.proc = subprocess.Popen(
-        ["smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", *[w.root for w in workers], "--policy", policy,
-         "--prometheus-port", str(_free_port()), "--health-check-interval-secs", "1",
-         "--request-timeout-secs", "60", "--log-level", "debug"],
-        stdout=self._log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while self.num_workers() < len(workers):
-      if self.proc.poll() is not None or time.monotonic() > deadline:
-        self.stop()
-        raise RuntimeError(f"smg registered {self.num_workers()} of {len(workers)} workers; "
-                           f"log:\n{open(log_path).read()[-3000:]}")
-      time.sleep(0.25)
-
-  def num_workers(self) -> int:
-    try:
-      listing = httpx.get(self.root + "/workers", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-      return 0
-    return len(listing.get("workers", listing) if isinstance(listing, dict) else listing)
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(15)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait(10)
-    self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +70,50 @@ def test_smg_reads_the_workers_metadata(cluster):
     assert httpx.get(w.root + "/get_model_info", timeout=10).json()["is_generation"]
   log = open(gateway.log_path).read()
   assert "returned 404" not in log  # /server_info and /model_info answered
+
+
+def _prefix_counters(workers) -> tuple[float, float]:
+  """(hit, queried) prompt tokens summed over the workers' /metrics."""
+  totals = {"hits": 0.0, "queries": 0.0}
+  for w in workers:
+    for line in httpx.get(w.root + "/metrics", timeout=10).text.splitlines():
+      match = re.match(r"kvjax:prefix_cache_(hits|queries)_total(?:\{.*\})? (\S+)$", line)
+      if match:
+        totals[match.group(1)] += float(match.group(2))
+  return totals["hits"], totals["queries"]
+
+
+def _multi_turn_hit_rate(workers, gateway, tag: str) -> float:
+  """Prefix-cache hit rate over the workers of 3 conversations of 3 turns each, one
+  conversation after the other, every turn's prompt the previous prompt + its answer + a
+  new line (`tag` keeps each run's prompts out of the other run's cache)."""
+  model = workers[0].model
+  hits0, queries0 = _prefix_counters(workers)
+  for conversation in range(3):
+    prompt = f"# {tag} {conversation}: a stack class\n"
+    for turn in range(3):
+      answer = httpx.post(gateway.root + "/v1/completions", timeout=60, json={
+          "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+      assert answer.status_code == 200, answer.text
+      prompt += answer.json()["choices"][0]["text"] + f"\n#{turn}\n"
+  time.sleep(0.5)  # the counters follow the engine's step after the last answer
+  hits1, queries1 = _prefix_counters(workers)
+  assert queries1 > queries0
+  return (hits1 - hits0) / (queries1 - queries0)
+
+
+def test_cache_aware_hits_the_prefix_cache_at_least_as_often_as_round_robin(
+    cluster, tmp_path):
+  workers, cache_aware = cluster
+  round_robin = Gateway(workers, tmp_path / "smg-rr.log", policy="round_robin")
+  try:
+    rates = {"round_robin": _multi_turn_hit_rate(workers, round_robin, "rr"),
+             "cache_aware": _multi_turn_hit_rate(workers, cache_aware, "ca")}
+  finally:
+    round_robin.stop()
+  print(f"multi-turn prefix-cache hit rate over 2 workers: {rates}")
+  assert rates["cache_aware"] >= rates["round_robin"], rates
+  assert rates["cache_aware"] > 0, rates  # turns 2 and 3 find their conversation's blocks
 
 
 def test_killing_a_worker_leaves_every_later_request_served(cluster):

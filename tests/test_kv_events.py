@@ -119,3 +119,42 @@ def test_a_server_publishes_its_prefix_cache(tiny_model, tmp_path):
         break
     sub.close()
   assert stored[0][2] is None and stored[0][3][:2 * PAGE] == prompt[:2 * PAGE]
+
+
+@pytest.mark.slow
+def test_a_serve_process_publishes_exactly_its_prompts_blocks(tmp_path):
+  """`python -m kvjax serve --kv-events`: the replayed events are exactly the full blocks
+  of the prompts sent (each 2 blocks + a tail the 1 generated token does not complete),
+  shared first blocks stored once."""
+  from tests.gateway_servers import TINY, ServeProcess
+
+  endpoint = f"ipc://{tmp_path}/serve-events"
+  block = 16  # TINY's page size
+  rng = np.random.default_rng(1)
+  blocks = [rng.integers(3, 120, block).tolist() for _ in range(5)]
+  prompts = [blocks[0] + blocks[1], blocks[0] + blocks[2], blocks[3] + blocks[4]]
+  with ServeProcess([*TINY, "--warm-up", "minimal", "--kv-events", endpoint]) as server:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.5)  # PUB/SUB: the subscription must reach the publisher before events do
+    for prompt in prompts:
+      server.complete(prompt + rng.integers(3, 120, 5).tolist(), max_tokens=1)
+    live: dict = {}  # block hash -> its tokens from the request's start
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and sub.poll(3000):  # until the events stop
+      _, _, payload = sub.recv_multipart()
+      for event in msgpack.unpackb(payload)[1]:
+        if event[0] == "BlockStored":
+          prefix = live[event[2]] if event[2] is not None else []
+          for i, key in enumerate(event[1]):
+            prefix = prefix + event[3][i * block:(i + 1) * block]
+            live[key] = prefix
+        elif event[0] == "BlockRemoved":
+          for key in event[1]:
+            live.pop(key)
+        else:
+          live.clear()
+    sub.close()
+  expected = {tuple(p[:block]) for p in prompts} | {tuple(p) for p in prompts}
+  assert sorted(map(tuple, live.values())) == sorted(expected)
