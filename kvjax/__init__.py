@@ -15,10 +15,11 @@ Layers (imports only go down; tests/test_layering.py checks it):
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, ledger, ledger_tp, metrics,          host policy, accounting (one device, tp-way),
      draft_policy, draft_choice, ngram,              n-gram drafting, grammar matchers and
-     constraints/                                    masks
+     constraints/, output_processor                  masks, step outputs -> RequestOutputs
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
-     engine_warm_up, kv_events                      warm-up, data-parallel replicas (router),
-                                                    its prefix cache's KV events
+     engine_warm_up, engine_generate, kv_events     warm-up and one-shot generate,
+                                                    data-parallel replicas (router), its
+                                                    prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
      constraints/vocabulary, chat_template,         and their vocabularies for the matcher,
      training/, distributed, eval/                  training (its corpora and its code

@@ -9,8 +9,9 @@ The host loop per `step()`:
      (kvjax/serve_steps.py); splitting them keeps a 1-token decode row from
      being padded to a 256-token prefill chunk.  A multi-step plan (decode rows
      only) runs `serve_burst`, a device loop of the same step;
-  4. one host sync reads the emitted ids, `update_from_output` appends them,
-     applies stops and frees pages.
+  4. one host sync reads the emitted ids (kvjax/output_processor.py sorts them by
+     request), `update_from_output` appends them, applies stops and frees pages,
+     and the output processor turns them into RequestOutputs with their metrics.
 The host owns every length and block table; the device state holds only K/V
 and each slot's pending drafts.
 
@@ -50,45 +51,23 @@ from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
+from kvjax.engine_generate import EngineGenerate
 from kvjax.engine_warm_up import EngineWarmUp
-from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.logit_processors import with_processing
-from kvjax.metrics import RequestMetrics, StepLog, summarize
+from kvjax.metrics import RequestMetrics, StepLog
 from kvjax.ngram import NgramDrafter, with_drafts
-from kvjax.requests import RequestOutput, SchedulerOutput, TokenLogprob
+from kvjax.output_processor import StepResult, request_outputs
+from kvjax.requests import RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
                                serve_step)
-from kvjax.validation import check_int, per_prompt_seeds, sampling_options, stop_ids
+from kvjax.validation import check_int, sampling_options, stop_ids
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "run_until_finished"]
-
-
-def run_until_finished(step, ids: Sequence[str]) -> tuple[dict, list]:
-  """Call step() until every request in ids has finished -> (id: its final output,
-  the other requests' outputs seen meanwhile, for their own caller)."""
-  done, others, mine = {}, [], set(ids)
-  while len(done) < len(ids):
-    for out in step():
-      if out.request_id not in mine:
-        others.append(out)
-      elif out.finished:
-        done[out.request_id] = out
-  return done, others
+__all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
 
-def _logprobs(emitted, row: int, counts, num_top: Optional[int]) -> Optional[list]:
-  """One row's TokenLogprobs, in emission order, from a host copy of an Emitted [U, B, ...]."""
-  if num_top is None:
-    return None
-  return [TokenLogprob(float(emitted.logprobs[s, row, c]),
-                       tuple(zip(emitted.top_ids[s, row, c, :num_top].tolist(),
-                                 emitted.top_logprobs[s, row, c, :num_top].tolist())))
-          for s, n in enumerate(counts) for c in range(n)]
-
-
-class Engine(EngineWarmUp):
+class Engine(EngineWarmUp, EngineGenerate):
   """Continuous-batching inference engine over one model.
 
   `Engine(model, config)` or `Engine(model, **options)`: the options are the
@@ -274,68 +253,33 @@ class Engine(EngineWarmUp):
     programs = num_compiled()
     snapshots = self.snapshots and self.snapshots.plan(plan.rows)
     launched = [(group, self._launch(plan, group, j, snapshots)) for group, j in groups]
-    new_ids, new_logprobs, verified, broken = {}, {}, [], []
-    steps_run = 1
+    result, steps_run = StepResult(), 1
     for group, (_, emitted, drafted, steps) in launched:
-      # Emitted [U, B, ...], drafted [U, B]: U = 1 but for a burst (which is the plan's
-      # only group).  device_get is the step's host sync.
+      # device_get is the step's host sync.
       emitted, drafted, steps_run = jax.device_get((emitted, drafted, steps))
-      for j, i in enumerate(group):
-        row = plan.rows[i]
+      rows = [plan.rows[i] for i in group]
+      for row in rows:
         if row.start == row.request.num_cached_tokens and not row.is_decode:
-          metrics = self.metrics[row.request_id]
-          metrics.prefix_hit_tokens = row.request.num_cached_tokens
+          self.metrics[row.request_id].prefix_hit_tokens = row.request.num_cached_tokens
         self._fresh_drafts[row.request_id] = (
             (k if row.is_decode else k_prefill) if row.sample else 0)
-        if not (row.sample or emitted.failed[:, j].any()):
-          continue
-        counts = emitted.counts[:steps_run, j]
-        ids = [t for s, n in enumerate(counts) for t in emitted.tokens[s, j, :n].tolist()]
-        new_logprobs[row.request_id] = _logprobs(emitted, j, counts,
-                                                 row.request.sampling.logprobs)
-        if emitted.failed[:, j].any():  # what it emitted before its logits broke is good
-          broken.append((row.request, ids))
-        else:
-          new_ids[row.request_id] = ids
-          verified += [(row.request_id, int(drafted[s, j]), int(counts[s]) - 1)
-                       for s in range(steps_run) if drafted[s, j]]
-    before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in new_ids}
-    sampled = {rid: self.scheduler.requests[rid] for rid in new_ids}
-    for req, good in broken:
+      result.read(rows, emitted, drafted, steps_run)
+    before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in result.new_ids}
+    sampled = {rid: self.scheduler.requests[rid] for rid in result.new_ids}
+    for req, good in result.broken:
       self._clear(*self.scheduler.fail(req.request_id, good))
-    self.scheduler.update_from_output(plan, new_ids)
+    self.scheduler.update_from_output(plan, result.new_ids)
     if self.snapshots:
       self.snapshots.settle()
     now = time.perf_counter()
-    for req, good in broken:
-      metrics = self.metrics.pop(req.request_id)
-      metrics.record_tokens(len(good), now)
-      metrics.finish_s = now
-      outputs.append(RequestOutput(req.request_id, good, list(req.output_ids), True,
-                                   req.status.value, metrics,
-                                   new_logprobs[req.request_id]))
-    for rid, num_draft, num_accepted in verified:
+    for rid, num_draft, num_accepted in result.verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
       self.draft_policy.observe_verify(num_draft, num_accepted)
-    for rid, req in sampled.items():
-      new = req.output_ids[before[rid]:]
-      metrics = self.metrics[rid]
-      metrics.record_tokens(len(new), now)
-      metrics.num_preemptions = req.num_preemptions
-      finished = req.status.is_finished
-      self.constraints.advance(rid, new, finished)
-      if finished:
-        metrics.finish_s = now
-        del self.metrics[rid]
-        self._fresh_drafts.pop(rid, None)
-      logprobs = new_logprobs[rid]
-      outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
-                                   req.status.value if finished else None,
-                                   metrics if finished else None,
-                                   None if logprobs is None else logprobs[:len(new)]))
-    for req, _ in broken:
-      self._fresh_drafts.pop(req.request_id, None)
-      self.constraints.forget(req.request_id)
+    finished = request_outputs(result, sampled, before, self.metrics, self.constraints, now)
+    for out in finished:
+      if out.finished:
+        self._fresh_drafts.pop(out.request_id, None)
+    outputs += finished
     decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
     if decode_only and self.draft_policy is not None and num_compiled() == programs:
       self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
@@ -419,57 +363,3 @@ class Engine(EngineWarmUp):
         self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
         np.int32(num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
     return emitted, drafted, steps
-
-  # -- one-shot ---------------------------------------------------------------
-
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-               temperature: float = 0.0, top_k: Optional[int] = None,
-               top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
-               stop: Union[None, int, Sequence[int]] = None,
-               cache_salt: Optional[str] = None) -> GenerateResult:
-    """Run `prompts` to completion -> GenerateResult(tokens per prompt, stats).
-
-    Every prompt is validated before any is queued, so bad input changes
-    nothing.  `seed` is one int or one per prompt.  stats["finish_reasons"]
-    says how each request ended ("stop", "length", or "error": see the module doc).
-    """
-    with self._lock:
-      return self._generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt)
-
-  def _generate(self, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                cache_salt) -> GenerateResult:
-    prompts = validate_prompts(self.model_config, prompts, max_new_tokens)
-    seeds = per_prompt_seeds(seed, len(prompts))
-    usable = self.scheduler.allocator.num_usable
-    for i, prompt in enumerate(prompts):
-      total = len(prompt) + max_new_tokens
-      if total > self.scheduler.max_model_len:
-        raise ValueError(f"prompt {i}: length {len(prompt)} + max_new_tokens "
-                         f"{max_new_tokens} exceeds max_model_len "
-                         f"{self.scheduler.max_model_len}")
-      if self.scheduler.max_pages_held(total) > usable:
-        raise ValueError(f"prompt {i} needs up to {self.scheduler.max_pages_held(total)} KV "
-                         f"pages but the pool has {usable}")
-    cache = self.scheduler.prefix_cache
-    hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-    preemptions_before = self.scheduler.num_preemptions
-    mark = self.steps.num_recorded
-    start = time.perf_counter()
-    ids = [self._add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
-           for p, s in zip(prompts, seeds)]
-    done, others = run_until_finished(self._step, ids)
-    wall = time.perf_counter() - start
-    hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-    steps = self.steps.since(mark)
-    self._pending = others + self._pending
-    stats = summarize([done[rid].metrics for rid in ids], steps, wall,
-                      prefix_hit_tokens=hits[0] - hits_before[0],
-                      prefix_queried_tokens=hits[1] - hits_before[1],
-                      num_preemptions=self.scheduler.num_preemptions - preemptions_before)
-    stats["finish_reasons"] = [done[rid].finish_reason for rid in ids]
-    stats["cache"] = "paged"
-    stats["speculative"] = (None if not self.num_draft else self.config.speculative
-                            if self.draft_model is None else self.draft_model.config.name)
-    return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)

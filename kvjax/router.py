@@ -39,10 +39,11 @@ import threading
 import time
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
-from kvjax.engine import Engine, run_until_finished
+from kvjax.engine import Engine
+from kvjax.engine_generate import run_until_finished
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult, validate_prompts
-from kvjax.metrics import RequestMetrics, StepLog
+from kvjax.metrics import StepLog
 from kvjax.requests import Request, RequestOutput
 from kvjax.validation import per_prompt_seeds
 

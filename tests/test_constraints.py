@@ -24,7 +24,7 @@ import pytest
 import kvjax
 from kvjax.constraints import Constraint
 from kvjax.constraints.vocabulary import constraint_book
-from kvjax.engine import run_until_finished
+from kvjax.engine_generate import run_until_finished
 from kvjax.params import init_params
 from kvjax.sampling import apply_token_mask
 from kvjax.tokenizer import ByteTokenizer

@@ -13,7 +13,7 @@ import transformers
 import kvjax
 from kvjax.constraints import Constraint
 from kvjax.constraints.vocabulary import constraint_book
-from kvjax.engine import run_until_finished
+from kvjax.engine_generate import run_until_finished
 from kvjax.hf_tokenizer import load_tokenizer
 from kvjax.params import init_params
 from tests.test_constraints import SCHEMAS, SHAPES
