@@ -13,9 +13,10 @@ Layers (imports only go down; tests/test_layering.py checks it):
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
-  7  scheduler, ledger, ledger_tp, metrics,          host policy, accounting (one device, tp-way),
-     draft_policy, draft_choice, ngram,              n-gram drafting, grammar matchers and
-     constraints/, output_processor                  masks, step outputs -> RequestOutputs
+  7  scheduler, request_pages, ledger, ledger_tp,    host policy and each request's pages,
+     metrics, draft_policy, draft_choice, ngram,     accounting (one device, tp-way), n-gram
+     constraints/, output_processor                  drafting, grammar matchers and masks,
+                                                    step outputs -> RequestOutputs
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
      engine_warm_up, engine_generate, kv_events     warm-up and one-shot generate,
                                                     data-parallel replicas (router), its

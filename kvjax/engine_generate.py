@@ -52,16 +52,8 @@ class EngineGenerate:
                 cache_salt) -> GenerateResult:
     prompts = validate_prompts(self.model_config, prompts, max_new_tokens)
     seeds = per_prompt_seeds(seed, len(prompts))
-    usable = self.scheduler.allocator.num_usable
-    for i, prompt in enumerate(prompts):
-      total = len(prompt) + max_new_tokens
-      if total > self.scheduler.max_model_len:
-        raise ValueError(f"prompt {i}: length {len(prompt)} + max_new_tokens "
-                         f"{max_new_tokens} exceeds max_model_len "
-                         f"{self.scheduler.max_model_len}")
-      if self.scheduler.max_pages_held(total) > usable:
-        raise ValueError(f"prompt {i} needs up to {self.scheduler.max_pages_held(total)} KV "
-                         f"pages but the pool has {usable}")
+    for i, prompt in enumerate(prompts):  # all of them before any is queued
+      self.scheduler.check_fits(f"prompt {i}", len(prompt), max_new_tokens)
     cache = self.scheduler.prefix_cache
     hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     preemptions_before = self.scheduler.num_preemptions

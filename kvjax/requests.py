@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -161,6 +161,26 @@ class SchedulerOutput:
   preempted_ids: tuple[str, ...]
   num_batched_tokens: int
   num_steps: int = 1
+
+  def check_new_ids(self, new_token_ids: Mapping[str, Sequence[int]]) -> None:
+    """ValueError unless `new_token_ids` is what this plan's rows can have sampled: 1 to
+    1 + num_draft ids (a burst row: up to num_tokens) for every sampling row of a request
+    still running, none for mid-prompt chunks or requests outside the plan."""
+    by_id = {row.request_id: row for row in self.rows}
+    for rid, ids in new_token_ids.items():
+      row = by_id.get(rid)
+      if row is None:
+        raise ValueError(f"token ids for request {rid!r}, not in this step")
+      if len(ids) and not row.sample:
+        raise ValueError(f"request {rid!r} was a mid-prompt chunk; it samples nothing")
+      most = row.num_tokens - len(row.token_ids) + 1
+      if row.sample and not 1 <= len(ids) <= most:
+        raise ValueError(f"request {rid!r} needs 1..{most} new ids, got {len(ids)}")
+    missing = [r.request_id for r in self.rows
+               if r.sample and r.request_id not in new_token_ids
+               and r.request.status is RequestStatus.RUNNING]
+    if missing:
+      raise ValueError(f"no sampled ids for requests {missing}")
 
   @property
   def decode_rows(self) -> tuple[ScheduledRow, ...]:

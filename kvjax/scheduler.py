@@ -18,34 +18,17 @@ and at most its remaining max_new_tokens) only if they are free without
 preempting anyone; otherwise the step is a single one.  The tokens of a burst
 arrive together, so a request that stops early (EOS) holds its slot until the
 burst ends.
-Pages are allocated for exactly the positions a row writes.  A running request
-short of pages preempts, by recompute, the latest-admitted running request not
-yet scheduled this step (possibly itself): its pages are freed and it returns
-to the front of the waiting queue, to be prefilled again with its generated
-tokens (cheaply, if its blocks are still cached).
+A running request short of pages preempts, by recompute, the latest-admitted
+running request not yet scheduled this step (possibly itself): its pages are freed
+and it returns to the front of the waiting queue, to be prefilled again with its
+generated tokens (cheaply, if its blocks are still cached).  The pages themselves,
+prefix hits, cached blocks and sliding-window release are kvjax/request_pages.py's.
 
 A row feeds `request.token_ids[start:]` (prompt then generated ids) plus
 `num_draft` draft slots the engine fills.  A row that reaches the end of the
 known tokens samples; `update_from_output` appends the sampled (for verify
 rows: accepted + bonus) ids, applies stop conditions, caches newly computed
 full blocks, rolls back pages of rejected drafts and frees finished requests.
-Blocks are cached only once their KV is computed, so a hit never reads KV that
-the same step is still writing.
-
-Sliding windows (`sliding_window` W: no layer, MTP module or draft model looks
-further back): a query at position p sees keys j > p - W, and every query of a
-request from now on sits at or after its `num_computed_tokens` s, so keys
-j <= s - W are dead and so are its first (s - W + 1) // G pages.  They return
-to the allocator (a cached one stays cached, evictable) and their block-table
-entries become the null page, which attention masks as outside the window.  A
-row of n positions starting at s then holds pages (s - W + 1) // G through
-(s + n - 1) // G: at most ceil((W + n - 2) / G) + 1, however long the request
-(`max_pages_held`).  Prefix hits acquire only the live part of their chain;
-released blocks reach the LRU before the request's live ones and are evicted
-first, and a lookup stops at its first missing block, so no hit has holes.
-Which pages are dead is the KV layout's host-side manager (`page_release`, a
-kvjax/caches/layout.py PageRelease; the window rule above by default): a layout
-may keep some early pages (attention sinks) and release a range after them.
 
 Protocol: schedule() and update_from_output() alternate; the engine applies `copies`
 before this step's forward (their sources are pinned until the next schedule()).
@@ -59,8 +42,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from kvjax.caches.layout import PageRelease, WindowRelease
-from kvjax.pages import NULL_PAGE, BlockAllocator
-from kvjax.prefix_cache import PrefixCache, PrefixHit, root_hash
+from kvjax.pages import BlockAllocator
+from kvjax.prefix_cache import PrefixCache, PrefixHit
+from kvjax.request_pages import RequestPages
 from kvjax.requests import PageCopy, Request, RequestStatus, ScheduledRow, SchedulerOutput
 
 __all__ = ["Scheduler"]
@@ -117,7 +101,10 @@ class Scheduler:
         PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
                     min_cacheable_tokens=min_cacheable_tokens)
         if enable_prefix_caching else None)
-    self.max_pages_per_seq = self._pages_for(max_model_len or 0) or self.allocator.num_usable
+    self.max_pages_per_seq = (-(-(max_model_len or 0) // page_size)
+                              or self.allocator.num_usable)
+    self.pages = RequestPages(self.allocator, self.prefix_cache, page_size, self.page_release,
+                              self.max_pages_per_seq, max_num_batched_tokens)
     self.requests: dict[str, Request] = {}  # unfinished, by id
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order, highest priority first
@@ -141,20 +128,7 @@ class Scheduler:
     if max_new_tokens < 1:
       raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, "
                        f"got {max_new_tokens}")
-    total = len(prompt) + max_new_tokens
-    if self.max_model_len is not None and total > self.max_model_len:
-      raise ValueError(
-          f"request {request_id!r}: prompt {len(prompt)} + max_new_tokens "
-          f"{max_new_tokens} = {total} exceeds max_model_len "
-          f"{self.max_model_len}")
-    pages = self.max_pages_held(total)
-    if pages > self.allocator.num_usable:
-      raise ValueError(f"request {request_id!r} needs up to {pages} KV pages "
-                       f"but the pool has {self.allocator.num_usable}")
-    width = self._pages_for(total - 1)
-    if width > self.max_pages_per_seq:
-      raise ValueError(f"request {request_id!r} spans {width} pages but block "
-                       f"tables hold {self.max_pages_per_seq}; set max_model_len")
+    self.check_fits(f"request {request_id!r}", len(prompt), max_new_tokens)
     stops = set(stop_token_ids)
     if self.eos_token_id is not None and not ignore_eos:
       stops.add(self.eos_token_id)
@@ -181,9 +155,7 @@ class Scheduler:
     cache; pages shared with others were written by someone else and stay.
     """
     req = self.requests[request_id]
-    pages = [p for p in req.pages if p != NULL_PAGE and self.allocator.refcount(p) == 1]
-    if self.prefix_cache:
-      self.prefix_cache.discard(pages)
+    pages = self.pages.discard_own(req)
     slot = req.slot
     req.token_ids.extend(int(t) for t in good_ids)
     req.status = RequestStatus.FINISHED_ERROR
@@ -194,9 +166,13 @@ class Scheduler:
   def has_unfinished(self) -> bool:
     return bool(self.requests)
 
-  def max_pages_held(self, num_tokens: int) -> int:
-    """Most pages a request of `num_tokens` (prompt + max_new_tokens) holds at once."""
-    return self.page_release.max_pages_held(num_tokens, self.max_num_batched_tokens)
+  def check_fits(self, label: str, prompt_len: int, max_new_tokens: int) -> None:
+    """ValueError (naming `label`) unless a request of this size can ever run here."""
+    total = prompt_len + max_new_tokens
+    if self.max_model_len is not None and total > self.max_model_len:
+      raise ValueError(f"{label}: prompt {prompt_len} + max_new_tokens {max_new_tokens} = "
+                       f"{total} exceeds max_model_len {self.max_model_len}")
+    self.pages.check_fits(label, total)
 
   # -- one step ---------------------------------------------------------------
 
@@ -249,18 +225,7 @@ class Scheduler:
         break
       n, need, dead = fit
       self.waiting.popleft()
-      if self.prefix_cache:
-        self.prefix_cache.acquire(hit, dead=dead)
-      if hit.copy_tokens:
-        self.allocator.incref([hit.copy_src])
-        pins.append(hit.copy_src)
-      new_pages = self.allocator.allocate(need)
-      if hit.copy_tokens:
-        copies.append(PageCopy(hit.copy_src, new_pages[0], hit.copy_tokens))
-      req.pages = [NULL_PAGE if i in dead else p for i, p in enumerate(hit.pages)] + new_pages
-      req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
-      req.block_hashes = list(hit.block_hashes)
-      req.num_cached_blocks = len(hit.pages)
+      self.pages.admit(req, hit, need, dead, pins, copies)
       req.slot = heapq.heappop(self._free_slots)
       req.status = RequestStatus.RUNNING
       self.running.append(req)
@@ -273,11 +238,8 @@ class Scheduler:
   def _output(self, rows: list[ScheduledRow], copies: list[PageCopy],
               preempted: list[str], num_batched_tokens: int,
               num_steps: int = 1) -> SchedulerOutput:
-    tables = np.full((len(rows), self.max_pages_per_seq), NULL_PAGE, np.int32)
-    for i, row in enumerate(rows):
-      tables[i, :len(row.request.pages)] = row.request.pages
     return SchedulerOutput(
-        rows=tuple(rows), block_tables=tables,
+        rows=tuple(rows), block_tables=self.pages.block_tables([r.request for r in rows]),
         seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
         copies=tuple(copies), preempted_ids=tuple(preempted),
         num_batched_tokens=num_batched_tokens, num_steps=num_steps)
@@ -297,13 +259,10 @@ class Scheduler:
     if steps < 2:
       return None
     spans = [min(steps * (1 + k), left) for left in lefts]
-    needs = [max(0, self._pages_for(r.num_computed_tokens + n) - len(r.pages))
-             for r, n in zip(running, spans)]
-    if not self.allocator.can_allocate(sum(needs)):
+    if not self.pages.reserve_all(running, spans):
       return None
     rows = []
-    for req, n, left, need in zip(running, spans, lefts, needs):
-      req.pages += self.allocator.allocate(need)
+    for req, n, left in zip(running, spans, lefts):
       start = req.num_computed_tokens
       rows.append(ScheduledRow(req, req.slot, start, n, min(k, left - 1),
                                np.asarray(req.token_ids[start:], np.int32), sample=True,
@@ -322,23 +281,7 @@ class Scheduler:
     requests aborted since `schedule()` are ignored.  Validation happens before
     any change, so a ValueError leaves the scheduler untouched.
     """
-    by_id = {row.request_id: row for row in output.rows}
-    for rid, ids in new_token_ids.items():
-      row = by_id.get(rid)
-      if row is None:
-        raise ValueError(f"token ids for request {rid!r}, not in this step")
-      if len(ids) and not row.sample:
-        raise ValueError(f"request {rid!r} was a mid-prompt chunk; it samples "
-                         "nothing")
-      most = row.num_tokens - len(row.token_ids) + 1
-      if row.sample and not 1 <= len(ids) <= most:
-        raise ValueError(f"request {rid!r} needs 1..{most} new ids, got {len(ids)}")
-    missing = [r.request_id for r in output.rows
-               if r.sample and r.request_id not in new_token_ids
-               and r.request.status is RequestStatus.RUNNING]
-    if missing:
-      raise ValueError(f"no sampled ids for requests {missing}")
-
+    output.check_new_ids(new_token_ids)
     finished = []
     for row in output.rows:
       req = row.request
@@ -360,39 +303,21 @@ class Scheduler:
           if req.status.is_finished:
             break
       req.num_computed_tokens = min(computed, req.num_tokens)
-      self._cache_blocks(req)
+      self.pages.cache_blocks(req)
       if req.status.is_finished:
         self._remove(req)
         finished.append(req)
       else:
-        # Roll back pages reserved for rejected drafts (or a burst's unused steps).
-        keep = self._pages_for(req.num_tokens)
-        if len(req.pages) > keep:
-          self.allocator.decref(reversed(req.pages[keep:]))
-          del req.pages[keep:]
-        self._release_out_of_window(req)
+        self.pages.settle(req)
     return finished
 
   # -- checks -----------------------------------------------------------------
 
   def check_invariants(self) -> None:
     """AssertionError unless pages, slots and queues are all consistent."""
-    self.allocator.check_invariants()
-    if self.prefix_cache:
-      self.prefix_cache.check_invariants()
-    held = collections.Counter(p for r in self.running for p in r.pages)
-    pages = range(1, self.allocator.num_pages)
-    assert [self.allocator.refcount(p) for p in pages] == [
-        held[p] for p in pages], "refcounts differ from the pages requests hold"
+    self.pages.check_invariants(self.running)
     for r in self.running:
       assert r.status is RequestStatus.RUNNING and r.slot is not None
-      assert self._pages_for(r.num_computed_tokens) <= len(r.pages)
-      assert len(r.pages) <= self.max_pages_per_seq
-      dead = self.page_release.dead_pages(r.num_computed_tokens)
-      assert {p for i, p in enumerate(r.pages) if i in dead} <= {NULL_PAGE}, \
-          f"{r.request_id} holds a dead page"
-      assert NULL_PAGE not in [p for i, p in enumerate(r.pages) if i not in dead], \
-          f"{r.request_id} lost a live page"
     for r in self.waiting:
       assert not r.pages and r.slot is None and r.num_computed_tokens == 0
     slots = sorted([r.slot for r in self.running] + self._free_slots)
@@ -400,16 +325,6 @@ class Scheduler:
     assert len(self.running) + len(self.waiting) == len(self.requests)
 
   # -- internals --------------------------------------------------------------
-
-  def _pages_for(self, num_tokens: int) -> int:
-    return -(-num_tokens // self.page_size)
-
-  def _release_out_of_window(self, req: Request) -> None:
-    """Frees the pages no future query of `req` sees (see the module doc)."""
-    dead = self.page_release.dead_pages(req.num_computed_tokens)
-    self.allocator.decref(req.pages[i] for i in reversed(dead) if req.pages[i] != NULL_PAGE)
-    for i in dead:
-      req.pages[i] = NULL_PAGE
 
   def _row(self, req: Request, n: int, num_draft: int,
            decoding: bool) -> ScheduledRow:
@@ -424,13 +339,8 @@ class Scheduler:
                  budget: int) -> Optional[tuple[int, int, range]]:
     """(tokens to prefill now, new pages, dead hit pages) if `req` fits now, else None."""
     n = min(req.num_tokens - hit.num_tokens, budget)
-    need = self._pages_for(hit.num_tokens + n) - len(hit.pages)
-    dead = self.page_release.dead_pages(hit.num_tokens)  # within hit.pages
-    pin = tuple(p for i, p in enumerate(hit.pages) if i not in dead) + (
-        (hit.copy_src,) if hit.copy_tokens else ())
-    if not self.allocator.can_allocate(need, pinning=pin):
-      return None
-    return n, need, dead
+    fit = self.pages.admission(hit, n)
+    return None if fit is None else (n, *fit)
 
   def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
                preempted: list[str]) -> bool:
@@ -438,7 +348,7 @@ class Scheduler:
 
     Returns False if `req` itself had to be preempted.
     """
-    need = max(0, self._pages_for(num_slots) - len(req.pages))
+    need = max(0, self.pages.pages_for(num_slots) - len(req.pages))
     while not self.allocator.can_allocate(need):
       victim = next(r for r in reversed(self.running)
                     if r.request_id not in scheduled)
@@ -467,25 +377,9 @@ class Scheduler:
     del self.requests[req.request_id]
 
   def _release(self, req: Request) -> None:
-    # Deepest first, so the LRU evicts tail blocks before their prefixes.
-    self.allocator.decref(p for p in reversed(req.pages) if p != NULL_PAGE)
-    req.pages = []
+    self.pages.release(req)
     req.num_computed_tokens = 0
     req.is_decoding = False
     if req.slot is not None:
       heapq.heappush(self._free_slots, req.slot)
       req.slot = None
-
-  def _cache_blocks(self, req: Request) -> None:
-    """Offers newly computed full blocks to the prefix cache."""
-    num_full = req.num_computed_tokens // self.page_size
-    if not self.prefix_cache or num_full <= req.num_cached_blocks:
-      return
-    g = self.page_size
-    req.block_hashes = self.prefix_cache.block_hashes(
-        req.token_ids, num_full, req.cache_salt, known=req.block_hashes)
-    for i in range(req.num_cached_blocks, num_full):
-      parent = req.block_hashes[i - 1] if i else root_hash(req.cache_salt)
-      self.prefix_cache.insert(req.block_hashes[i], parent,
-                               req.token_ids[i * g:(i + 1) * g], req.pages[i])
-    req.num_cached_blocks = num_full

@@ -538,7 +538,7 @@ def test_window_bounds_the_pages_a_request_holds():
                sliding_window=6, max_model_len=64)
   prompt = list(range(2, 12))
   sched.add_request("a", prompt, 40)
-  assert sched.max_pages_held(50) == 3
+  assert sched.pages.max_pages_held(50) == 3
   held, schedule = [], sched.schedule
 
   def schedule_and_record():  # pages held while the step runs

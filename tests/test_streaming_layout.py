@@ -121,7 +121,7 @@ def test_engine_holds_bounded_pages_keeps_sink_pages_and_its_tokens(num_schedule
   # LONG + 120 spans 20 pages; the pool has 2 x PREFILL_BOUND usable ones.
   eng = kvjax.Engine(_model(), num_pages=1 + 2 * PREFILL_BOUND,
                      num_scheduler_steps=num_scheduler_steps, **ENGINE)
-  assert eng.scheduler.max_pages_held(len(LONG) + 120) == PREFILL_BOUND == 6
+  assert eng.scheduler.pages.max_pages_held(len(LONG) + 120) == PREFILL_BOUND == 6
   used = _record_pages(eng)
   assert eng.generate([LONG], 120).tokens == [want[0]]
   assert max(used) == (DECODE_BOUND if num_scheduler_steps == 1 else PREFILL_BOUND)

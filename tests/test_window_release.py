@@ -62,7 +62,7 @@ def test_long_generation_holds_bounded_pages_and_keeps_its_tokens(num_scheduler_
   # 7 usable pages (max_pages_held), while LONG + 300 spans 39 pages.
   eng = kvjax.Engine(model, num_pages=8, num_scheduler_steps=num_scheduler_steps, **ENGINE)
   assert eng.scheduler.sliding_window == W
-  assert eng.scheduler.max_pages_held(len(LONG) + 300) == PREFILL_BOUND
+  assert eng.scheduler.pages.max_pages_held(len(LONG) + 300) == PREFILL_BOUND
   used = _record_pages(eng)
   assert eng.generate([LONG], 300).tokens == [want[0]]  # one 10-token chunk, then decodes
   assert max(n for _, n in used) == bound
