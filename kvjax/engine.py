@@ -275,11 +275,11 @@ class Engine(EngineWarmUp, EngineGenerate):
     for rid, num_draft, num_accepted in result.verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
       self.draft_policy.observe_verify(num_draft, num_accepted)
-    finished = request_outputs(result, sampled, before, self.metrics, self.constraints, now)
-    for out in finished:
+    produced = request_outputs(result, sampled, before, self.metrics, self.constraints, now)
+    for out in produced:
       if out.finished:
         self._fresh_drafts.pop(out.request_id, None)
-    outputs += finished
+    outputs += produced
     decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
     if decode_only and self.draft_policy is not None and num_compiled() == programs:
       self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)

@@ -22,6 +22,17 @@ TINY = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32",
 _URL = re.compile(r"kvjax serving (\S+) at (http://\S+)/v1")
 
 
+def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
+  """SIGTERM, then SIGKILL if it is still up after grace_s seconds."""
+  if proc.poll() is None:
+    proc.terminate()
+    try:
+      proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(10)
+
+
 class ServeProcess:
   """One `python -m kvjax serve` subprocess: `.root`, `.url` (…/v1), `.model`, `.stderr`
   (what it wrote so far), `.started_s` (seconds from launch to its URL line)."""
@@ -74,13 +85,7 @@ class ServeProcess:
     return answer.json()
 
   def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(30)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait(10)
+    _terminate(self.proc, 30)
     self._err_thread.join(10)
 
   def __enter__(self) -> "ServeProcess":
@@ -135,11 +140,5 @@ class Gateway:
     return len(listing.get("workers", listing) if isinstance(listing, dict) else listing)
 
   def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(15)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait(10)
+    _terminate(self.proc, 15)
     self._log.close()
