@@ -23,7 +23,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
                                                     prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
      constraints/vocabulary, chat_template,         and their vocabularies for the matcher,
-     training/, distributed, eval/                  training (its corpora and its code
+     tool_calls, training/, distributed, eval/      chat templates and tool calls in chat
+                                                    text, training (its corpora and its code
                                                     checks), multi-host start-up, quality evals
   10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
   11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared

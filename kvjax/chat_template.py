@@ -4,8 +4,11 @@ The environment matches transformers' `apply_chat_template`: a sandboxed (immuta
 jinja2 environment with trim_blocks and lstrip_blocks, loop controls, a `{% generation %}`
 block that renders its body, `raise_exception(message)`, `strftime_now(format)` and a
 `tojson` filter that keeps non-ASCII text as is. Templates see `messages` (message keys
-whose value is None dropped, as transformers does), `add_generation_prompt`, `tools` and
-`documents` (both None) and the tokenizer's special tokens (`bos_token`, `eos_token`, ...).
+whose value is None dropped, as transformers does), `add_generation_prompt`, `tools`
+(OpenAI function definitions, or None), `documents` (None) and the tokenizer's special
+tokens (`bos_token`, `eos_token`, ...).  A template that never reads `tools` gets a tool
+conversation as text instead (kvjax/tool_calls.py: the definitions in the system message,
+earlier calls and `tool` results as turns), so every template can carry one.
 
 BYTE_CHAT_TEMPLATE is the built-in byte model's own: one role-tagged line per message,
 e.g. messages [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
@@ -23,13 +26,16 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["BYTE_CHAT_TEMPLATE", "render_chat_template"]
+from kvjax import tool_calls
+
+__all__ = ["BYTE_CHAT_TEMPLATE", "render_chat_template", "takes_tools"]
 
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -73,19 +79,31 @@ def _strftime_now(format):
   return datetime.datetime.now().strftime(format)
 
 
-@functools.lru_cache(maxsize=16)
-def _compile(source: str) -> jinja2.Template:
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
-  return env.from_string(source)
+  return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+  return _environment().from_string(source)
+
+
+@functools.lru_cache(maxsize=16)
+def takes_tools(source: str) -> bool:
+  """Does the template read `tools` (and so render tool definitions its own way)?"""
+  return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
 def render_chat_template(source: str, messages: list[dict], add_generation_prompt: bool,
-                         special_tokens: Mapping[str, str]) -> str:
-  """The prompt text of `messages` under the jinja2 template `source`.
+                         special_tokens: Mapping[str, str],
+                         tools: Optional[Sequence[dict]] = None) -> str:
+  """The prompt text of `messages` (and `tools`) under the jinja2 template `source`.
 
   ValueError names the problem for an empty or non-list `messages`, a message that is not
   a dict, a template that does not parse, or a template's raise_exception (e.g. a bad role).
@@ -98,7 +116,9 @@ def render_chat_template(source: str, messages: list[dict], add_generation_promp
   plain = [{k: v for k, v in message.items() if v is not None} for message in messages]
   try:
     template = _compile(source)
-    return template.render(messages=plain, tools=None, documents=None,
+    if (tools or tool_calls.in_messages(plain)) and not takes_tools(source):
+      plain, tools = tool_calls.as_text(plain, tools), None
+    return template.render(messages=plain, tools=tools or None, documents=None,
                            add_generation_prompt=bool(add_generation_prompt), **special_tokens)
   except jinja2.exceptions.TemplateError as e:
     raise ValueError(f"chat template: {e}") from e

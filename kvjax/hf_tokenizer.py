@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import tokenizers
 
@@ -95,13 +95,14 @@ class HFTokenizer:
       return IncrementalDetokenizer(decode, clean_up_tokenization, _cleanup_safe_end)
     return IncrementalDetokenizer(decode)
 
-  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: Optional[Sequence[dict]] = None) -> str:
     """The checkpoint's chat_template rendered as transformers renders it."""
     if self.chat_template is None:
       raise ValueError(f"{self._source} has no chat_template ({self._template_keys}); send "
                        "a plain prompt instead")
     return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                self.special_tokens)
+                                self.special_tokens, tools)
 
   def _raw_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

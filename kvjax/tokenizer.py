@@ -15,8 +15,9 @@ The interface (`Tokenizer`; the HTTP server and the CLI code against exactly thi
                                   (never a broken UTF-8 character or a U+FFFD for one);
                                   `flush() -> str` what is held back at the end. All pushes
                                   plus the flush concatenate to exactly `decode(all_ids)`.
-  apply_chat_template(messages, add_generation_prompt=True) -> str
-                                  the prompt text of a list of {"role", "content"} dicts; a
+  apply_chat_template(messages, add_generation_prompt=True, tools=None) -> str
+                                  the prompt text of a list of {"role", "content"} dicts
+                                  (and OpenAI tool definitions: kvjax/chat_template.py); a
                                   chat prompt's ids are `encode(text, add_special_tokens=False)`
                                   because templates write their own BOS text (transformers'
                                   `apply_chat_template(tokenize=True)` does the same).
@@ -53,7 +54,8 @@ class Tokenizer(Protocol):
 
   def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer: ...
 
-  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: Optional[Sequence[dict]] = None) -> str: ...
 
 
 def check_ids(ids: Iterable[int]) -> list[int]:
@@ -153,7 +155,8 @@ class ByteTokenizer:
     return IncrementalDetokenizer(
         functools.partial(self.decode, skip_special_tokens=skip_special_tokens))
 
-  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE)."""
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: Optional[Sequence[dict]] = None) -> str:
+    """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE); tools as text."""
     return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
-                                self.special_tokens)
+                                self.special_tokens, tools)

@@ -100,7 +100,7 @@ def test_byte_chat_template_renders_role_tagged_lines(messages, expected):
 
 def test_byte_chat_template_rejects_unknown_roles_and_empty_chats():
   tok = ByteTokenizer()
-  with pytest.raises(ValueError, match="role must be system, user or assistant, got tool"):
-    tok.apply_chat_template([{"role": "tool", "content": "x"}])
+  with pytest.raises(ValueError, match="role must be system, user or assistant, got narrator"):
+    tok.apply_chat_template([{"role": "narrator", "content": "x"}])
   with pytest.raises(ValueError, match="non-empty list"):
     tok.apply_chat_template([])

@@ -18,6 +18,7 @@ is reproducible offline.
 vLLM's request extensions are honoured: ignore_eos, min_tokens, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens, repetition_penalty (and OpenAI's
 presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py).
+Tool calling (tools, tool_choice, parallel_tool_calls) is kvjax/server/tools.py.
 Unknown fields policy: a field neither API defines is ignored, as OpenAI's own
 clients' extra_body and vLLM do; a field they define that kvjax cannot honour
 (_UNSUPPORTED) is a 400 naming it, so a request never silently means less than it says.
@@ -35,6 +36,7 @@ import numpy as np
 
 from kvjax.constraints import Constraint
 from kvjax.server.structured import parse_constraint
+from kvjax.server.tools import ToolUse, parse_tools, tool_message_fields
 from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
@@ -48,7 +50,7 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
-                "bad_words", "tools")
+                "bad_words", "functions", "function_call")  # the last two: use tools
 # vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
 _ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "logit_bias")
@@ -105,6 +107,7 @@ class GenerationRequest:
   skip_special_tokens: bool = True  # special tokens add no text
   min_tokens: int = 0  # no stop string counts before this many tokens (vLLM)
   constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
+  tools: Optional[ToolUse] = None  # tool calls to parse from chat output (server/tools.py)
 
   @property
   def num_choices(self) -> int:
@@ -145,6 +148,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer) -> GenerationRequest
   """A /v1/completions body (prompt: text, ids, or a list of either)."""
   if "prompt" not in body:
     raise OpenAIError("prompt is required", "prompt")
+  for name in ("tools", "tool_choice"):
+    if body.get(name) is not None:
+      raise OpenAIError(f"{name} needs /v1/chat/completions", name)
   prompts = [_prompt_item(p, limits, tokenizer) for p in _prompt_items(body["prompt"])]
   return _request(body, limits, prompts, chat=False, param="prompt")
 
@@ -159,13 +165,15 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
     raise OpenAIError("this model has no tokenizer, so no chat template: use "
                       "/v1/completions with token ids", "messages")
   rendered = [_message(i, m) for i, m in enumerate(messages)]
+  tool_use = parse_tools(body, OpenAIError)
   try:
-    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
+                                         tools=list(tool_use.tools) if tool_use else None)
   except Exception as error:  # the template is the checkpoint's data: its refusal is a 400
     raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
   # Templates write their own BOS text (kvjax/tokenizer.py): no special tokens added.
   ids = _token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
-  return _request(body, limits, [ids], chat=True, param="messages")
+  return _request(body, limits, [ids], chat=True, param="messages", tool_use=tool_use)
 
 
 def engine_error_param(message: str) -> Optional[str]:
@@ -230,7 +238,8 @@ def _token_ids(ids, limits: Limits, param: str) -> list[int]:
 
 
 def _message(index: int, message) -> dict:
-  """{'role', 'content'} of one chat message; list content keeps its text parts."""
+  """{'role', 'content'} of one chat message (list content: its text parts joined), with
+  its tool fields (server/tools.py); an assistant's content may be null when it calls."""
   where = f"messages[{index}]"
   if not isinstance(message, dict) or not isinstance(message.get("role"), str):
     raise OpenAIError(f"{where} must be an object with a string role, got {message!r:.200}",
@@ -242,15 +251,18 @@ def _message(index: int, message) -> dict:
       raise OpenAIError(f"{where}.content parts must be {{'type': 'text', 'text': str}}",
                         "messages")
     content = "".join(p["text"] for p in content)
+  if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+    content = ""
   if not isinstance(content, str):
     raise OpenAIError(f"{where}.content must be a string or a list of text parts, got "
                       f"{content!r:.200}", "messages")
   return {"role": _text(message["role"], "messages", f"{where}.role"),
-          "content": _text(content, "messages", f"{where}.content")}
+          "content": _text(content, "messages", f"{where}.content"),
+          **tool_message_fields(where, message, OpenAIError)}
 
 
-def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
-             param: str) -> GenerationRequest:
+def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: str,
+             tool_use: Optional[ToolUse] = None) -> GenerationRequest:
   """The fields shared by both endpoints, checked; `param` names the prompt field."""
   model = body.get("model")
   if model is None:
@@ -321,7 +333,19 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool,
       extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
       include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
       skip_special_tokens=_flag(body, "skip_special_tokens", True),
-      constraint=parse_constraint(body, OpenAIError))
+      constraint=_constraint(body, tool_use), tools=tool_use)
+
+
+def _constraint(body: dict, tool_use: Optional[ToolUse]) -> Optional[Constraint]:
+  """The structured-output constraint, or the grammar tool_choice required / named
+  enforces (the two cannot be combined)."""
+  constraint = parse_constraint(body, OpenAIError)
+  enforced = tool_use.constraint() if tool_use else None
+  if enforced is not None and constraint is not None:
+    raise OpenAIError(f"tool_choice {body['tool_choice']!r:.100} enforces the tool call "
+                      "grammar and cannot be combined with response_format or "
+                      "structured_outputs", "tool_choice")
+  return enforced or constraint
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

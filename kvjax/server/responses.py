@@ -8,7 +8,11 @@ role.  `usage` counts each prompt once and every choice's completion tokens
 tokenizer has no text: its choices carry `token_ids` instead.  Logprobs take
 OpenAI's two shapes: completions' parallel lists (tokens, token_logprobs,
 top_logprobs, text_offset) and chat's `content` list of {token, logprob,
-bytes, top_logprobs}; a token's text is its id decoded alone.
+bytes, top_logprobs}; a token's text is its id decoded alone.  A request with
+tools (kvjax/server/tools.py) has its tool calls parsed out of each choice's text
+(kvjax/tool_calls.py) into `message.tool_calls` (streamed: `delta.tool_calls`, one
+complete call per entry), the rest is the content (null when only calls remain),
+and a choice that ended on its own with calls finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -17,9 +21,16 @@ import time
 import uuid
 from typing import Optional, Sequence
 
+from kvjax import tool_calls
 from kvjax.server.protocol import GenerationRequest
 
 __all__ = ["Responses", "sse"]
+
+
+def _with_calls(finish_reason: str) -> str:
+  """A choice that ended on its own (not at a length limit) after calling finished to
+  let the tools run."""
+  return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def sse(payload) -> str:
@@ -39,6 +50,11 @@ class Responses:
     self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self._text_offset = [0] * request.num_choices  # completions' text_offset, per choice
+    names = request.tools.names if request.tools else ()
+    # Per choice: its tool-call parser and the calls it has streamed (with tools only).
+    self._tool_streams = [tool_calls.ToolCallStream(names) for _ in
+                          range(request.num_choices if request.tools else 0)]
+    self._calls_sent = [0] * request.num_choices
 
   def usage(self, completion_tokens: Sequence[int]) -> dict:
     prompt = sum(map(len, self.request.prompts))
@@ -54,7 +70,14 @@ class Responses:
     for index, (text, reason) in enumerate(zip(texts, finish_reasons)):
       choice = {"index": index, "finish_reason": reason,
                 "logprobs": self.logprobs(index, token_ids[index], logprobs[index])}
-      if self.chat:
+      if self.chat and self.request.tools:
+        content, calls = tool_calls.parse(text, self.request.tools.names)
+        choice["message"] = {"role": "assistant", "content": (content or None) if calls
+                             else content}
+        if calls:
+          choice["message"]["tool_calls"] = self._tool_calls(calls)
+          choice["finish_reason"] = _with_calls(reason)
+      elif self.chat:
         choice["message"] = {"role": "assistant", "content": text}
       else:
         choice["text"] = text
@@ -74,13 +97,36 @@ class Responses:
             logprobs: Optional[list]) -> dict:
     choice = {"index": index, "logprobs": self.logprobs(index, token_ids, logprobs),
               "finish_reason": finish_reason}
-    if self.chat:
+    if self.chat and self.request.tools:
+      choice["delta"] = self._tool_delta(index, text, finish_reason is not None)
+      if finish_reason is not None and self._calls_sent[index]:
+        choice["finish_reason"] = _with_calls(finish_reason)
+    elif self.chat:
       choice["delta"] = {"content": text} if text else {}
     else:
       choice["text"] = text
     if self.with_token_ids:
       choice["token_ids"] = token_ids
     return self._chunk([choice])
+
+  def _tool_delta(self, index: int, text: str, last: bool) -> dict:
+    """A chat delta of a request with tools: content outside calls, whole calls."""
+    stream = self._tool_streams[index]
+    content, calls = stream.push(text)
+    if last:
+      content += stream.finish()[0]
+    delta = {"content": content} if content else {}
+    if calls:
+      delta["tool_calls"] = [{"index": self._calls_sent[index] + k, **call}
+                             for k, call in enumerate(self._tool_calls(calls))]
+      self._calls_sent[index] += len(calls)
+    return delta
+
+  @staticmethod
+  def _tool_calls(calls) -> list:
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}}
+            for name, arguments in calls]
 
   def usage_chunk(self, completion_tokens: Sequence[int]) -> dict:
     """stream_options.include_usage: the last chunk, no choices."""
