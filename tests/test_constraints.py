@@ -171,6 +171,26 @@ def test_constrained_greedy_with_speculation_equals_without(speculative):
     jsonschema.validate(json.loads(text_of(b)), schema)
 
 
+def test_forced_tokens_are_drafted_and_accepted():
+  """A regex that forces every byte: the n-gram engine drafts the forced bytes (its prompt
+  holds nothing to look up) and accepts them all, K + 1 tokens a step; plain decoding
+  takes a step per token.  Outputs equal, sampled too (a forced token is the only choice)."""
+  model, regex, prompt = random_model(), "abcdefghij", [9, 8, 7, 6, 5, 4]
+  steps = {}
+  for name, options in (("plain", dict(num_scheduler_steps=1)),
+                        ("ngram", dict(speculative="ngram", num_draft=4))):
+    eng = engine(model, **options)
+    rid = eng.add_request(prompt, 20, temperature=1.0, seed=3,
+                          constraint=Constraint("regex", regex))
+    done, steps[name] = {}, 0
+    while eng.has_unfinished:
+      steps[name] += 1
+      done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert text_of(done[rid]) == regex
+  # 10 letters + EOS: one prefill step, then ceil(10 / 5) verify steps and EOS at most.
+  assert steps["plain"] >= 11 and steps["ngram"] <= 4, steps
+
+
 def test_sampling_under_a_grammar_has_the_exact_constrained_marginals():
   """Two letters of a-d then EOS at temperature 1: each letter's count within 6 sigma (+3)
   of the float64 constrained marginals, p(x) restricted to the grammar and renormalized."""

@@ -102,7 +102,11 @@ class ConstraintBook:
 
     rows: the group's ScheduledRows (kvjax/requests.py); one that samples nothing
     or has no constraint is all ones.  drafts[b] (host drafts, at most columns - 1
-    each) come back cut at the first one the grammar forbids.
+    each) come back cut at the first one the grammar forbids; where the grammar
+    forces the next tokens (JSON keys and punctuation, the rest of an enum value),
+    a constrained row drafts those instead (jump-forward decoding through the same
+    exact verification: where the mask leaves a forced token the only choice, it
+    is accepted whatever the target's distribution).
     """
     constrained = [(b, self.matchers[r.request_id]) for b, r in enumerate(rows)
                    if r.sample and r.request_id in self.matchers]
@@ -120,6 +124,9 @@ class ConstraintBook:
       mask[b, 0, :self._own_words] = own[i]
       if drafts is None:
         continue
+      forced = matcher.compute_ff_tokens()[:columns - 1]
+      if forced:
+        drafts[b] = forced
       consumed = 0
       for j, token in enumerate(drafts[b]):
         if not (allowed(mask[b, j], token) and matcher.try_consume_tokens([token]) == 1):
