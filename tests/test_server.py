@@ -587,4 +587,4 @@ def test_data_parallel_replicas_behind_one_server(model, tok):
     assert value(after, "kvjax:request_success_total", finished_reason="length") - value(
         before, "kvjax:request_success_total", finished_reason="length") == 4
     assert value(after, "kvjax:num_requests_running") == 0
-    assert all(e.scheduler.allocator.num_used == 0 for e in handle.engine.engines)
+    assert handle.engine.stats().pages_used == 0
