@@ -82,27 +82,28 @@ def tiny_hybrid(c) -> kvjax.Model:
 def _serve(engine, sessions) -> dict:
   """The sessions on a warm engine, its prefix cache emptied first (a repeat must not hit
   the run before)."""
-  if engine.scheduler.prefix_cache is not None:
-    engine.scheduler.prefix_cache.reset()
+  for cache in engine.prefix_caches():
+    cache.reset()
   return cli_bench.run_workload(engine, sessions)
 
 
 def _shared_prefix_hit(engine, shared: int, seed: int) -> int:
   """Hit tokens of a request sharing `shared` prompt tokens with one served before it
   (the same random prompts for every engine, given the seed)."""
-  cache = engine.scheduler.prefix_cache
-  if cache is None:
+  caches = engine.prefix_caches()
+  if not caches:
     return 0
-  cache.reset()
+  for cache in caches:
+    cache.reset()
   rng = np.random.default_rng(seed)
   prefix = rng.integers(3, engine.model_config.vocab_size, shared).tolist()
   first, second = (prefix + rng.integers(3, engine.model_config.vocab_size,
                                          _PROBE_TAIL).tolist()
                    for _ in range(2))
   engine.generate([first], 1)
-  before = cache.hit_tokens
+  before = engine.stats().prefix_hit_tokens
   engine.generate([second], 1)
-  return cache.hit_tokens - before
+  return engine.stats().prefix_hit_tokens - before
 
 
 def section_prefix(c) -> dict:

@@ -103,8 +103,8 @@ def _serving(engines: dict, sessions) -> dict:
   """name -> a callable serving `sessions` on that warm engine; its prefix cache is
   emptied first so a repeat does not hit the blocks of the run before."""
   def run(engine):
-    if engine.scheduler.prefix_cache is not None:
-      engine.scheduler.prefix_cache.reset()
+    for cache in engine.prefix_caches():
+      cache.reset()
     return cli_bench.run_workload(engine, sessions)
 
   return {name: functools.partial(run, engine) for name, engine in engines.items()}

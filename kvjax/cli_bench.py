@@ -140,9 +140,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
     rid = engine.add_request(history[i], sessions[i].max_new_tokens, **sampling)
     owner[rid] = (i, turn)
 
-  cache = engine.scheduler.prefix_cache
-  hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-  preemptions_before = engine.scheduler.num_preemptions
+  before = engine.stats()
   mark = engine.steps.num_recorded
   start = time.perf_counter()
   for i in range(len(sessions)):
@@ -162,12 +160,9 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
   wall = time.perf_counter() - start
   if bar is not None:
     bar.close()
-  hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
   steps = engine.steps.since(mark)
   metrics = [finals[rid].metrics for rid in owner]
-  summary = summarize(metrics, steps, wall, prefix_hit_tokens=hits[0] - hits_before[0],
-                      prefix_queried_tokens=hits[1] - hits_before[1],
-                      num_preemptions=engine.scheduler.num_preemptions - preemptions_before)
+  summary = summarize(metrics, steps, wall, **engine.stats().counted_since(before))
   num_turns = max(len(s.turns) for s in sessions)
   per_turn = [[m.ttft_s for rid, m in zip(owner, metrics) if owner[rid][1] == t]
               for t in range(num_turns)]

@@ -52,12 +52,14 @@ from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
 from kvjax.engine_generate import EngineGenerate
+from kvjax.engine_stats import EngineStats
 from kvjax.engine_warm_up import EngineWarmUp
 from kvjax.logit_processors import with_processing
 from kvjax.metrics import RequestMetrics, StepLog
 from kvjax.ngram import NgramDrafter, with_drafts
 from kvjax.output_processor import StepResult, request_outputs
-from kvjax.requests import RequestOutput, SchedulerOutput
+from kvjax.prefix_cache import PrefixCache
+from kvjax.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
@@ -215,6 +217,21 @@ class Engine(EngineWarmUp, EngineGenerate):
     """Requests still running or waiting, or final outputs not yet returned."""
     return self.scheduler.has_unfinished or bool(self._pending)
 
+  # -- what it reports (a Router reports the same over its replicas) ----------
+
+  def stats(self) -> EngineStats:
+    """Its scheduler's numbers now (kvjax/engine_stats.py)."""
+    return EngineStats.of(self.scheduler)
+
+  def request(self, request_id: str) -> Optional[Request]:
+    """An unfinished request (waiting or running) by id; None once it finished."""
+    return self.scheduler.requests.get(request_id)
+
+  def prefix_caches(self) -> list[PrefixCache]:
+    """Its prefix cache, if it has one (what publishes KV events, kvjax/kv_events.py)."""
+    cache = self.scheduler.prefix_cache
+    return [] if cache is None else [cache]
+
   # -- stepping ---------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
@@ -283,9 +300,9 @@ class Engine(EngineWarmUp, EngineGenerate):
     decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
     if decode_only and self.draft_policy is not None and num_compiled() == programs:
       self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
-    allocator = self.scheduler.allocator
-    self.steps.record(waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-                      utilization=allocator.utilization, pages_used=allocator.num_used,
+    stats = self.stats()
+    self.steps.record(waiting=stats.waiting, running=stats.running,
+                      utilization=stats.utilization, pages_used=stats.pages_used,
                       batched_tokens=plan.num_batched_tokens, step_s=now - start,
                       decode_only=decode_only, num_steps=steps_run,
                       row_shapes=[shape for _, (shape, *_) in launched],

@@ -1,8 +1,8 @@
 """The Engine's one-shot API: `generate` runs prompts to completion on the continuous-
 batching loop and summarizes them (kvjax.generate's GenerateResult).
 
-`EngineGenerate` is a mixin of kvjax/engine.py's Engine (its scheduler, step log,
-lock, `_add_request` and `_step`), kept apart because a batch run with its stats is
+`EngineGenerate` is a mixin of kvjax/engine.py's Engine (its scheduler, stats, step
+log, lock, `_add_request` and `_step`), kept apart because a batch run with its stats is
 its own job beside the request API; `run_until_finished` is shared with kvjax/router.py.
 """
 from __future__ import annotations
@@ -54,9 +54,7 @@ class EngineGenerate:
     seeds = per_prompt_seeds(seed, len(prompts))
     for i, prompt in enumerate(prompts):  # all of them before any is queued
       self.scheduler.check_fits(f"prompt {i}", len(prompt), max_new_tokens)
-    cache = self.scheduler.prefix_cache
-    hits_before = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-    preemptions_before = self.scheduler.num_preemptions
+    before = self.stats()
     mark = self.steps.num_recorded
     start = time.perf_counter()
     ids = [self._add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -64,13 +62,10 @@ class EngineGenerate:
            for p, s in zip(prompts, seeds)]
     done, others = run_until_finished(self._step, ids)
     wall = time.perf_counter() - start
-    hits = (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
     steps = self.steps.since(mark)
     self._pending = others + self._pending
     stats = summarize([done[rid].metrics for rid in ids], steps, wall,
-                      prefix_hit_tokens=hits[0] - hits_before[0],
-                      prefix_queried_tokens=hits[1] - hits_before[1],
-                      num_preemptions=self.scheduler.num_preemptions - preemptions_before)
+                      **self.stats().counted_since(before))
     stats["finish_reasons"] = [done[rid].finish_reason for rid in ids]
     stats["cache"] = "paged"
     stats["speculative"] = (None if not self.num_draft else self.config.speculative

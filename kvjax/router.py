@@ -24,12 +24,11 @@ the replicas' device work is their own (different devices in a real
 deployment), the host loop is shared.  Request ids are the router's own.
 
 What a server loop or a benchmark reads of an Engine, a Router offers over
-its replicas: `scheduler` (running, waiting, requests by router id, one
-allocator's utilization, prefix-cache and preemption totals), `metrics` (by
-router id), `steps` (one StepLog entry per router step), `config` (the
-replicas' options, max_num_seqs summed) and `model_config`.  So
-kvjax/server/ and `kvjax bench` drive a Router where they drive an Engine
-(`--dp`).
+its replicas: `stats()` (their kvjax/engine_stats.py EngineStats summed),
+`request(id)` and `metrics` (by router id), `prefix_caches()` (every replica's),
+`steps` (one StepLog entry per router step), `config` (the replicas' options,
+max_num_seqs summed) and `model_config`.  So kvjax/server/ and `kvjax bench`
+drive a Router where they drive an Engine (`--dp`).
 """
 from __future__ import annotations
 
@@ -42,8 +41,10 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 from kvjax.engine import Engine
 from kvjax.engine_generate import run_until_finished
 from kvjax.engine_config import EngineConfig
+from kvjax.engine_stats import EngineStats
 from kvjax.generation import GenerateResult, validate_prompts
 from kvjax.metrics import StepLog
+from kvjax.prefix_cache import PrefixCache
 from kvjax.requests import Request, RequestOutput
 from kvjax.validation import per_prompt_seeds
 
@@ -78,7 +79,6 @@ class Router:
     self.routed = [0] * len(engines)  # requests sent to each replica
     self._pending: list[RequestOutput] = []  # returned by the next step()
     self._lock = threading.RLock()
-    self.scheduler = _Schedulers(self)
     self.metrics = _ByRouterId(self, lambda engine: engine.metrics)
     self.steps = StepLog()
 
@@ -96,14 +96,14 @@ class Router:
 
   def load(self, replica: int) -> int:
     """Unfinished requests (running + waiting) of one replica."""
-    scheduler = self.engines[replica].scheduler
-    return len(scheduler.running) + len(scheduler.waiting)
+    stats = self.engines[replica].stats()
+    return stats.running + stats.waiting
 
   def cached_prefix(self, replica: int, prompt: Sequence[int],
                     cache_salt: Optional[str] = None) -> int:
     """Prompt tokens the replica's prefix cache would reuse now (0 without a cache)."""
-    cache = self.engines[replica].scheduler.prefix_cache
-    return cache.lookup(list(prompt), cache_salt).num_tokens if cache else 0
+    return sum(cache.lookup(list(prompt), cache_salt).num_tokens
+               for cache in self.engines[replica].prefix_caches())
 
   def choose(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
     """The replica the policy sends `prompt` to (nothing is queued)."""
@@ -148,6 +148,21 @@ class Router:
   def has_unfinished(self) -> bool:
     return bool(self._pending) or any(e.has_unfinished for e in self.engines)
 
+  def stats(self) -> EngineStats:
+    """The replicas' stats summed: their pools as one, their counters' totals."""
+    return sum((e.stats() for e in self.engines), EngineStats())
+
+  def request(self, request_id: str) -> Optional[Request]:
+    """An unfinished request by router id (its replica's Request); None once finished."""
+    if request_id not in self._where:
+      return None
+    replica, engine_id = self._where[request_id]
+    return self.engines[replica].request(engine_id)
+
+  def prefix_caches(self) -> list[PrefixCache]:
+    """Every replica's prefix cache, in replica order."""
+    return [cache for e in self.engines for cache in e.prefix_caches()]
+
   def step(self) -> list[RequestOutput]:
     """One step of every replica with work -> their outputs, under the router's ids
     (and outputs of other callers' requests that ran while `generate` did)."""
@@ -170,18 +185,13 @@ class Router:
         self._record(stepped, time.perf_counter() - start)
       return outputs
 
-  def _prefix_totals(self) -> tuple[int, int]:
-    """(hit tokens, queried tokens) over every replica's prefix cache."""
-    cache = self.scheduler.prefix_cache
-    return (cache.hit_tokens, cache.queried_tokens) if cache else (0, 0)
-
   def _record(self, logs: Sequence[StepLog], step_s: float) -> None:
     """One StepLog entry for a router step from the replica steps it ran."""
     last = [log for log in logs if log.num_recorded]
-    allocator = self.scheduler.allocator
+    stats = self.stats()
     self.steps.record(
-        waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-        utilization=allocator.utilization, pages_used=allocator.num_used,
+        waiting=stats.waiting, running=stats.running,
+        utilization=stats.utilization, pages_used=stats.pages_used,
         batched_tokens=sum(log.batched_tokens[-1] for log in last), step_s=step_s,
         decode_only=all(log.decode_only[-1] for log in last),
         num_steps=max((log.num_steps[-1] for log in last), default=1),
@@ -203,12 +213,13 @@ class Router:
     """Route and run `prompts` to completion -> GenerateResult (tokens per prompt).
 
     stats: "replicas" (which replica served each prompt), "finish_reasons",
-    and the prefix hit tokens / queried tokens of this call over every replica.
+    and the prefix hit tokens / queried tokens and preemptions of this call over every
+    replica.
     """
     with self._lock:
       prompts = validate_prompts(self.engines[0].model_config, prompts, max_new_tokens)
       seeds = per_prompt_seeds(seed, len(prompts))
-      before = self._prefix_totals()
+      before = self.stats()
       start = time.perf_counter()
       ids = [self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=s, stop=stop, cache_salt=cache_salt)
@@ -216,10 +227,9 @@ class Router:
       replicas = [self.replica_of(rid) for rid in ids]
       done, others = run_until_finished(self.step, ids)
       self._pending = others + self._pending
-      hits, queried = (now - then for now, then in zip(self._prefix_totals(), before))
       stats = dict(replicas=replicas, finish_reasons=[done[r].finish_reason for r in ids],
-                   prefix_hit_tokens=hits, prefix_queried_tokens=queried,
-                   latency_s=time.perf_counter() - start)
+                   latency_s=time.perf_counter() - start,
+                   **self.stats().counted_since(before))
       return GenerateResult(tokens=[done[rid].output_ids for rid in ids], stats=stats)
 
 
@@ -245,67 +255,3 @@ class _ByRouterId(Mapping):
 
   def __len__(self) -> int:
     return sum(1 for _ in self)
-
-
-class _PrefixTotals:
-  """The replicas' prefix caches' hit and queried tokens, summed when read (live)."""
-
-  def __init__(self, caches: list):
-    self._caches = caches
-
-  @property
-  def hit_tokens(self) -> int:
-    return sum(c.hit_tokens for c in self._caches)
-
-  @property
-  def queried_tokens(self) -> int:
-    return sum(c.queried_tokens for c in self._caches)
-
-
-class _PoolTotals:
-  """The replicas' page pools as one, summed when read (live)."""
-
-  def __init__(self, allocators: list):
-    self._allocators = allocators
-
-  @property
-  def num_used(self) -> int:
-    return sum(a.num_used for a in self._allocators)
-
-  @property
-  def utilization(self) -> float:
-    usable = sum(a.num_usable for a in self._allocators)
-    return self.num_used / usable if usable else 0.0
-
-
-class _Schedulers:
-  """The replicas' schedulers as one, read-only: what kvjax/server/ and the bench read."""
-
-  def __init__(self, router: Router):
-    self._router = router
-    self.requests: Mapping[str, Request] = _ByRouterId(router, lambda e: e.scheduler.requests)
-    schedulers = [e.scheduler for e in router.engines]
-    self.allocator = _PoolTotals([s.allocator for s in schedulers])  # used / usable pages
-    caches = [s.prefix_cache for s in schedulers if s.prefix_cache]
-    # Hit and queried tokens over the replicas' caches (None: no replica has one).
-    self.prefix_cache = _PrefixTotals(caches) if caches else None
-
-  @property
-  def _all(self):
-    return [e.scheduler for e in self._router.engines]
-
-  @property
-  def running(self) -> list:
-    return [req for s in self._all for req in s.running]
-
-  @property
-  def waiting(self) -> list:
-    return [req for s in self._all for req in s.waiting]
-
-  @property
-  def num_preemptions(self) -> int:
-    return sum(s.num_preemptions for s in self._all)
-
-  def check_invariants(self) -> None:
-    for scheduler in self._all:
-      scheduler.check_invariants()

@@ -61,7 +61,7 @@ def _wait_idle(server, timeout_s: float = 30.0) -> None:
   deadline = time.monotonic() + timeout_s
   while (value(scrape(server.root), "kvjax:num_requests_running")
          or value(scrape(server.root), "kvjax:num_requests_waiting")
-         or server.engine.scheduler.requests):
+         or server.engine.stats().running or server.engine.stats().waiting):
     assert time.monotonic() < deadline, "the server never went idle"
     time.sleep(0.05)
 

@@ -7,6 +7,7 @@ round robin's, while every output stays the single engine's.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,8 +45,8 @@ def run_chats(target):
           outputs[(ids[out.request_id], turn)] = out.output_ids
     for u in range(USERS):
       history[u] += outputs[(u, turn)]
-  cache = target.scheduler.prefix_cache  # a Router's: totals over its replicas
-  return outputs, cache.hit_tokens / cache.queried_tokens
+  stats = target.stats()  # a Router's: totals over its replicas
+  return outputs, stats.prefix_hit_tokens / stats.prefix_queried_tokens
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +93,12 @@ def test_abort_and_least_loaded(tiny_model):
   # What a server loop reads of an Engine, by the router's ids, over both replicas.
   assert router.config.max_num_seqs == 2 * ENGINE["max_num_seqs"]
   assert router.metrics[second].prompt_len == 3 and sorted(router.metrics) == [first, second]
-  assert router.scheduler.requests[second].token_ids == [5, 6, 8]
-  assert len(router.scheduler.waiting) == 2 and not router.scheduler.running
+  assert router.request(second).token_ids == [5, 6, 8] and router.request("nope") is None
+  assert (router.stats().waiting, router.stats().running) == (2, 0)
   router.step()
-  assert len(router.scheduler.running) == 2
+  assert (router.stats().waiting, router.stats().running) == (0, 2)
   assert router.steps.batched_tokens == [6]  # one router step: 3 prompt tokens per replica
-  assert router.scheduler.allocator.num_used == 2  # one page each
+  assert router.stats().pages_used == 2  # one page each
   assert router.abort(first) and not router.abort("no-such-id")
   finals = {out.request_id: out for out in router.stream() if out.finished}
   assert finals[first].finish_reason == "abort"
@@ -105,6 +106,59 @@ def test_abort_and_least_loaded(tiny_model):
   assert not router.has_unfinished
   with pytest.raises(KeyError, match="unknown or finished request"):
     router.replica_of(first)
+
+
+def _replicas_summed(router) -> dict:
+  """The oracle of Router.stats: each replica's scheduler read directly, summed."""
+  total = dict.fromkeys(("running", "waiting", "pages_used", "pages_usable", "num_preemptions",
+                         "prefix_hit_tokens", "prefix_queried_tokens"), 0)
+  for engine in router.engines:
+    scheduler, cache = engine.scheduler, engine.scheduler.prefix_cache
+    for name, number in (("running", len(scheduler.running)),
+                         ("waiting", len(scheduler.waiting)),
+                         ("pages_used", scheduler.allocator.num_used),
+                         ("pages_usable", scheduler.allocator.num_usable),
+                         ("num_preemptions", scheduler.num_preemptions),
+                         ("prefix_hit_tokens", cache.hit_tokens),
+                         ("prefix_queried_tokens", cache.queried_tokens)):
+      total[name] += number
+  return total
+
+
+def test_stats_and_metrics_are_the_replicas_summed(tiny_model):
+  """Router.stats() equals its replicas' schedulers summed at every step, and the
+  server's /metrics (ServerMetrics.observe_engine of it) shows those numbers: 2 replicas
+  of 7 usable pages (two 20-token prompts each: a preemption), every prompt sent twice
+  (prefix hits)."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from kvjax.server.prom import ServerMetrics
+
+  router = Router([kvjax.Engine(tiny_model, **{**ENGINE, "num_pages": 1 + 7})
+                   for _ in range(2)], "round_robin")
+  metrics = ServerMetrics("m", max_model_len=ENGINE["max_model_len"],
+                          max_num_seqs=router.config.max_num_seqs)
+  metrics.observe_engine(router.stats())  # the baseline, as the server's first look
+  prompts = [np.random.default_rng(i).integers(3, 500, 20).tolist() for i in range(4)]
+  for _ in range(2):
+    for prompt in prompts:
+      router.add_request(prompt, 12)
+    while router.has_unfinished:
+      router.step()
+      want = _replicas_summed(router)
+      got = router.stats()
+      assert dataclasses.asdict(got) == want
+      metrics.observe_engine(got)
+      text = metrics.exposition().decode()
+      samples = {s.name: s.value for family in text_string_to_metric_families(text)
+                 for s in family.samples}
+      assert samples["kvjax:num_requests_running"] == want["running"]
+      assert samples["kvjax:kv_cache_usage_perc"] == want["pages_used"] / want["pages_usable"]
+      assert samples["kvjax:num_preemptions_total"] == want["num_preemptions"]
+      assert samples["kvjax:prefix_cache_hits_total"] == want["prefix_hit_tokens"]
+      assert samples["kvjax:prefix_cache_queries_total"] == want["prefix_queried_tokens"]
+  assert want["num_preemptions"] > 0 and want["prefix_hit_tokens"] > 0, want
+  assert router.routed == [4, 4]
 
 
 _CLI_DP = r"""

@@ -572,12 +572,15 @@ def test_cli_serve_prints_one_url_line_and_serves_port_0(tmp_path):
 
 def test_data_parallel_replicas_behind_one_server(model, tok):
   """Two replicas (sharing this CPU) behind a Router: the same greedy text as offline,
-  requests spread over both, /metrics summed over them and idle afterwards."""
+  requests spread over both, /metrics summed over them (the prefix counters grow by
+  what the replicas' own caches counted) and idle afterwards."""
   with serve_in_thread([model, model], CONFIG, served_model_name=NAME,
                        router_policy="round_robin") as handle:
     prompts = [ids_of(tok, p) for p in PROMPTS[:4]]
     reference = kvjax.generate(model, prompts, 12).tokens
     client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0, timeout=60)
+    caches = [e.scheduler.prefix_cache for e in handle.engine.engines]
+    queried_before = sum(c.queried_tokens for c in caches)
     before = scrape(handle.root)
     got = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in got.choices] == [expected(tok, r, 12)["text"] for r in reference]
@@ -587,4 +590,11 @@ def test_data_parallel_replicas_behind_one_server(model, tok):
     assert value(after, "kvjax:request_success_total", finished_reason="length") - value(
         before, "kvjax:request_success_total", finished_reason="length") == 4
     assert value(after, "kvjax:num_requests_running") == 0
-    assert all(e.scheduler.allocator.num_used == 0 for e in handle.engine.engines)
+    assert handle.engine.stats().pages_used == 0
+    queried = sum(c.queried_tokens for c in caches) - queried_before
+    assert queried == sum(len(p) for p in prompts)
+    deadline = time.monotonic() + 10  # the loop publishes after delivering the last step
+    while (value(scrape(handle.root), "kvjax:prefix_cache_queries_total")
+           - value(before, "kvjax:prefix_cache_queries_total") != queried):
+      assert time.monotonic() < deadline, (scrape(handle.root), queried)
+      time.sleep(0.05)

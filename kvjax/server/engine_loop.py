@@ -92,7 +92,7 @@ class EngineLoop:
     self.capacity = engine.config.max_num_seqs + max_waiting  # unfinished choices at most
     self._unfinished = 0  # choices submitted and not finished (queued here included)
     self._queued = 0  # choices submitted, not yet added to the engine
-    self._engine_waiting = 0  # the scheduler's waiting queue when last published
+    self._engine_waiting = 0  # the engine's waiting requests when last published
     self._choices: dict[str, _Choice] = {}  # by engine request id
     self._unscheduled: set[str] = set()
     self._stopping = threading.Event()
@@ -118,7 +118,7 @@ class EngineLoop:
 
   @property
   def num_waiting(self) -> int:
-    """Choices admitted but not running: queued for this thread or in the scheduler's queue."""
+    """Choices admitted but not running: queued for this thread or waiting in the engine."""
     with self._lock:
       return self._queued + self._engine_waiting
 
@@ -214,9 +214,8 @@ class EngineLoop:
 
   def _note_scheduled(self, step_start: float) -> None:
     """Queue time of the requests this step scheduled for the first time."""
-    requests = self.engine.scheduler.requests
     for request_id in list(self._unscheduled):
-      req = requests.get(request_id)
+      req = self.engine.request(request_id)
       if req is None or req.status is not RequestStatus.WAITING:
         self._unscheduled.discard(request_id)
         choice = self._choices.get(request_id)
@@ -256,10 +255,10 @@ class EngineLoop:
                                      choice.text.num_tokens, choice.queue_s)
 
   def _publish(self) -> None:
-    scheduler = self.engine.scheduler
+    stats = self.engine.stats()
     with self._lock:
-      self._engine_waiting = len(scheduler.waiting)
-    self.metrics.observe_engine(scheduler)
+      self._engine_waiting = stats.waiting
+    self.metrics.observe_engine(stats)
     engines = getattr(self.engine, "engines", [self.engine])  # a Router's replicas
     self.metrics.observe_constraints([e.constraints for e in engines])
 

@@ -127,8 +127,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
       _warm_up(e)
   publishers = [] if kv_events is None else [
       KVEventPublisher(replica_endpoint(kv_events, i), e.config.page_size,
-                       data_parallel_rank=i).attach(e.scheduler.prefix_cache)
-      for i, e in enumerate(engines) if e.scheduler.prefix_cache is not None]
+                       data_parallel_rank=i).attach(cache)
+      for i, e in enumerate(engines) for cache in e.prefix_caches()]
   engine = engines[0] if len(engines) == 1 else Router(engines, router_policy)
   model = models[0]
   name = served_model_name or model.config.name

@@ -7,10 +7,11 @@ vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc).
 it doubles the series, and a fleet dashboard summing vllm: series would count kvjax
 servers as vLLM ones.  kvjax:max_num_seqs, not a vLLM metric, keeps its one name.
 
-Gauges follow the scheduler after every engine step and admission; counters of cumulative
-scheduler totals (prefix cache, preemptions) advance by their deltas; token
-counters advance as tokens reach clients (a stop string's completion ends at
-the token that completed it); request histograms and request_success come
+Gauges follow the engine's stats (kvjax/engine_stats.py, a Router's summed over its
+replicas) after every engine step and admission; counters of its cumulative totals
+(prefix cache, preemptions) advance by their deltas; token counters advance as
+tokens reach clients (a stop string's completion ends at the token that
+completed it); request histograms and request_success come
 from kvjax/metrics.py's RequestMetrics of each finished request.  Every
 series carries a model_name label, as vLLM's do.  `kvjax:max_num_seqs` is the
 configured concurrency (what C18's diagnosis compares running requests with).
@@ -21,6 +22,7 @@ from typing import Optional
 
 import prometheus_client as prom
 
+from kvjax.engine_stats import EngineStats
 from kvjax.metrics import RequestMetrics
 
 __all__ = ["ServerMetrics"]
@@ -119,7 +121,7 @@ class ServerMetrics:
                                "Prompt tokens per request.", buckets=token_buckets)
     self.request_generation = make(prom.Histogram, "request_generation_tokens",
                                    "Generated tokens per request.", buckets=token_buckets)
-    self._totals = None  # the scheduler's cumulative (queried, hit, preempted) last seen
+    self._totals = None  # the engine's cumulative (queried, hit, preempted) last seen
     self.constrained = make(prom.Gauge, "num_requests_constrained",
                             "Unfinished requests under a grammar (structured outputs).")
     self.mask_seconds = make(prom.Counter, "structured_mask_seconds",
@@ -128,17 +130,15 @@ class ServerMetrics:
                       "Grammar token masks filled (one per row and verified position).")
     self._mask_totals = (0.0, 0)
 
-  def observe_engine(self, scheduler) -> None:
-    """Gauges from the scheduler now; counters by its totals' growth since last time.
+  def observe_engine(self, stats: EngineStats) -> None:
+    """Gauges from the engine's stats now; counters by their totals' growth since last time.
 
     (The waiting gauge is a function its owner sets: it counts requests not yet handed
-    to the scheduler too.)
+    to the engine too.)
     """
-    self.running.set(len(scheduler.running))
-    self.kv_usage.set(scheduler.allocator.utilization)
-    cache = scheduler.prefix_cache
-    totals = ((cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)) + (
-        scheduler.num_preemptions,)
+    self.running.set(stats.running)
+    self.kv_usage.set(stats.utilization)
+    totals = (stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.num_preemptions)
     if self._totals is not None:  # the first look (after warm-up) is the baseline
       for counter, now, before in zip((self.prefix_queries, self.prefix_hits,
                                        self.preemptions), totals, self._totals):
