@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "PRESETS", "get_preset", "DTYPE_SHORT_NAMES",
+__all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "PRESETS", "get_preset",
+           "DTYPE_SHORT_NAMES",
            "short_dtype_name", "LAYER_TYPES"]
 
 # One dtype vocabulary for weights (`dtype`, --dtype) and KV pages (`kv_dtype`,

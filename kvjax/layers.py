@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig, YarnScaling
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
 
-__all__ = ["rms_norm", "rope_inv_freq", "rope_attention_factor", "apply_rope", "dense", "matmul_precision"]
+__all__ = ["rms_norm", "rope_inv_freq", "rope_attention_factor", "apply_rope", "dense",
+           "matmul_precision"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -93,7 +93,8 @@ def test_yarn_rope_matches_hf(rope):
 
   hf_config = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, max_position_embeddings=256, num_hidden_layers=2,
-                           num_local_experts=8, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, **rope))
+                           num_local_experts=8,
+                           rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, **rope))
   inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
   cfg = config_from_hf(hf_config.to_dict())
   np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv_freq.numpy(), rtol=1e-6)

@@ -59,7 +59,8 @@ def _local_experts(stacked: ExpertParams, x: jax.Array, weights: jax.Array,
   mine = (ids >= 0) & (ids < local)
   order = jnp.argsort(jnp.where(mine, ids, local), stable=True)  # local ones first, by expert
   sizes = jnp.bincount(jnp.where(mine, ids, local), length=local + 1)[:local].astype(jnp.int32)
-  out = ragged_expert_mlp(stacked, x[order // k], ids[order], sizes, glu)  # past the groups: dropped
+  # Rows past the local groups come out as their bias alone; `mine` drops them below.
+  out = ragged_expert_mlp(stacked, x[order // k], ids[order], sizes, glu)
   out = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], k, -1)
   partial = (out.astype(jnp.float32) * (weights * mine.reshape(weights.shape))[..., None]).sum(1)
   return jax.lax.psum(partial, EXPERT).astype(x.dtype)

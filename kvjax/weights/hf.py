@@ -115,7 +115,8 @@ def _yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> YarnScaling:
     attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
   return YarnScaling(
       factor=float(factor), original_max_position_embeddings=original,
-      beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+      beta_fast=float(scaling.get("beta_fast") or 32),
+      beta_slow=float(scaling.get("beta_slow") or 1),
       truncate=bool(scaling.get("truncate", True)), attention_factor=float(attention_factor))
 
 
