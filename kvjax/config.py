@@ -17,8 +17,7 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "PRESETS", "get_preset",
-           "DTYPE_SHORT_NAMES",
-           "short_dtype_name", "LAYER_TYPES"]
+           "DTYPE_SHORT_NAMES", "short_dtype_name", "LAYER_TYPES"]
 
 # One dtype vocabulary for weights (`dtype`, --dtype) and KV pages (`kv_dtype`,
 # --kv-dtype): both accept either spelling; the short one is what results, the
@@ -333,8 +332,8 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=22016, num_layers=95, num_heads=64, num_kv_heads=8, head_dim=128,
         max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
         bos_token_id=100000, eos_token_id=100001),
-    # MLA: head_dim is the q/k head (qk_nope + qk_rope); YaRN rope scaling (factor 40
-    # over 4096) is not modelled by RopeScaling and is left out.
+    # MLA: head_dim is the q/k head (qk_nope + qk_rope); its YaRN rope scaling (factor
+    # 40 over 4096, with an mscale on the softmax scale MLA would need) is left out.
     "deepseek-v2": ModelConfig(
         name="deepseek-v2", vocab_size=102400, hidden_size=5120, intermediate_size=12288,
         num_layers=60, num_heads=128, num_kv_heads=128, head_dim=192,
