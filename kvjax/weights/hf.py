@@ -158,7 +158,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
       max_position_embeddings=hf["max_position_embeddings"], rope_theta=theta,
       rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", gpt_oss)),
       attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
       qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=window,
       layer_windows=layer_windows, bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
