@@ -16,14 +16,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["RopeScaling", "ModelConfig", "PRESETS", "get_preset", "DTYPE_SHORT_NAMES",
-           "short_dtype_name", "LAYER_TYPES"]
+__all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "PRESETS", "get_preset",
+           "DTYPE_SHORT_NAMES", "short_dtype_name", "LAYER_TYPES"]
 
 # One dtype vocabulary for weights (`dtype`, --dtype) and KV pages (`kv_dtype`,
 # --kv-dtype): both accept either spelling; the short one is what results, the
 # ledger and error messages print.
 DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 LAYER_TYPES = ("full_attention", "linear_attention")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 def short_dtype_name(name):
@@ -39,6 +40,21 @@ class RopeScaling:
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN rope scaling (HF rope_type='yarn', gpt-oss): frequencies interpolated by
+  `factor` below the `beta_slow` .. `beta_fast` rotation band, kept above it, ramped
+  between (the band's ends floored / ceiled when `truncate`); cos and sin scaled by
+  `attention_factor` (kvjax/layers.py)."""
+
+  factor: float
+  original_max_position_embeddings: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +77,11 @@ class ModelConfig:
   head_dim: int
   max_position_embeddings: int
   rope_theta: float = 10000.0
-  rope_scaling: Optional[RopeScaling] = None
+  rope_scaling: Optional[RopeScaling | YarnScaling] = None
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   attention_bias: bool = False  # Qwen2: bias on q, k, v projections.
+  attention_out_bias: bool = False  # gpt-oss: bias on the o projection too.
   qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before rope.
   sliding_window: Optional[int] = None
   layer_windows: Optional[tuple] = None  # per-layer window (None entries = full).
@@ -120,6 +137,14 @@ class ModelConfig:
   moe_topk_groups: int = 1
   norm_topk_prob: bool = False
   routed_scaling_factor: float = 1.0
+  # Experts (kvjax/moe/activation.py): "swiglu" silu(gate) * up, or gpt-oss's
+  # "clamped_swiglu": gate clamped above and up on both sides at `swiglu_limit`, then
+  # (up + 1) * gate * sigmoid(swiglu_alpha * gate).  `moe_bias`: the router and every
+  # expert projection add a bias (gpt-oss).
+  expert_activation: str = "swiglu"
+  swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
+  moe_bias: bool = False
 
   def __post_init__(self):
     # A config read back from JSON holds lists; steps hash the config, so tuples.
@@ -157,6 +182,9 @@ class ModelConfig:
                          f"(num_experts={ne}), got {value!r}")
     if self.moe_scoring not in ("softmax", "sigmoid"):
       raise ValueError(f"unknown moe_scoring {self.moe_scoring!r}; use 'softmax' or 'sigmoid'")
+    if self.expert_activation not in EXPERT_ACTIVATIONS:
+      raise ValueError(f"unknown expert_activation {self.expert_activation!r}; use one of "
+                       f"{EXPERT_ACTIVATIONS}")
     if ne % groups or not self.moe_topk_groups <= groups or (groups > 1 and ne // groups < 2):
       raise ValueError(f"num_experts={ne} does not split into moe_num_groups={groups} groups "
                        f"of >= 2 experts with moe_topk_groups={self.moe_topk_groups} <= groups")
@@ -304,8 +332,8 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=22016, num_layers=95, num_heads=64, num_kv_heads=8, head_dim=128,
         max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
         bos_token_id=100000, eos_token_id=100001),
-    # MLA: head_dim is the q/k head (qk_nope + qk_rope); YaRN rope scaling (factor 40
-    # over 4096) is not modelled by RopeScaling and is left out.
+    # MLA: head_dim is the q/k head (qk_nope + qk_rope); its YaRN rope scaling (factor
+    # 40 over 4096, with an mscale on the softmax scale MLA would need) is left out.
     "deepseek-v2": ModelConfig(
         name="deepseek-v2", vocab_size=102400, hidden_size=5120, intermediate_size=12288,
         num_layers=60, num_heads=128, num_kv_heads=128, head_dim=192,

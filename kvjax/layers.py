@@ -10,10 +10,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, YarnScaling
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "dense", "matmul_precision"]
+__all__ = ["rms_norm", "rope_inv_freq", "rope_attention_factor", "apply_rope", "dense",
+           "matmul_precision"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -23,7 +24,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """[H/2] inverse frequencies, with Llama-3.1 frequency-dependent scaling.
+  """[H/2] inverse frequencies, with Llama-3.1 or YaRN scaling.
 
   MLA rotates only its decoupled rope dims (qk_rope_head_dim), not the whole head.
   """
@@ -32,6 +33,8 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   sc = cfg.rope_scaling
   if sc is None:
     return inv_freq
+  if isinstance(sc, YarnScaling):
+    return _yarn_inv_freq(sc, inv_freq, h, cfg.rope_theta)
   low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
   high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
   wavelen = 2 * math.pi / inv_freq
@@ -43,11 +46,40 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   return jnp.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """x [B, T, heads, H], positions [B, T]: rotate-half rope (HF convention)."""
+def _yarn_inv_freq(sc: YarnScaling, inv_freq: jax.Array, h: int, theta: float) -> jax.Array:
+  """HF's _compute_yarn_parameters: the dims that turn fewer than `beta_slow` times over
+  the original context interpolate (inv_freq / factor), more than `beta_fast` times
+  extrapolate (inv_freq), a linear ramp between."""
+  def correction_dim(rotations):  # the dim that turns `rotations` times over the context
+    return h * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+        2 * math.log(theta))
+
+  low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+  if sc.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, h - 1)
+  if low == high:
+    high += 0.001  # as HF: no zero-width ramp
+  ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp
+  return inv_freq / sc.factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """The factor YaRN scales rope's cos and sin by (so q . k by its square); 1 otherwise."""
+  sc = cfg.rope_scaling
+  return sc.attention_factor if isinstance(sc, YarnScaling) else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float = 1.0) -> jax.Array:
+  """x [B, T, heads, H], positions [B, T]: rotate-half rope (HF convention), cos and sin
+  times `scale` (`rope_attention_factor`)."""
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)

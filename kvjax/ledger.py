@@ -42,6 +42,8 @@ from typing import Optional
 from kvjax.caches.layout import FLOAT_STORES, PoolSizes, sizing_layout
 from kvjax.caches.recurrent import state_arrays
 from kvjax.config import ModelConfig, short_dtype_name
+from kvjax.layer_kinds import layer_kind
+from kvjax.learned_sinks import LEARNED_SINKS
 
 __all__ = ["KIB", "GIB", "DTYPE_BITS", "PAGE_SIZE", "MemoryPlan", "bytes_for",
            "kv_values_per_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
@@ -172,6 +174,8 @@ def _attention_params(cfg: ModelConfig) -> int:
   total = d * n * h + 2 * d * k * h + n * h * d
   if cfg.attention_bias:
     total += (n + 2 * k) * h
+  if cfg.attention_out_bias:
+    total += d
   if cfg.qk_norm:
     total += 2 * h
   if cfg.attn_output_gate:
@@ -186,9 +190,13 @@ def _block_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     routed = cfg.num_experts_per_tok if active else cfg.num_experts
     experts = routed + cfg.num_shared_experts
     mlp = experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts  # + router.
+    if cfg.moe_bias:  # the router's and each routed expert's gate, up and down biases
+      mlp += cfg.num_experts + routed * (2 * cfg.moe_intermediate_size + d)
   else:
     mlp = 3 * d * cfg.intermediate_size  # gate, up, down.
   mixer = _gated_delta_params(cfg) if cfg.is_linear_layer(layer) else _attention_params(cfg)
+  if layer_kind(cfg, layer) is LEARNED_SINKS:
+    mixer += cfg.num_heads
   return 2 * d + mixer + mlp  # two RMSNorms.
 
 

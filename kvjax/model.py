@@ -25,7 +25,8 @@ from kvjax.config import ModelConfig
 from kvjax.hybrid import stateless_mix
 from kvjax.layer_kinds import LayerKind, MLPKind, layer_kind, mlp_kind, register_layer_kind, \
     register_mlp_kind, register_selector
-from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_inv_freq
+from kvjax.layers import apply_rope, dense, matmul_precision, rms_norm, rope_attention_factor, \
+    rope_inv_freq
 from kvjax.moe.block import moe_mlp
 from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params, gqa_init, \
     moe_init, swiglu_init
@@ -60,12 +61,13 @@ def _inv_freq(cfg: ModelConfig) -> jax.Array:
   return rope_inv_freq(cfg.replace(head_dim=cfg.rotary_dim, partial_rotary_factor=1.0))
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float) -> jax.Array:
   """Rope on x's first 2 * len(inv_freq) dims; the rest pass through (partial rope)."""
   rotary = 2 * inv_freq.shape[0]
   if rotary == x.shape[-1]:
-    return apply_rope(x, positions, inv_freq)
-  return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], -1)
+    return apply_rope(x, positions, inv_freq, scale)
+  return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq, scale),
+                          x[..., rotary:]], -1)
 
 
 def gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions: jax.Array,
@@ -79,13 +81,15 @@ def gqa_attention(cfg: ModelConfig, a: AttentionParams, h: jax.Array, positions:
   if a.q_norm is not None:
     q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
     k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-  q = _rope(q, positions, inv_freq)
-  k = _rope(k, positions, inv_freq)
+  scale = rope_attention_factor(cfg)
+  q = _rope(q, positions, inv_freq, scale)
+  k = _rope(k, positions, inv_freq, scale)
   with jax.named_scope(f"attention_{layer}"):
     cache, out = attend.attention(cache, cfg.state_index(layer), q, k, v)
   if a.wg is not None:  # Qwen3.5: each head's output scaled by its own sigmoid gate
     out = out * jax.nn.sigmoid(dense("btd,dnh->btnh", h, a.wg))
-  return cache, dense("btnh,nhd->btd", out, a.wo)
+  out = dense("btnh,nhd->btd", out, a.wo)
+  return cache, out if a.bo is None else out + a.bo
 
 
 def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.Array,
@@ -111,10 +115,11 @@ def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.A
   else:
     q_low = rms_norm(h @ a.wq_a, a.q_norm, LORA_NORM_EPS)  # [B, T, Rq]
     q = jnp.tensordot(q_low, a.wq_b, axes=1)  # [B, T, N, Hn + Hr]
-  q_nope, q_rope = q[..., :hn], apply_rope(q[..., hn:], positions, inv_freq)
+  scale = rope_attention_factor(cfg)
+  q_nope, q_rope = q[..., :hn], apply_rope(q[..., hn:], positions, inv_freq, scale)
   kv = h @ a.wkv_a  # [B, T, R + Hr]
   latent = rms_norm(kv[..., :r], a.kv_norm, LORA_NORM_EPS)  # [B, T, R]
-  k_rope = apply_rope(kv[:, :, None, r:], positions, inv_freq)  # [B, T, 1, Hr]
+  k_rope = apply_rope(kv[:, :, None, r:], positions, inv_freq, scale)  # [B, T, 1, Hr]
   q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, a.wk_b)  # absorbed W_uk: [B, T, N, R]
   queries = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, R + Hr]
   entry = jnp.concatenate([latent[:, :, None], k_rope], axis=-1)  # [B, T, 1, R + Hr]

@@ -34,6 +34,7 @@ class AttentionParams:
   q_norm: Optional[jax.Array] = None  # [H]  (Qwen3)
   k_norm: Optional[jax.Array] = None  # [H]
   wg: Optional[jax.Array] = None  # [D, N, H] sigmoid output gate (Qwen3.5 gated attention)
+  bo: Optional[jax.Array] = None  # [D] o projection bias (gpt-oss)
 
 
 @struct.dataclass
@@ -143,7 +144,8 @@ def gqa_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> AttentionPa
       bv=normal(keys[6], (k, h)) if bias else None,
       q_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
       k_norm=jnp.ones((h,), dtype) if cfg.qk_norm else None,
-      wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None)
+      wg=normal(jax.random.fold_in(key, 10), (d, n, h)) if cfg.attn_output_gate else None,
+      bo=normal(jax.random.fold_in(key, 12), (d,)) if cfg.attention_out_bias else None)
 
 
 def swiglu_init(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> dict:

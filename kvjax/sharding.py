@@ -49,6 +49,7 @@ _SPLIT = {
     "wq": (1, "heads"), "wk": (1, "kv"), "wv": (1, "kv"), "wo": (0, "heads"),
     "bq": (0, "heads"), "bk": (0, "kv"), "bv": (0, "kv"),
     "w_gate": (1, "ffn"), "w_up": (1, "ffn"), "w_down": (0, "ffn"),
+    "b_gate": (0, "ffn"), "b_up": (0, "ffn"),
     "wk_b": (1, "heads"), "wv_b": (1, "heads"), "wq_b": (1, "heads"),
     "embed": (0, "vocab"), "lm_head": (1, "vocab"),
 }

@@ -1,4 +1,5 @@
-"""Tiny random HF MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3), saved with save_pretrained."""
+"""Tiny random HF MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss), saved with
+save_pretrained."""
 from __future__ import annotations
 
 import torch
@@ -28,11 +29,29 @@ FAMILIES = {
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=24,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True)),
+    # Fused interleaved experts with biases and clamped SwiGLU (limit low enough that
+    # the clamps bite), router bias, softmax over the top-2 logits; q/k/v/o biases,
+    # learned sinks; sliding (window 8 < the prompts) / full layers alternating; YaRN
+    # rope as gpt-oss ships it (factor 32 over 4096, truncate false).
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+        intermediate_size=32, sliding_window=8, swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=4096))),
 }
 
 
+def _randomize(*tensors, std: float = 0.3):
+  for tensor in tensors:
+    tensor.copy_(std * torch.randn(tensor.shape))
+
+
 def build(family: str, seed: int = 0, **overrides):
-  """The HF model of `family` in eval mode; DeepSeek-V3's choice bias random (HF inits 0)."""
+  """The HF model of `family` in eval mode; the biases HF inits to 0 random (DeepSeek-V3's
+  choice bias, gpt-oss's attention and expert biases), gpt-oss's sinks large enough to
+  matter."""
   config_cls, model_cls, extra = FAMILIES[family]
   torch.manual_seed(seed)
   model = model_cls(config_cls(**{**_COMMON, **extra, **overrides})).eval()
@@ -40,7 +59,12 @@ def build(family: str, seed: int = 0, **overrides):
     for layer in model.model.layers:
       gate = getattr(layer.mlp, "gate", None)
       if gate is not None and hasattr(gate, "e_score_correction_bias"):
-        gate.e_score_correction_bias.copy_(0.3 * torch.randn(gate.e_score_correction_bias.shape))
+        _randomize(gate.e_score_correction_bias)
+      if family == "gpt_oss":
+        attn, experts = layer.self_attn, layer.mlp.experts
+        _randomize(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
+                   layer.mlp.router.bias, experts.gate_up_proj_bias, experts.down_proj_bias)
+        _randomize(attn.sinks, std=2.0)
   return model
 
 

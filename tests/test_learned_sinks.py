@@ -23,7 +23,7 @@ def cfg():
   return with_learned_sinks(ModelConfig(
       name="tiny-gpt-oss", vocab_size=64, hidden_size=D, intermediate_size=64, num_layers=2,
       num_heads=N, num_kv_heads=K, head_dim=H, max_position_embeddings=64,
-      attention_bias=True, rope_theta=10000.0))
+      attention_bias=True, attention_out_bias=True, rope_theta=10000.0))
 
 
 def _hf_attention(p):
@@ -40,7 +40,7 @@ def _hf_attention(p):
       getattr(hf, name).weight.copy_(f64(w).reshape(D, -1).T)
       getattr(hf, name).bias.copy_(f64(b).reshape(-1))
     hf.o_proj.weight.copy_(f64(p.attn.wo).reshape(-1, D).T)
-    hf.o_proj.bias.zero_()  # kvjax's GQA kind has no output bias (the loader must fold it)
+    hf.o_proj.bias.copy_(f64(p.attn.bo))
     hf.sinks.copy_(f64(p.sinks))
   return hf, gpt_oss.GptOssRotaryEmbedding(config).double()
 

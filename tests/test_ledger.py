@@ -75,8 +75,14 @@ def test_param_counts_match_published_totals():
 def test_param_count_matches_initialized_pytree():
   jax = pytest.importorskip("jax")
   params = pytest.importorskip("kvjax.params")
+  from kvjax.learned_sinks import with_learned_sinks
+
+  gpt_oss_like = with_learned_sinks(get_preset("tiny").replace(
+      attention_bias=True, attention_out_bias=True, num_experts=4, num_experts_per_tok=2,
+      moe_intermediate_size=16, moe_bias=True, expert_activation="clamped_swiglu"))
   for cfg in (get_preset("tiny"), get_preset("tiny").replace(
-      mtp_num_hidden_layers=2, qk_norm=True, attention_bias=True, tie_word_embeddings=True)):
+      mtp_num_hidden_layers=2, qk_norm=True, attention_bias=True, tie_word_embeddings=True),
+      gpt_oss_like):
     tree = jax.eval_shape(lambda key: params.init_params(cfg, key), jax.random.PRNGKey(0))
     assert ledger.param_count(cfg) == params.count_params(tree)
 

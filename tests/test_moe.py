@@ -1,5 +1,9 @@
-"""MoE models vs HF transformers on tiny random checkpoints: Mixtral, Qwen3-MoE, DeepSeek-V3."""
+"""MoE models vs HF transformers on tiny random checkpoints: Mixtral, Qwen3-MoE, DeepSeek-V3,
+gpt-oss."""
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -21,7 +25,7 @@ def test_moe_layers_where_hf_puts_them(moe_pair, family):
   theirs = [hasattr(layer.mlp, "experts") for layer in hf_model.model.layers]
   assert [model.config.is_moe_layer(i) for i in range(model.config.num_layers)] == theirs
   assert [b.moe is not None for b in model.params.blocks] == theirs
-  assert True in theirs and (family == "mixtral" or False in theirs)
+  assert True in theirs and (family in ("mixtral", "gpt_oss") or False in theirs)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -69,3 +73,31 @@ def test_tied_router_logits_resolved_as_hf(tmp_path):
   split = ((picks == 2).any(-1) ^ (picks == 5).any(-1)).sum().item()
   assert split > 0, "no token had the tie decide a slot"
   np.testing.assert_allclose(np.asarray(kvjax.forward(model, tokens)), theirs, atol=1e-4, rtol=0)
+
+
+def test_gpt_oss_tensor_contract_names_each_tensor(tmp_path):
+  # The tensors only gpt-oss has, each shrunk or dropped, are refused naming it before
+  # any is read (kvjax/weights/hf_contract.py): the interleaved gate_up's 2 Fe included.
+  from safetensors.numpy import load_file, save_file
+
+  from kvjax.weights.hf import read_hf_config
+  from kvjax.weights.hf_contract import check_hf_tensors
+
+  source = str(tmp_path / "gpt_oss")
+  save_tiny("gpt_oss", source)
+  hf_config, cfg = read_hf_config(source)
+  tensors = load_file(os.path.join(source, "model.safetensors"))
+  pre = "model.layers.1."
+  names = [pre + "self_attn." + n for n in ("sinks", "o_proj.bias", "q_proj.bias")] + [
+      pre + "mlp." + n for n in ("router.weight", "router.bias", "experts.gate_up_proj",
+                                 "experts.gate_up_proj_bias", "experts.down_proj",
+                                 "experts.down_proj_bias")]
+  for name in names:
+    shrunk = np.ascontiguousarray(tensors[name][..., :-1])
+    for mutation in ({**tensors, name: shrunk}, {k: v for k, v in tensors.items() if k != name}):
+      directory = str(tmp_path / "mutated")
+      shutil.copytree(source, directory)
+      save_file(mutation, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+      with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        check_hf_tensors(directory, hf_config, cfg)
+      shutil.rmtree(directory)

@@ -1,4 +1,5 @@
-"""Greedy MoE generation vs HF's argmax under every cache: Mixtral and Qwen3-MoE."""
+"""Greedy MoE generation vs HF's argmax under every cache: Mixtral, Qwen3-MoE and gpt-oss
+(its sliding layers' window 8 is shorter than the prompts and continuations)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ def moe_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, caches", [
-    ("mixtral", ("paged", "contiguous", "none")), ("qwen3_moe", ("paged", "contiguous", "none"))])
+    ("mixtral", ("paged", "contiguous", "none")), ("qwen3_moe", ("paged", "contiguous", "none")),
+    ("gpt_oss", ("paged", "contiguous", "none"))])
 def test_greedy_generate_matches_hf(moe_pair, family, caches):
   # Decode: 3 rows x top-2 = 6 <= 8 experts, the switched path; prefill: grouped.
   hf_model, model = moe_pair(family)

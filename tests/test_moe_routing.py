@@ -1,5 +1,6 @@
-"""MoE routing vs HF's router modules, both expert paths vs float64 numpy, the batch-1
-step's bytes from the compiled HLO (only the chosen experts are read)."""
+"""MoE routing vs HF's router modules (gpt-oss's with its bias), both expert paths (plain
+and clamped SwiGLU, with biases) vs float64 numpy, the batch-1 step's bytes from the
+compiled HLO (only the chosen experts are read)."""
 from __future__ import annotations
 
 import jax
@@ -12,6 +13,7 @@ import transformers
 import kvjax
 from kvjax import ledger
 from kvjax.model import forward
+from kvjax.moe.activation import ExpertGLU
 from kvjax.moe.grouped import grouped_experts, switched_experts
 from kvjax.moe.params import init_moe
 from kvjax.moe.routing import route
@@ -43,6 +45,10 @@ ROUTERS = {
                     dict(num_experts=NE, num_experts_per_tok=3, moe_scoring="sigmoid",
                          moe_score_bias=True, moe_num_groups=4, moe_topk_groups=2,
                          norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "gpt_oss": (transformers.GptOssConfig(hidden_size=D, num_local_experts=NE,
+                                          num_experts_per_tok=3),
+                transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter,
+                dict(num_experts=NE, num_experts_per_tok=3, moe_softmax_after_topk=True)),
 }
 
 
@@ -64,10 +70,15 @@ def test_route_matches_hf_router(family, tied):
     bias = getattr(router, "e_score_correction_bias", None)
     if bias is not None:
       bias.copy_(0.2 * torch.randn(NE))
+    logits_bias = getattr(router, "bias", None)  # gpt-oss's, added in kvjax/moe/block.py
+    if logits_bias is not None:
+      logits_bias.copy_(0.2 * torch.randn(NE))
   hidden = torch.randn(64, D)
   with torch.no_grad():
     _, hf_weights, hf_experts = router(hidden)
   logits = hidden.numpy() @ router.weight.detach().numpy().T
+  if logits_bias is not None:
+    logits = logits + logits_bias.detach().numpy()
   weights, experts = route(_cfg(**moe), jnp.asarray(logits),
                            None if bias is None else jnp.asarray(bias.numpy()))
   np.testing.assert_allclose(_dense_weights(weights, experts, NE),
@@ -84,28 +95,40 @@ def test_group_limit_excludes_experts_outside_the_best_groups():
   assert sorted(np.asarray(experts)[0].tolist()) == [0, 1, 2]  # 4 (group 2) excluded
 
 
-def _numpy_experts(moe, x, weights, experts):
-  """float64 brute force: sum_k w_k SwiGLU_{e_k}(x) per token."""
+def _numpy_experts(moe, x, weights, experts, limit=None, alpha=1.702):
+  """float64 brute force: sum_k w_k expert_{e_k}(x) per token, SwiGLU or (a `limit`)
+  gpt-oss's clamped SwiGLU, with the experts' biases where they have them."""
   out = np.zeros(x.shape, np.float64)
+  f64 = lambda b: 0.0 if b is None else np.float64(b)
   for a in range(x.shape[0]):
     for w, e in zip(np.asarray(weights[a], np.float64), np.asarray(experts[a])):
       p = moe.experts[int(e)]
-      g, u = x[a] @ np.float64(p.w_gate), x[a] @ np.float64(p.w_up)
-      out[a] += w * ((g / (1 + np.exp(-g)) * u) @ np.float64(p.w_down))
+      g = x[a] @ np.float64(p.w_gate) + f64(p.b_gate)
+      u = x[a] @ np.float64(p.w_up) + f64(p.b_up)
+      if limit is None:
+        h = g / (1 + np.exp(-g)) * u
+      else:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        h = (u + 1) * g / (1 + np.exp(-alpha * g))
+      out[a] += w * (h @ np.float64(p.w_down) + f64(p.b_down))
   return out
 
 
 @pytest.mark.parametrize("path", [switched_experts, grouped_experts])
-def test_expert_paths_match_float64(path):
-  cfg = _cfg(num_experts=NE, num_experts_per_tok=2)
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_expert_paths_match_float64(path, activation):
+  clamped = activation == "clamped_swiglu"
+  cfg = _cfg(num_experts=NE, num_experts_per_tok=2, expert_activation=activation,
+             swiglu_limit=1.0, moe_bias=clamped)
   moe = init_moe(cfg, jax.random.PRNGKey(1), jnp.float32, std=0.5)
   rng = np.random.default_rng(0)
   x = rng.normal(size=(5, D)).astype(np.float32)
   experts = np.array([[3, 1], [1, 3], [7, 7 - 1], [0, 2], [3, 5]], np.int32)
   weights = rng.uniform(size=(5, 2)).astype(np.float32)
-  ours = path(moe.experts, jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts))
-  np.testing.assert_allclose(np.asarray(ours), _numpy_experts(moe, np.float64(x), weights,
-                                                              experts), atol=1e-5)
+  ours = path(moe.experts, jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+              ExpertGLU.of(cfg))
+  want = _numpy_experts(moe, np.float64(x), weights, experts, 1.0 if clamped else None)
+  np.testing.assert_allclose(np.asarray(ours), want, atol=1e-5)
 
 
 def _step_bytes(cfg, params, rows: int) -> float:

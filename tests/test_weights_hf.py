@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import kvjax
+from kvjax.layers import rope_attention_factor, rope_inv_freq
+from kvjax.weights.checkpoint import config_from_dict, config_to_dict
 from kvjax.weights.hf import config_from_hf
 from tests import hf_models
 
@@ -71,10 +73,33 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
 
 
 def test_unsupported_rope_type_is_named():
-  with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+  with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
     config_from_hf(dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=8,
-                        rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+                        rope_scaling={"rope_type": "longrope", "factor": 4.0}))
+
+
+@pytest.mark.parametrize("rope", [
+    # gpt-oss as shipped: the band's ends not rounded
+    dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+         original_max_position_embeddings=4096),
+    dict(factor=4.0, original_max_position_embeddings=64),  # truncate defaults to true
+    dict(factor=40.0, mscale=1.0, mscale_all_dim=0.707, original_max_position_embeddings=4096),
+    dict(factor=None, attention_factor=1.25, original_max_position_embeddings=64),
+])
+def test_yarn_rope_matches_hf(rope):
+  from transformers import GptOssConfig
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  hf_config = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=256, num_hidden_layers=2,
+                           num_local_experts=8,
+                           rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, **rope))
+  inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+  cfg = config_from_hf(hf_config.to_dict())
+  np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv_freq.numpy(), rtol=1e-6)
+  assert rope_attention_factor(cfg) == pytest.approx(attention_factor, rel=1e-12)
+  assert config_from_dict(config_to_dict(cfg)) == cfg  # kvjax checkpoints keep the record
 
 
 def test_qwen2_per_layer_sliding_window_from_flags():

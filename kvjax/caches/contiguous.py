@@ -28,8 +28,9 @@ class ContiguousKVCache:
                v=jnp.zeros(shape + (value_dim or head_dim,), dtype))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend=None):
-    """Write k [B, T, K, H], v [B, T, K, Hv] into each row's slot; q attends the slot's buffer."""
+             window: Optional[int], backend=None, sinks: Optional[jax.Array] = None):
+    """Write k [B, T, K, H], v [B, T, K, Hv] into each row's slot; q attends the slot's
+    buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/learned_sinks.py)."""
     del backend  # a contiguous buffer needs no page gather
     slots = batch.slot_ids[:, None]  # [B, 1]
     # Padding columns land past the buffer end and are dropped.
@@ -40,7 +41,7 @@ class ContiguousKVCache:
     keys = cache.k[layer, batch.slot_ids]  # [B, S, K, H]
     values = cache.v[layer, batch.slot_ids]
     visible = self.visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
-    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)
+    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale, sinks=sinks)
 
   def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int]) -> jax.Array:
     """[B, T, S] keys each query sees: causal and windowed (a layout's twin may mask

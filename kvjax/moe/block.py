@@ -1,7 +1,8 @@
 """The MoE MLP of one decoder block: router, routed experts, shared experts.
 
-h [B, T, D] -> router logits (float32, as HF computes DeepSeek-V3's) -> the top-k
-experts and weights (kvjax/moe/routing.py) -> sum_k w_k expert_k(h) through the
+h [B, T, D] -> router logits (float32, as HF computes DeepSeek-V3's; + gpt-oss's router
+bias) -> the top-k experts and weights (kvjax/moe/routing.py) -> sum_k w_k expert_k(h),
+each expert's gated activation the config's (kvjax/moe/activation.py), through the
 path the shape picks (kvjax/moe/grouped.py), or split over the "expert" mesh axis
 (kvjax/moe/expert_parallel.py) -> + the shared experts' MLP.
 """
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.moe.activation import ExpertGLU
 from kvjax.moe.expert_parallel import expert_parallel
 from kvjax.moe.grouped import routed_experts, swiglu
 from kvjax.moe.params import ExpertParams, MoEParams
@@ -23,11 +25,14 @@ def moe_mlp(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> jax.Array:
   """h [B, T, D] -> [B, T, D]."""
   x = h.reshape(-1, h.shape[-1])  # [Bt, D]: the B T tokens
   logits = jnp.matmul(x.astype(jnp.float32), p.router.astype(jnp.float32))  # [Bt, Ne]
+  if p.router_bias is not None:
+    logits = logits + p.router_bias.astype(jnp.float32)
   weights, chosen = route(cfg, logits, p.score_bias)
+  glu = ExpertGLU.of(cfg)
   if isinstance(p.experts, ExpertParams):  # stacked over the "expert" mesh axis
-    out = expert_parallel(p.experts, x, weights, chosen).reshape(h.shape)
+    out = expert_parallel(p.experts, x, weights, chosen, glu).reshape(h.shape)
   else:
-    out = routed_experts(p.experts, x, weights, chosen).reshape(h.shape)
+    out = routed_experts(p.experts, x, weights, chosen, glu).reshape(h.shape)
   if p.shared is not None:
     out = out + swiglu(p.shared, h)
   return out

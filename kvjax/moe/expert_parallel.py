@@ -7,7 +7,7 @@ experts i Ne / ep .. (i + 1) Ne / ep - 1, nothing else of them.  The block
 (attention stays data / tensor parallel), so every device already holds every
 token and its routing; under `shard_map` each device sorts the assignments
 that land on its local experts first, runs them through `ragged_dot` over its
-[Ne / ep, D, Fe] (rows past the local groups come out zero), weighs them, and
+[Ne / ep, D, Fe] (rows past the local groups are dropped), weighs them, and
 one `psum` over "expert" combines the devices' partial sums: one all-reduce of
 [Bt, D] per MoE layer, no all-to-all.  That is the better trade while the
 tokens are already everywhere; a token-sharded layout would dispatch with
@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kvjax.moe.activation import SWIGLU, ExpertGLU
+from kvjax.moe.grouped import ragged_expert_mlp
 from kvjax.moe.params import ExpertParams, MoEParams
 
 __all__ = ["EXPERT", "shard_experts", "expert_parallel"]
@@ -48,7 +50,7 @@ def shard_experts(params, mesh: jax.sharding.Mesh):
 
 
 def _local_experts(stacked: ExpertParams, x: jax.Array, weights: jax.Array,
-                   chosen: jax.Array) -> jax.Array:
+                   chosen: jax.Array, glu: ExpertGLU) -> jax.Array:
   """One device's share: its [Ne / ep] experts on the assignments routed to them."""
   local = stacked.w_gate.shape[0]
   first = jax.lax.axis_index(EXPERT) * local
@@ -57,18 +59,17 @@ def _local_experts(stacked: ExpertParams, x: jax.Array, weights: jax.Array,
   mine = (ids >= 0) & (ids < local)
   order = jnp.argsort(jnp.where(mine, ids, local), stable=True)  # local ones first, by expert
   sizes = jnp.bincount(jnp.where(mine, ids, local), length=local + 1)[:local].astype(jnp.int32)
-  rows = x[order // k]
-  gate = jax.lax.ragged_dot(rows, stacked.w_gate, sizes)
-  up = jax.lax.ragged_dot(rows, stacked.w_up, sizes)
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, stacked.w_down, sizes)  # 0 past the groups
+  # Rows past the local groups come out as their bias alone; `mine` drops them below.
+  out = ragged_expert_mlp(stacked, x[order // k], ids[order], sizes, glu)
   out = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], k, -1)
   partial = (out.astype(jnp.float32) * (weights * mine.reshape(weights.shape))[..., None]).sum(1)
   return jax.lax.psum(partial, EXPERT).astype(x.dtype)
 
 
 def expert_parallel(stacked: ExpertParams, x: jax.Array, weights: jax.Array,
-                    chosen: jax.Array) -> jax.Array:
+                    chosen: jax.Array, glu: ExpertGLU = SWIGLU) -> jax.Array:
   """x [Bt, D], weights / chosen [Bt, Ke] -> [Bt, D]; `stacked` split over "expert"."""
-  specs = ExpertParams(w_gate=P(EXPERT), w_up=P(EXPERT), w_down=P(EXPERT))
-  return jax.shard_map(_local_experts, in_specs=(specs, P(), P(), P()), out_specs=P(),
+  specs = jax.tree.map(lambda _: P(EXPERT), stacked)
+  local = lambda *args: _local_experts(*args, glu)
+  return jax.shard_map(local, in_specs=(specs, P(), P(), P()), out_specs=P(),
                        check_vma=False)(stacked, x, weights, chosen)

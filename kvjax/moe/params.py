@@ -23,34 +23,49 @@ __all__ = ["ExpertParams", "MoEParams", "init_moe"]
 
 @struct.dataclass
 class ExpertParams:
-  """One SwiGLU expert: down(silu(x gate) * (x up))."""
+  """One gated expert: down(glu(x gate + b_gate, x up + b_up)) + b_down, glu the
+  config's activation (kvjax/moe/activation.py); biases only where `moe_bias`."""
   w_gate: jax.Array  # [D, Fe]
   w_up: jax.Array  # [D, Fe]
   w_down: jax.Array  # [Fe, D]
+  b_gate: Optional[jax.Array] = None  # [Fe]
+  b_up: Optional[jax.Array] = None  # [Fe]
+  b_down: Optional[jax.Array] = None  # [D]
 
 
 @struct.dataclass
 class MoEParams:
   router: jax.Array  # [D, Ne] router logits projection
   experts: tuple  # tuple[ExpertParams, ...], Ne routed experts
+  router_bias: Optional[jax.Array] = None  # [Ne] added to the logits (gpt-oss)
   score_bias: Optional[jax.Array] = None  # [Ne] DeepSeek-V3 e_score_correction_bias
   shared: Optional[ExpertParams] = None  # always-on experts, one MLP of width Ns Fe
 
 
-def _expert(key: jax.Array, d: int, width: int, dtype, std: float) -> ExpertParams:
+def _expert(key: jax.Array, d: int, width: int, dtype, std: float,
+            bias: bool = False) -> ExpertParams:
   k_gate, k_up, k_down = jax.random.split(key, 3)
   normal = lambda kk, shape: (std * jax.random.normal(kk, shape, jnp.float32)).astype(dtype)
+  biases = {}
+  if bias:  # own stream: bias-free experts draw as before
+    kb_gate, kb_up, kb_down = jax.random.split(jax.random.fold_in(key, 3), 3)
+    biases = dict(b_gate=normal(kb_gate, (width,)), b_up=normal(kb_up, (width,)),
+                  b_down=normal(kb_down, (d,)))
   return ExpertParams(w_gate=normal(k_gate, (d, width)), w_up=normal(k_up, (d, width)),
-                      w_down=normal(k_down, (width, d)))
+                      w_down=normal(k_down, (width, d)), **biases)
 
 
 def init_moe(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> MoEParams:
-  """Random MoE layer (normal(0, std) weights; a random choice bias where the config has one)."""
+  """Random MoE layer (normal(0, std) weights; random choice, router and expert biases
+  where the config has them)."""
   d, fe, ne = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
   k_router, k_experts, k_bias, k_shared = jax.random.split(key, 4)
-  experts = tuple(_expert(kk, d, fe, dtype, std) for kk in jax.random.split(k_experts, ne))
+  experts = tuple(_expert(kk, d, fe, dtype, std, cfg.moe_bias)
+                  for kk in jax.random.split(k_experts, ne))
   shared = (_expert(k_shared, d, fe * cfg.num_shared_experts, dtype, std)
             if cfg.num_shared_experts else None)
   bias = (std * jax.random.normal(k_bias, (ne,), jnp.float32) if cfg.moe_score_bias else None)
+  router_bias = (std * jax.random.normal(jax.random.fold_in(k_router, 1), (ne,))).astype(dtype) \
+      if cfg.moe_bias else None
   return MoEParams(router=(std * jax.random.normal(k_router, (d, ne))).astype(dtype),
-                   experts=experts, score_bias=bias, shared=shared)
+                   router_bias=router_bias, experts=experts, score_bias=bias, shared=shared)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from kvjax.config import ModelConfig, RopeScaling
+from kvjax.config import ModelConfig, RopeScaling, YarnScaling
 from kvjax.params import Params, init_params
 from kvjax.sharding import param_shardings
 
@@ -43,8 +43,9 @@ def config_to_dict(cfg: ModelConfig) -> dict:
 
 def config_from_dict(d: dict) -> ModelConfig:
   d = dict(d)
-  if d.get("rope_scaling") is not None:
-    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  scaling = d.get("rope_scaling")
+  if scaling is not None:  # only YaRN's record has beta_fast
+    d["rope_scaling"] = (YarnScaling if "beta_fast" in scaling else RopeScaling)(**scaling)
   if d.get("layer_windows") is not None:
     d["layer_windows"] = tuple(d["layer_windows"])
   return ModelConfig(**d)

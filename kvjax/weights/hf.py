@@ -3,7 +3,10 @@
 Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
 window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
 deepseek_v2 with MLA and dense MLPs only (MoE layers raise), deepseek_v3 (MLA,
-MoE), mixtral and qwen3_moe (MoE layers: kvjax/weights/hf_moe.py), qwen3_5 / qwen3_5_text / dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
+MoE), mixtral and qwen3_moe (MoE layers: kvjax/weights/hf_moe.py), gpt_oss (fused
+experts with biases and clamped SwiGLU, learned attention sinks: kvjax/learned_sinks.py,
+o_proj bias, alternating sliding / full layers, YaRN rope), qwen3_5 / qwen3_5_text /
+dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
 split out ([D, N, H] etc.), so each tensor is transposed once here, after
 kvjax/weights/hf_contract.py has checked every tensor's shape and dtype against
@@ -12,13 +15,16 @@ the config (and config.json errors name the file).
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, RopeScaling
+from kvjax.config import ModelConfig, RopeScaling, YarnScaling
+from kvjax.layer_kinds import layer_kind
+from kvjax.learned_sinks import LEARNED_SINKS, SinkAttentionParams, with_learned_sinks
 from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
 from kvjax.sharding import place_host_params
 from kvjax.weights.hf_contract import check_hf_tensors
@@ -80,19 +86,38 @@ def _check_token_ids(hf: dict[str, Any], cfg: ModelConfig, file: str) -> None:
                          f"{cfg.vocab_size})")
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | YarnScaling | None]:
   params = dict(hf.get("rope_parameters") or {})
   scaling = hf.get("rope_scaling") or params
   theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
   rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
   if rope_type == "default":
     return theta, None
+  if rope_type == "yarn":
+    return theta, _yarn(hf, scaling)
   if rope_type != "llama3":
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, yarn)")
   return theta, RopeScaling(
       factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
       high_freq_factor=float(scaling["high_freq_factor"]),
       original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+
+
+def _yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> YarnScaling:
+  """HF _compute_yarn_parameters' constants: factor (default max / original positions),
+  attention_factor (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio)."""
+  original = int(scaling["original_max_position_embeddings"])
+  factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+  mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+  attention_factor = scaling.get("attention_factor")
+  if attention_factor is None:
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+  return YarnScaling(
+      factor=float(factor), original_max_position_embeddings=original,
+      beta_fast=float(scaling.get("beta_fast") or 32),
+      beta_slow=float(scaling.get("beta_slow") or 1),
+      truncate=bool(scaling.get("truncate", True)), attention_factor=float(attention_factor))
 
 
 def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
@@ -112,8 +137,8 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
   window = hf.get("sliding_window")
   layer_windows = None
   layer_types = hf.get("layer_types")
-  if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-    # Qwen's window applies only to layers HF marks "sliding_attention".
+  if model_type in ("qwen2", "qwen3", "qwen3_moe", "gpt_oss"):
+    # The window applies only to layers HF marks "sliding_attention".
     if layer_types is None and hf.get("use_sliding_window"):
       start = hf.get("max_window_layers", num_layers)
       layer_types = ["sliding_attention" if i >= start else "full_attention"
@@ -124,7 +149,8 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     if not any(layer_windows):
       layer_windows = None
   eos = hf_eos_id(hf)
-  return ModelConfig(
+  gpt_oss = model_type == "gpt_oss"
+  cfg = ModelConfig(
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"], num_layers=num_layers, num_heads=num_heads,
       num_kv_heads=hf.get("num_key_value_heads") or num_heads,
@@ -132,10 +158,12 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
       max_position_embeddings=hf["max_position_embeddings"], rope_theta=theta,
       rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", gpt_oss)),
+      attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
       qk_norm=model_type in ("qwen3", "qwen3_moe"), sliding_window=window,
       layer_windows=layer_windows, bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
       pad_token_id=hf.get("pad_token_id"), **moe_config(hf))
+  return with_learned_sinks(cfg) if gpt_oss else cfg
 
 
 def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
@@ -306,8 +334,11 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
           bq=get(pre + "self_attn.q_proj.bias").reshape(n, h) if bias else None,
           bk=get(pre + "self_attn.k_proj.bias").reshape(k, h) if bias else None,
           bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
+          bo=get(pre + "self_attn.o_proj.bias") if cfg.attention_out_bias else None,
           q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
           k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
+      if layer_kind(cfg, i) is LEARNED_SINKS:
+        attn = SinkAttentionParams(attn=attn, sinks=get(pre + "self_attn.sinks"))
     if cfg.is_moe_layer(i):
       mlp = dict(moe=moe_params(cfg, hf_config["model_type"], get, pre))
     else:

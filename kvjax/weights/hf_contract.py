@@ -10,9 +10,10 @@ something else than the checkpoint means (an o_proj bias, a layer beyond
 num_hidden_layers), except the ones transformers itself ignores (rotary
 inv_freq buffers, DeepSeek-V3's next-token-prediction layers), which a warning
 names.  A config that ties the head to the embedding over a checkpoint that
-stores lm_head.weight gets that head, as transformers loads it (a warning says so).  The dense (llama, mistral, qwen2,
-qwen3) and DeepSeek MLA layouts are checked tensor by tensor; the qwen3_5
-hybrids' dtypes only.
+stores lm_head.weight gets that head, as transformers loads it (a warning says so).
+The dense (llama, mistral, qwen2, qwen3; gpt_oss's o_proj bias and sinks), MoE
+(kvjax/weights/hf_moe.py) and DeepSeek MLA layouts are checked tensor by tensor;
+the qwen3_5 hybrids' dtypes only.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import warnings
 from typing import Any
 
 from kvjax.config import ModelConfig
+from kvjax.layer_kinds import layer_kind
+from kvjax.learned_sinks import LEARNED_SINKS
 from kvjax.weights.hf_moe import moe_tensors
 
 __all__ = ["FLOAT_DTYPES", "safetensors_headers", "expected_tensors", "check_hf_tensors"]
@@ -63,7 +66,7 @@ def safetensors_headers(path: str) -> dict[str, tuple[tuple, str]]:
   return tensors
 
 
-def _dense_layer(cfg: ModelConfig, pre: str) -> dict[str, tuple]:
+def _dense_layer(cfg: ModelConfig, pre: str, layer: int) -> dict[str, tuple]:
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   a = pre + "self_attn."
   out = {a + "q_proj.weight": (n * h, d), a + "k_proj.weight": (k * h, d),
@@ -71,12 +74,17 @@ def _dense_layer(cfg: ModelConfig, pre: str) -> dict[str, tuple]:
   if cfg.attention_bias:
     out.update({a + "q_proj.bias": (n * h,), a + "k_proj.bias": (k * h,),
                 a + "v_proj.bias": (k * h,)})
+  if cfg.attention_out_bias:
+    out[a + "o_proj.bias"] = (d,)
+  if layer_kind(cfg, layer) is LEARNED_SINKS:
+    out[a + "sinks"] = (n,)
   if cfg.qk_norm:
     out.update({a + "q_norm.weight": (h,), a + "k_norm.weight": (h,)})
   return out
 
 
-def _mla_layer(cfg: ModelConfig, pre: str) -> dict[str, tuple]:
+def _mla_layer(cfg: ModelConfig, pre: str, layer: int) -> dict[str, tuple]:
+  del layer
   d, n, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
   hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
   a = pre + "self_attn."
@@ -101,7 +109,7 @@ def expected_tensors(cfg: ModelConfig, model_type: str = "") -> dict[str, tuple]
   attention = _mla_layer if cfg.attention_type == "mla" else _dense_layer
   for layer in range(cfg.num_layers):
     pre = f"model.layers.{layer}."
-    out.update(attention(cfg, pre))
+    out.update(attention(cfg, pre, layer))
     out.update({pre + "input_layernorm.weight": (d,),
                 pre + "post_attention_layernorm.weight": (d,)})
     if cfg.is_moe_layer(layer):
