@@ -174,6 +174,9 @@ async def _run(url: str, sessions, *, model: Optional[str], request_rate: float,
         records.append(record)
         body = {"model": model, "prompt": history, "max_tokens": session.max_new_tokens,
                 "stream": True, "stream_options": {"include_usage": True}, **sampling}
+        if session.schema is not None:  # the structured workload
+          body["response_format"] = {"type": "json_schema", "json_schema": {
+              "name": "bench", "schema": session.schema}}
         try:
           if gate is None:
             await asyncio.wait_for(_stream(client, url, body, record, clock0), timeout_s)

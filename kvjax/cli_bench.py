@@ -9,6 +9,9 @@ previous turn finishes):
   multi-turn-chat       --num-requests chats of --num-turns turns; each turn's
                         prompt is the whole history plus a new user message, so
                         the prefix cache can skip everything but the new turn
+  structured            random prompts, each answer under a JSON schema (one of
+                        STRUCTURED_SCHEMAS in turn; over HTTP as response_format);
+                        the summary counts answers that end and parse
 With --range-ratio r (vLLM's random dataset), each request's input and output
 lengths are drawn uniformly from [len x (1 - r), len x (1 + r)] instead.
 Prompt ids are slices of the held-out stdlib code: its bytes for byte-level
@@ -40,9 +43,26 @@ import numpy as np
 from kvjax import distributed
 from kvjax.cli_checkpoint import add_checkpoint_flags
 
-__all__ = ["Session", "make_workload", "run_workload", "add_parser", "run", "WORKLOADS"]
+__all__ = ["Session", "make_workload", "run_workload", "with_constraints", "structured_counts",
+           "add_parser", "run", "WORKLOADS", "STRUCTURED_SCHEMAS"]
 
-WORKLOADS = ("random", "shared-system-prompt", "multi-turn-chat")
+WORKLOADS = ("random", "shared-system-prompt", "multi-turn-chat", "structured")
+
+# The structured workload's schemas, request i taking number i mod 4: small bounded
+# records (string lengths, item counts), so most answers end within --output-len.
+STRUCTURED_SCHEMAS = (
+    {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+     "properties": {"name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    {"type": "array", "minItems": 1, "maxItems": 6,
+     "items": {"enum": ["red", "green", "blue"]}},
+    {"type": "object", "additionalProperties": False, "required": ["ok", "score"],
+     "properties": {"ok": {"type": "boolean"},
+                    "score": {"type": "integer", "minimum": -50, "maximum": 50}}},
+    {"type": "object", "additionalProperties": False, "required": ["tags"],
+     "properties": {"tags": {"type": "array", "maxItems": 3,
+                             "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}},
+)
 
 
 @dataclasses.dataclass
@@ -51,6 +71,7 @@ class Session:
 
   turns: list  # list[list[int]] user message ids per turn
   max_new_tokens: int
+  schema: Optional[dict] = None  # the answers' JSON schema (the structured workload)
 
 
 def _token_source(vocab_size: int, seed: int, tokenizer=None) -> np.ndarray:
@@ -105,6 +126,10 @@ def make_workload(name: str, *, vocab_size: int, num_requests: int, input_len: i
   if name == "random":
     return [Session([piece(length(input_len))], length(output_len))
             for _ in range(num_requests)]
+  if name == "structured":
+    return [Session([piece(length(input_len))], length(output_len),
+                    STRUCTURED_SCHEMAS[i % len(STRUCTURED_SCHEMAS)])
+            for i in range(num_requests)]
   if name == "shared-system-prompt":
     system = piece(system_len)
     return [Session([system + piece(length(input_len))], length(output_len))
@@ -119,9 +144,11 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
   replicas) -> metrics summary plus per-turn TTFTs.
 
   Returns kvjax.metrics.summarize's dict with "turn_ttft_s" (mean TTFT per
-  turn index) and "outputs" (per session, per turn output ids).  `progress`:
-  a progress bar with this label (requests done, rate).
+  turn index), "outputs" (per session, per turn output ids) and "finish_reasons"
+  (alike).  A session with a schema answers under it (set engine.constraints first:
+  with_constraints).  `progress`: a progress bar with this label (requests done, rate).
   """
+  from kvjax.constraints import Constraint
   from kvjax.metrics import summarize
 
   total = sum(len(s.turns) for s in sessions)
@@ -131,13 +158,17 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
     bar = tqdm(total=total, unit="req", desc=progress)
   history = [[] for _ in sessions]
   outputs = [[] for _ in sessions]
+  reasons = [[] for _ in sessions]
   owner: dict[str, tuple[int, int]] = {}
   finals = {}  # request id -> its final RequestOutput (with its metrics)
 
   def submit(i: int) -> None:
     turn = len(outputs[i])
     history[i] += sessions[i].turns[turn]
-    rid = engine.add_request(history[i], sessions[i].max_new_tokens, **sampling)
+    schema = sessions[i].schema
+    constraint = None if schema is None else Constraint("json_schema", schema)
+    rid = engine.add_request(history[i], sessions[i].max_new_tokens, constraint=constraint,
+                             **sampling)
     owner[rid] = (i, turn)
 
   before = engine.stats()
@@ -152,6 +183,7 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
       finals[out.request_id] = out
       i, _ = owner[out.request_id]
       outputs[i].append(out.output_ids)
+      reasons[i].append(out.finish_reason)
       history[i] += out.output_ids
       if bar is not None:
         bar.update(1)
@@ -171,7 +203,44 @@ def run_workload(engine, sessions: Sequence[Session], *, progress: Optional[str]
                                                   zip(owner, metrics) if owner[rid][1] == t]))
                                    for t in range(num_turns)]
   summary["outputs"] = outputs
+  summary["finish_reasons"] = reasons
   return summary
+
+
+def with_constraints(engine, model):
+  """`engine` (an Engine or a Router of them) with a ConstraintBook for `model`'s
+  vocabulary, which constrained requests need."""
+  from kvjax.constraints.vocabulary import constraint_book
+
+  if model.tokenizer is None or model.config.eos_token_id is None:
+    raise ValueError(f"the structured workload needs a model with a tokenizer and an EOS "
+                     f"id; {model.config.name!r} has "
+                     f"{'no tokenizer' if model.tokenizer is None else 'no EOS id'}")
+  for replica in getattr(engine, "engines", [engine]):
+    replica.constraints = constraint_book(model.tokenizer, model.config)
+  return engine
+
+
+def structured_counts(sessions: Sequence[Session], texts: Sequence[str],
+                      finish_reasons: Sequence[Optional[str]]) -> dict:
+  """How the structured workload's answers came out: requests, ended (finish "stop": the
+  grammar completed), cut at --output-len, and ended answers that parse as JSON of the
+  schema's top-level type with its required keys (a shallow check; the tests validate
+  against the full schemas with jsonschema)."""
+  ended = valid = 0
+  for session, text, reason in zip(sessions, texts, finish_reasons):
+    if reason != "stop":
+      continue
+    ended += 1
+    try:
+      value = json.loads(text)
+    except ValueError:
+      continue
+    kind = {"object": dict, "array": list}[session.schema["type"]]
+    valid += isinstance(value, kind) and all(k in value for k in
+                                             session.schema.get("required", ()))
+  return {"requests": len(sessions), "ended": ended, "cut_at_length": len(sessions) - ended,
+          "ended_valid": valid}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -242,6 +311,12 @@ _TABLE = (("requests", "num_requests", "{:.0f}"), ("wall s", "wall_s", "{:.2f}")
           ("queue depth mean", ("queue_depth", "mean"), "{:.1f}"))
 
 
+def _structured_line(counts: dict) -> str:
+  return (f"  structured: {counts['ended']} of {counts['requests']} answers ended, "
+          f"{counts['ended_valid']} of them valid JSON of their schema; "
+          f"{counts['cut_at_length']} cut at --output-len")
+
+
 def format_table(summary: dict) -> str:
   lines = []
   for label, key, fmt in _TABLE:
@@ -294,11 +369,17 @@ def _run_http(args: argparse.Namespace, sessions: Sequence[Session], tokenizer) 
                                                               add_special_tokens=False),
       model=args.model, temperature=args.temperature, seed=args.seed,
       timeout_s=args.request_timeout)
+  if args.workload == "structured":
+    records = sorted(result["requests"], key=lambda r: r["session"])
+    result["summary"]["structured"] = structured_counts(
+        sessions, [r["text"] for r in records], [r["finish_reason"] for r in records])
   title = (f"{args.workload} over HTTP: {args.num_requests} x {args.input_len} -> "
            f"{args.output_len}, rate {args.request_rate}, burstiness {args.burstiness}, "
            f"max concurrency {args.max_concurrency}")
   print(title)
   print(bench_client.format_table(result["summary"]))
+  if args.workload == "structured":
+    print(_structured_line(result["summary"]["structured"]))
   os.makedirs(args.out_dir, exist_ok=True)
   stem = os.path.join(args.out_dir, f"bench_http_{args.workload}")
   with open(stem + ".json", "w") as f:
@@ -320,19 +401,29 @@ def run(args: argparse.Namespace) -> int:
     return _run_http(args, sessions, model.tokenizer)
   longest = max(sum(map(len, s.turns)) + len(s.turns) * s.max_new_tokens for s in sessions)
   max_model_len = min(model.config.max_position_embeddings, longest)
+  structured = args.workload == "structured"
+
+  def engine():
+    made = _engine(models, args, max_model_len)
+    return with_constraints(made, model) if structured else made
+
   if not args.no_warmup:  # same shapes on a throwaway engine: compiles, not timings
-    run_workload(_engine(models, args, max_model_len), sessions,
-                 progress="warm-up (compiling step programs)",
+    run_workload(engine(), sessions, progress="warm-up (compiling step programs)",
                  temperature=args.temperature, seed=args.seed)
-  summary = run_workload(_engine(models, args, max_model_len), sessions, progress="bench",
+  summary = run_workload(engine(), sessions, progress="bench",
                          temperature=args.temperature, seed=args.seed)
-  summary.pop("outputs")
+  outputs, reasons = summary.pop("outputs"), summary.pop("finish_reasons")
+  if structured:
+    summary["structured"] = structured_counts(
+        sessions, [model.tokenizer.decode(o[0]) for o in outputs], [r[0] for r in reasons])
   title = (f"{args.workload}: {model.config.name}, {args.num_requests} x {args.input_len}"
            f" -> {args.output_len}, spec={args.speculative}, "
            f"prefix_cache={args.prefix_cache}"
            + (f", dp={args.dp} ({args.router_policy})" if args.dp > 1 else ""))
   print(title)
   print(format_table(summary))
+  if structured:
+    print(_structured_line(summary["structured"]))
   os.makedirs(args.out_dir, exist_ok=True)
   stem = os.path.join(args.out_dir, f"bench_{args.workload}")
   with open(stem + ".json", "w") as f:

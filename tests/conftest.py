@@ -1,6 +1,7 @@
 """Shared fixtures: models are built once per session so jit caches are reused."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import shutil
@@ -141,6 +142,16 @@ def _bounded_compiled_programs():
     with open("/proc/self/maps") as f:
       if sum(1 for _ in f) > _MAX_MAPS:
         jax.clear_caches()
+
+
+@pytest.fixture
+def released_programs():
+  """Drop jit's compiled programs (and their memory maps) before a test that runs a
+  server's warm-up: late in a suite a worker holds enough maps that the warm-up's budget
+  (half of vm.max_map_count) would stop it early, and the full warm-up is what the test
+  measures."""
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,40 @@ def test_chat_turns_see_their_whole_history():
   assert summary["prefix_hit_rate"] > 0  # later turns reuse the history's blocks
 
 
+def test_structured_answers_end_and_validate_under_their_schemas():
+  # A random model (its EOS the byte tokenizer's) writes no JSON on its own; every
+  # answer must end and validate (jsonschema, the oracle) under its session's schema, and
+  # structured_counts' shallow check must agree.
+  import jax
+  import jsonschema
+
+  from kvjax.params import init_params
+  from kvjax.tokenizer import ByteTokenizer
+
+  tok = ByteTokenizer()
+  cfg = kvjax.get_preset("tiny").replace(name="tiny-bytes", eos_token_id=tok.eos_id)
+  model = kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(5), std=0.2), tokenizer=tok)
+  sessions = cli_bench.make_workload("structured", vocab_size=256, num_requests=8,
+                                     input_len=10, output_len=150, seed=4)
+  assert [s.schema for s in sessions] == list(cli_bench.STRUCTURED_SCHEMAS) * 2
+  engine = cli_bench.with_constraints(
+      kvjax.Engine(model, page_size=16, max_num_seqs=8, max_num_batched_tokens=32,
+                   max_model_len=176), model)
+  summary = cli_bench.run_workload(engine, sessions, temperature=1.0, seed=2)
+  texts = [tok.decode(out[0]) for out in summary["outputs"]]
+  assert [r[0] for r in summary["finish_reasons"]] == ["stop"] * 8, texts
+  for session, text in zip(sessions, texts):
+    jsonschema.validate(json.loads(text), session.schema)
+  counts = cli_bench.structured_counts(sessions, texts, ["stop"] * 8)
+  assert counts == {"requests": 8, "ended": 8, "cut_at_length": 0, "ended_valid": 8}
+  # The shallow check refuses what is not JSON of the schema's type and keys.
+  bad = ['{"name":"x"}', "[]", '{"ok":true,"score":1', '["tags"]']
+  assert cli_bench.structured_counts(sessions[:4], bad, ["stop"] * 4)["ended_valid"] == 1
+  assert cli_bench.structured_counts(sessions[:4], texts[:4], ["length"] * 4)["ended"] == 0
+  with pytest.raises(ValueError, match="needs a model with a tokenizer"):
+    cli_bench.with_constraints(h.engine(), kvjax.load_checkpoint("tiny"))
+
+
 def test_bench_cli_writes_results(tmp_path, capsys):
   assert main(["bench", "--checkpoint", "tiny", "--num-requests", "3", "--input-len", "12",
                "--output-len", "4", "--range-ratio", "0.5", "--no-warmup",

@@ -37,7 +37,7 @@ def _complete(root: str, **body) -> dict:
   return answer.json()
 
 
-def test_it_serves_while_warming_and_compiles_nothing_after_ready(model):
+def test_it_serves_while_warming_and_compiles_nothing_after_ready(model, released_programs):
   offline = kvjax.Engine(model, **SMALL)
   prompts = [[40, 50, 60], [70, 80, 90, 100, 110] * 2]
   want = offline.generate(prompts, 8).tokens

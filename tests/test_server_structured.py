@@ -75,6 +75,29 @@ def test_json_object_and_pydantic_parse(client):
   assert isinstance(point, Point) and -9 <= point.x <= 9
 
 
+def test_bench_structured_workload_over_http(server, tmp_path):
+  # `kvjax bench --url --workload structured` asks for each session's schema as
+  # response_format: every ended answer validates (jsonschema), and its counts agree.
+  from kvjax import cli, cli_bench
+
+  masks = value(scrape(server.root), "kvjax:structured_masks_total")
+  assert cli.main(["bench", "--url", server.url, "--workload", "structured",
+                   "--num-prompts", "4", "--input-len", "12", "--output-len", "100",
+                   "--temperature", "1.0", "--out-dir", str(tmp_path)]) == 0
+  bench = json.loads((tmp_path / "bench_http_structured.json").read_text())
+  records = sorted(bench["requests"], key=lambda r: r["session"])
+  assert [r["success"] for r in records] == [True] * 4
+  ended = [r for r in records if r["finish_reason"] == "stop"]
+  for record in ended:
+    jsonschema.validate(json.loads(record["text"]),
+                        cli_bench.STRUCTURED_SCHEMAS[record["session"]])
+  assert bench["summary"]["structured"] == {"requests": 4, "ended": len(ended),
+                                            "cut_at_length": 4 - len(ended),
+                                            "ended_valid": len(ended)}
+  assert len(ended) >= 3  # the schemas are small enough to end in 100 tokens
+  assert value(scrape(server.root), "kvjax:structured_masks_total") > masks
+
+
 @pytest.mark.parametrize("field, check", [
     ({"regex": "[0-9]{2}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
     ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),

@@ -18,6 +18,6 @@ RECORD = '{"name":"Ann Lee","age":31,"role":"admin"}'
     ("[" + RECORD.replace('"Ann Lee"', '"Ann_Lee"') + ",", False),  # name pattern
     (RECORD + ",", False),  # not an array
 ])
-def testvalid_prefix(text, valid):
+def test_valid_prefix(text, valid):
   tokenizer = ByteTokenizer()
   assert bench.valid_prefix(tokenizer, tokenizer.encode(text)) == valid
