@@ -32,9 +32,10 @@ import numpy as np
 from experiments import common
 from experiments.hf_peer import hf_generate, to_hf_on_device
 import kvjax
-from kvjax import cli_bench, ledger, steps
+from kvjax import bench_workloads, cli_bench, ledger, steps
 from kvjax.caches import create_paged_cache
-from kvjax.config import DTYPE_SHORT_NAMES, get_preset
+from kvjax.config import DTYPE_SHORT_NAMES
+from kvjax.presets import get_preset
 from kvjax.generation import next_pow2
 from kvjax.params import init_params
 from kvjax.step_batch import make_step_batch
@@ -237,7 +238,7 @@ def engine_section(cfg, state):
       out[name] = dict(skipped=f"{left:.0f} s of the budget left, estimate "
                        f"{cfg.engine_run_estimate_s:.0f} s")
       continue
-    sessions = cli_bench.make_workload(
+    sessions = bench_workloads.make_workload(
         "random", vocab_size=model.config.vocab_size, num_requests=concurrency,
         input_len=input_len, output_len=output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)
     totals = [len(s.turns[0]) + s.max_new_tokens for s in sessions]
@@ -251,7 +252,7 @@ def engine_section(cfg, state):
     cli_bench.run_workload(engine, sessions)
     # The first step after an idle engine compiles once more (seen on the CPU): a
     # prefill-only pass of the same prompts takes that compile out of the timed run.
-    cli_bench.run_workload(engine, [cli_bench.Session(s.turns, 2) for s in sessions])
+    cli_bench.run_workload(engine, [bench_workloads.Session(s.turns, 2) for s in sessions])
     warmup_s = time.perf_counter() - start
     summary = cli_bench.run_workload(engine, sessions)
     outputs = summary.pop("outputs")
@@ -282,7 +283,7 @@ def _common_prefix(a, b) -> int:
 def hf_section(cfg, state):
   model = state["model"]
   input_len, output_len, _ = cfg.engine_runs[0]  # the engine's first requests, same seed
-  sessions = cli_bench.make_workload(
+  sessions = bench_workloads.make_workload(
       "random", vocab_size=model.config.vocab_size, num_requests=cfg.hf_batch,
       input_len=input_len, output_len=output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)
   hf = to_hf_on_device(model)

@@ -38,9 +38,9 @@ import numpy as np
 
 import kvjax
 from experiments import common
-from kvjax import cli_bench, cli_memory, ledger
+from kvjax import bench_workloads, cli_bench, cli_memory, ledger
 from kvjax.attention.gated_delta import delta_rule_chunked, delta_rule_step
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import next_pow2
@@ -112,7 +112,7 @@ def section_prefix(c) -> dict:
   logging.info("tiny hybrid: state %d B / KV %d B per token = %.1f tokens -> %d-token blocks",
                grown["state_bytes_per_request"], grown["kv_bytes_per_token"],
                grown["state_over_kv_tokens"], grown["block_tokens"])
-  sessions = cli_bench.make_workload(
+  sessions = bench_workloads.make_workload(
       "multi-turn-chat", vocab_size=model.config.vocab_size, num_requests=c.chat_num_chats,
       input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
       seed=c.seed)

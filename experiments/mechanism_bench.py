@@ -36,7 +36,7 @@ from experiments import mechanism_counts as counts
 from kvjax import ledger, steps
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.caches import create_paged_cache
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.engine import Engine
 from kvjax.generation import next_pow2
 from kvjax.model import Attend, decoder, lm_logits

@@ -21,7 +21,8 @@ from typing import Optional
 import numpy as np
 
 from kvjax import ledger
-from kvjax.config import ModelConfig, get_preset
+from kvjax.config import ModelConfig
+from kvjax.presets import get_preset
 from kvjax.pages import BlockAllocator
 from kvjax.scheduler import Scheduler
 

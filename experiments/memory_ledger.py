@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from experiments import common
 from kvjax import ledger
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.ledger import GIB, KIB
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -42,7 +42,7 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, cli_bench, serve_steps
+from kvjax import bench_client, bench_workloads, cli_bench, serve_steps
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
@@ -199,7 +199,7 @@ def _load_transformers(model_path: str):
 
 
 def _kvjax_run(engine, prompts, new_tokens: int) -> dict:
-  run = cli_bench.run_workload(engine, [cli_bench.Session([p], new_tokens) for p in prompts])
+  run = cli_bench.run_workload(engine, [bench_workloads.Session([p], new_tokens) for p in prompts])
   return {"ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"],
           "decode_tokens_per_s": 1.0 / run["tpot_s"], "tokens": [o[0] for o in run["outputs"]]}
 
@@ -313,7 +313,7 @@ def part_b(models: dict, prompts, c, model_path: str, server_binary) -> dict:
                            _NoStopTokenizer(model.tokenizer))
       servers[f"kvjax {dtype}"] = stack.enter_context(serve_in_thread(served, config)).url
     for conc in c.concurrency:
-      sessions = [cli_bench.Session([prompts[i % len(prompts)]], c.max_tokens)
+      sessions = [bench_workloads.Session([prompts[i % len(prompts)]], c.max_tokens)
                   for i in range(conc * c.requests_per_slot)]
       bench = functools.partial(_bench, client, sessions, conc)
       runs = {name: functools.partial(_without_compiles, functools.partial(bench, url),

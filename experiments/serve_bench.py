@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import common, hf_peer
 import kvjax
-from kvjax import cli_bench
+from kvjax import bench_workloads, cli_bench
 from kvjax.engine import Engine
 from kvjax.params import count_params
 from kvjax.weights.grow import grow
@@ -114,7 +114,7 @@ def part_a(model, c):
   hf = _to_hf(model)
   out = {}
   for workload, ratio in (("fixed", 0.0), ("variable", c.hf_range_ratio)):
-    sessions = cli_bench.make_workload(
+    sessions = bench_workloads.make_workload(
         "random", vocab_size=model.config.vocab_size, num_requests=c.hf_num_requests,
         input_len=c.hf_input_len, output_len=c.hf_output_len, range_ratio=ratio, seed=c.seed)
     useful = sum(s.max_new_tokens for s in sessions)
@@ -153,7 +153,7 @@ def part_a(model, c):
 
 
 def part_b(model, c):
-  sessions = cli_bench.make_workload(
+  sessions = bench_workloads.make_workload(
       "multi-turn-chat", vocab_size=model.config.vocab_size, num_requests=c.chat_num_chats,
       input_len=c.chat_user_len, output_len=c.chat_output_len, num_turns=c.chat_num_turns,
       seed=c.seed)
@@ -175,7 +175,7 @@ def part_b(model, c):
 def part_c(model, c):
   out = {}
   for batch in c.spec_batches:
-    sessions = cli_bench.make_workload(
+    sessions = bench_workloads.make_workload(
         "random", vocab_size=model.config.vocab_size,
         num_requests=batch * c.spec_requests_per_slot, input_len=c.spec_input_len,
         output_len=c.spec_output_len, seed=c.seed + 1)

@@ -34,7 +34,7 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, cli_bench, diagnose
+from kvjax import bench_client, bench_workloads, diagnose
 from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
 
@@ -45,14 +45,14 @@ EXPECTED = {"chat_no_cache": "prefill", "chat_cache": "healthy", "small_pool": "
 
 
 def _chats(model, c, seed, num_turns=None) -> list:
-  return cli_bench.make_workload(
+  return bench_workloads.make_workload(
       "multi-turn-chat", vocab_size=model.config.vocab_size, num_requests=c.chat_num_chats,
       input_len=c.chat_user_len, output_len=c.chat_output_len,
       num_turns=num_turns or c.chat_num_turns, seed=seed)
 
 
 def _pool_requests(model, c, seed) -> list:
-  return cli_bench.make_workload(
+  return bench_workloads.make_workload(
       "random", vocab_size=model.config.vocab_size, num_requests=c.pool_num_requests,
       input_len=c.pool_input_len, output_len=c.pool_output_len, seed=seed)
 

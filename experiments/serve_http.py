@@ -39,7 +39,7 @@ from ml_collections import config_flags
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, cli_bench, serve_steps
+from kvjax import bench_client, bench_workloads, cli_bench, serve_steps
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
@@ -81,7 +81,7 @@ def main(argv):
   model = kvjax.load_checkpoint(c.checkpoint or None)
   model = kvjax.Model(model.config.replace(eos_token_id=None), model.params, model.dtype,
                       model.tokenizer)
-  sessions = cli_bench.make_workload(
+  sessions = bench_workloads.make_workload(
       "random", vocab_size=model.config.vocab_size, num_requests=c.num_prompts,
       input_len=c.input_len, output_len=c.output_len, seed=c.seed)
   config = EngineConfig(max_num_seqs=c.max_num_seqs,

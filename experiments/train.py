@@ -27,7 +27,8 @@ from kvjax import api
 from kvjax.training import code_corpus, code_eval
 from kvjax.training import corpus as corpus_lib
 from kvjax.training import train as train_lib
-from kvjax.config import ModelConfig, get_preset
+from kvjax.config import ModelConfig
+from kvjax.presets import get_preset
 from kvjax.params import count_params
 from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint

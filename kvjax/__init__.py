@@ -1,7 +1,8 @@
 """kvjax: functional pure-state paged-KV LLM inference in JAX and Pallas.
 
 Layers (imports only go down; tests/test_layering.py checks it):
-  0  config, pages, xla_options, quant/symmetric     static config, host page ids, compiler options
+  0  config, presets, pages, xla_options,           static config and named shapes, host page
+     quant/symmetric                                ids, compiler options
   1  layers, params, sampling, step_batch,           pure math, weight quantization, the
      logit_processors, attention/, quant/, moe/,    step metadata pytree, vLLM's penalties,
      layer_kinds                                    MoE experts, the layer-kind registry
@@ -27,7 +28,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      tool_calls, training/, distributed, eval/      chat templates and tool calls in chat
                                                     text, training (its corpora and its code
                                                     checks), multi-host start-up, quality evals
-  10 server/, bench_client, diagnose                 HTTP serving, its load client, C18 diagnosis
+  10 server/, bench_client, bench_workloads,        HTTP serving, its load client and the
+     diagnose                                       bench's workloads, C18 diagnosis
   11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared
      cli_memory, cli_serve, cli_diagnose, cli_eval,  model flags
      __main__
@@ -35,7 +37,8 @@ Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint
 from kvjax.backends import Backend, get_backend
-from kvjax.config import PRESETS, ModelConfig, get_preset
+from kvjax.config import ModelConfig
+from kvjax.presets import PRESETS, get_preset
 from kvjax.engine import Engine
 from kvjax.engine_config import EngineConfig
 from kvjax.generation import GenerateResult

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import generation, sharding
-from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig, PRESETS, get_preset
+from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig
+from kvjax.presets import PRESETS, get_preset
 from kvjax.hf_tokenizer import load_tokenizer
 from kvjax.model import forward as model_forward
 from kvjax.params import Params, init_params

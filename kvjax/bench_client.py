@@ -3,7 +3,7 @@
   result = run_benchmark(url, sessions, request_rate=8.0, burstiness=1.0, max_concurrency=16,
                          goodput={"ttft": 0.2, "tpot": 0.02}, encode=tokenizer.encode)
 
-`sessions` are kvjax.cli_bench.Session objects (its workload generators make
+`sessions` are kvjax.bench_workloads.Session objects (its workload generators make
 them): a session starts at its arrival time and sends its turns one after
 the other, each turn's prompt being the history (earlier prompts and answers)
 plus its new user message, as token ids to POST /v1/completions.  Arrivals

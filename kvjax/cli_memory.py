@@ -20,7 +20,8 @@ import jax
 from kvjax import ledger, ledger_tp
 from kvjax.api import resolve_dtype
 from kvjax.caches import create_paged_cache, layout_names
-from kvjax.config import PRESETS, ModelConfig, get_preset
+from kvjax.config import ModelConfig
+from kvjax.presets import PRESETS, get_preset
 
 __all__ = ["add_parser", "run", "allocated_pool"]
 

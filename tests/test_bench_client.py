@@ -17,7 +17,7 @@ import pytest
 from scipy import stats
 
 import kvjax
-from kvjax import bench_client, cli_bench, diagnose
+from kvjax import bench_client, bench_workloads, diagnose
 from kvjax.engine_config import EngineConfig
 from kvjax.server import serve_in_thread
 from kvjax.tokenizer import ByteTokenizer
@@ -117,7 +117,7 @@ def served():
 
 
 def _random_sessions(seed, num=8):
-  return cli_bench.make_workload("random", vocab_size=259, num_requests=num, input_len=24,
+  return bench_workloads.make_workload("random", vocab_size=259, num_requests=num, input_len=24,
                                  output_len=128, range_ratio=0.5, seed=seed)
 
 
@@ -170,7 +170,7 @@ def test_counts_and_latencies_agree_with_server_metrics(served):
 
 
 def test_multi_turn_history_and_poisson_starts(served):
-  sessions = cli_bench.make_workload("multi-turn-chat", vocab_size=259, num_requests=3,
+  sessions = bench_workloads.make_workload("multi-turn-chat", vocab_size=259, num_requests=3,
                                      input_len=20, output_len=10, num_turns=3, seed=3)
   rate, seed = 2.0, 5  # gaps of 0.5 s on average, far above the event loop's lag
   result, first, last = _window(served, lambda: bench_client.run_benchmark(

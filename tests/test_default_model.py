@@ -19,7 +19,7 @@ from kvjax.training import code_eval
 from kvjax.training import corpus as corpus_lib
 from kvjax import model as model_lib
 from kvjax.training import train as train_lib
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint
 

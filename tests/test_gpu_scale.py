@@ -12,7 +12,7 @@ import kvjax
 from configs import gpu_scale as gpu_scale_config
 from experiments import gpu_scale
 from experiments.hf_peer import hf_generate, to_hf_on_device
-from kvjax import cli_bench
+from kvjax import bench_workloads
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_engine_served_every_requested_token(run):
   batch-1 kvjax.generate's."""
   cfg, report = run
   (input_len, output_len, concurrency), = cfg.engine_runs
-  sessions = cli_bench.make_workload(
+  sessions = bench_workloads.make_workload(
       "random", vocab_size=cfg.model_overrides.vocab_size, num_requests=concurrency,
       input_len=input_len, output_len=output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)
   row = report["engine"][f"{input_len}/{output_len}@{concurrency}"]

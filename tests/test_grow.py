@@ -15,7 +15,7 @@ import pytest
 import kvjax
 from kvjax import model as model_lib
 from kvjax.training import train as train_lib
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.params import count_params, init_params
 from kvjax.weights.grow import grow
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvjax import cli_memory, ledger
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.ledger import GIB, KIB
 
 MHA7, GQA8, GQA70 = get_preset("llama2-7b"), get_preset("llama3-8b"), get_preset("llama3-70b")

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import mechanism_counts as counts
 from experiments import report
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.params import init_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

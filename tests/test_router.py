@@ -190,7 +190,8 @@ def test_cli_generate_dp_samples_once_per_replica_on_its_own_device():
 def test_bench_workload_through_a_router_equals_one_engine(tiny_model):
   """`kvjax bench --dp` drives cli_bench.run_workload with a Router: the same outputs
   as one Engine, its summary counted over both replicas."""
-  from kvjax.cli_bench import make_workload, run_workload
+  from kvjax.bench_workloads import make_workload
+  from kvjax.cli_bench import run_workload
 
   sessions = make_workload("multi-turn-chat", vocab_size=tiny_model.config.vocab_size,
                            num_requests=4, input_len=20, output_len=4, num_turns=2, seed=0)

@@ -78,7 +78,7 @@ def test_json_object_and_pydantic_parse(client):
 def test_bench_structured_workload_over_http(server, tmp_path):
   # `kvjax bench --url --workload structured` asks for each session's schema as
   # response_format: every ended answer validates (jsonschema), and its counts agree.
-  from kvjax import cli, cli_bench
+  from kvjax import bench_workloads, cli
 
   masks = value(scrape(server.root), "kvjax:structured_masks_total")
   assert cli.main(["bench", "--url", server.url, "--workload", "structured",
@@ -90,7 +90,7 @@ def test_bench_structured_workload_over_http(server, tmp_path):
   ended = [r for r in records if r["finish_reason"] == "stop"]
   for record in ended:
     jsonschema.validate(json.loads(record["text"]),
-                        cli_bench.STRUCTURED_SCHEMAS[record["session"]])
+                        bench_workloads.STRUCTURED_SCHEMAS[record["session"]])
   assert bench["summary"]["structured"] == {"requests": 4, "ended": len(ended),
                                             "cut_at_length": 4 - len(ended),
                                             "ended_valid": len(ended)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.config import get_preset
+from kvjax.presets import get_preset
 from kvjax.tokenizer import ByteTokenizer, Tokenizer
 
 TEXTS = {
