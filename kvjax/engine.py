@@ -220,8 +220,8 @@ class Engine(EngineWarmUp, EngineGenerate):
   # -- what it reports (a Router reports the same over its replicas) ----------
 
   def stats(self) -> EngineStats:
-    """Its scheduler's numbers now (kvjax/engine_stats.py)."""
-    return EngineStats.of(self.scheduler)
+    """Its scheduler's and constraint book's numbers now (kvjax/engine_stats.py)."""
+    return EngineStats.of(self.scheduler, self.constraints)
 
   def request(self, request_id: str) -> Optional[Request]:
     """An unfinished request (waiting or running) by id; None once it finished."""

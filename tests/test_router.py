@@ -109,18 +109,22 @@ def test_abort_and_least_loaded(tiny_model):
 
 
 def _replicas_summed(router) -> dict:
-  """The oracle of Router.stats: each replica's scheduler read directly, summed."""
+  """The oracle of Router.stats: each replica's scheduler and constraint book read
+  directly, summed."""
   total = dict.fromkeys(("running", "waiting", "pages_used", "pages_usable", "num_preemptions",
-                         "prefix_hit_tokens", "prefix_queried_tokens"), 0)
+                         "prefix_hit_tokens", "prefix_queried_tokens", "constrained",
+                         "masks_filled", "mask_seconds"), 0)
   for engine in router.engines:
-    scheduler, cache = engine.scheduler, engine.scheduler.prefix_cache
+    scheduler, cache, book = engine.scheduler, engine.scheduler.prefix_cache, engine.constraints
     for name, number in (("running", len(scheduler.running)),
                          ("waiting", len(scheduler.waiting)),
                          ("pages_used", scheduler.allocator.num_used),
                          ("pages_usable", scheduler.allocator.num_usable),
                          ("num_preemptions", scheduler.num_preemptions),
                          ("prefix_hit_tokens", cache.hit_tokens),
-                         ("prefix_queried_tokens", cache.queried_tokens)):
+                         ("prefix_queried_tokens", cache.queried_tokens),
+                         ("constrained", len(book.matchers)),
+                         ("masks_filled", book.masks_filled), ("mask_seconds", book.mask_s)):
       total[name] += number
   return total
 
@@ -159,6 +163,43 @@ def test_stats_and_metrics_are_the_replicas_summed(tiny_model):
       assert samples["kvjax:prefix_cache_queries_total"] == want["prefix_queried_tokens"]
   assert want["num_preemptions"] > 0 and want["prefix_hit_tokens"] > 0, want
   assert router.routed == [4, 4]
+
+
+def test_constrained_counts_are_the_replicas_books_summed():
+  """Structured outputs through a Router: stats() carries its replicas' constraint books
+  summed (requests under a grammar, masks filled, their seconds) and /metrics shows them:
+  one JSON request per replica beside a plain one."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from kvjax.constraints import Constraint
+  from kvjax.constraints.vocabulary import constraint_book
+  from kvjax.server.prom import ServerMetrics
+  from tests.test_constraints import TOK, random_model
+
+  model = random_model()
+  engines = [kvjax.Engine(model, **ENGINE) for _ in range(2)]
+  for engine in engines:
+    engine.constraints = constraint_book(TOK, model.config)
+  router = Router(engines, "round_robin")
+  metrics = ServerMetrics("m", max_model_len=ENGINE["max_model_len"],
+                          max_num_seqs=router.config.max_num_seqs)
+  metrics.observe_engine(router.stats())
+  for i in range(4):  # round robin: replica 0 gets requests 0 and 2, replica 1 gets 1 and 3
+    router.add_request([3 + i, 40, 7], 10, constraint=Constraint("json_object") if i < 2 else None)
+  seen_constrained = set()
+  while router.has_unfinished:
+    router.step()
+    want, got = _replicas_summed(router), router.stats()
+    assert dataclasses.asdict(got) == want
+    metrics.observe_engine(got)
+    samples = {s.name: s.value for family in text_string_to_metric_families(
+        metrics.exposition().decode()) for s in family.samples}
+    assert samples["kvjax:num_requests_constrained"] == want["constrained"]
+    assert samples["kvjax:structured_masks_total"] == want["masks_filled"]
+    assert samples["kvjax:structured_mask_seconds_total"] == pytest.approx(want["mask_seconds"])
+    seen_constrained.add(want["constrained"])
+  assert 2 in seen_constrained and want["constrained"] == 0
+  assert want["masks_filled"] >= 2 and all(e.constraints.masks_filled for e in engines)
 
 
 _CLI_DP = r"""

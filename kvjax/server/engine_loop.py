@@ -259,8 +259,6 @@ class EngineLoop:
     with self._lock:
       self._engine_waiting = stats.waiting
     self.metrics.observe_engine(stats)
-    engines = getattr(self.engine, "engines", [self.engine])  # a Router's replicas
-    self.metrics.observe_constraints([e.constraints for e in engines])
 
   def _fail_all(self, error: OpenAIError) -> None:
     """Failed to every submission still owed an answer, queued ones included."""

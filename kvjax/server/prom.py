@@ -121,14 +121,13 @@ class ServerMetrics:
                                "Prompt tokens per request.", buckets=token_buckets)
     self.request_generation = make(prom.Histogram, "request_generation_tokens",
                                    "Generated tokens per request.", buckets=token_buckets)
-    self._totals = None  # the engine's cumulative (queried, hit, preempted) last seen
     self.constrained = make(prom.Gauge, "num_requests_constrained",
                             "Unfinished requests under a grammar (structured outputs).")
     self.mask_seconds = make(prom.Counter, "structured_mask_seconds",
                              "Host seconds spent filling grammar token masks.")
     self.masks = make(prom.Counter, "structured_masks",
                       "Grammar token masks filled (one per row and verified position).")
-    self._mask_totals = (0.0, 0)
+    self._totals = None  # the engine's cumulative counters last seen (observe_engine)
 
   def observe_engine(self, stats: EngineStats) -> None:
     """Gauges from the engine's stats now; counters by their totals' growth since last time.
@@ -138,21 +137,15 @@ class ServerMetrics:
     """
     self.running.set(stats.running)
     self.kv_usage.set(stats.utilization)
-    totals = (stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.num_preemptions)
+    self.constrained.set(stats.constrained)
+    counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.masks,
+                self.mask_seconds)
+    totals = (stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.num_preemptions,
+              stats.masks_filled, stats.mask_seconds)
     if self._totals is not None:  # the first look (after warm-up) is the baseline
-      for counter, now, before in zip((self.prefix_queries, self.prefix_hits,
-                                       self.preemptions), totals, self._totals):
+      for counter, now, before in zip(counters, totals, self._totals):
         counter.inc(now - before)
     self._totals = totals
-
-  def observe_constraints(self, books) -> None:
-    """The engines' ConstraintBooks (kvjax/constraints/book.py): the gauge now, the
-    counters by their totals' growth (mask seconds / mask_count = time per mask)."""
-    self.constrained.set(sum(len(b.matchers) for b in books))
-    totals = (sum(b.mask_s for b in books), sum(b.masks_filled for b in books))
-    self.mask_seconds.inc(max(totals[0] - self._mask_totals[0], 0.0))
-    self.masks.inc(max(totals[1] - self._mask_totals[1], 0))
-    self._mask_totals = totals
 
   def record_finished(self, metrics: RequestMetrics, finish_reason: str,
                       num_generated: int, queue_s: Optional[float]) -> None:
