@@ -62,8 +62,8 @@ from kvjax.prefix_cache import PrefixCache
 from kvjax.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
-from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
-                               serve_step)
+from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled,
+                               program_variant, serve_burst, serve_step)
 from kvjax.validation import check_int, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -355,8 +355,10 @@ class Engine(EngineWarmUp, EngineGenerate):
     if self.ngram is not None:
       batch = with_drafts(batch, drafts)
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
-    use_filter = bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any())
-    logprobs = any(plan.rows[i].request.sampling.logprobs is not None for i in group)
+    use_filter, logprobs = program_variant(
+        not rows[0].is_decode,
+        bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any()),
+        any(r.request.sampling.logprobs is not None for r in rows))
     burst = None if plan.num_steps == 1 else (
         *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
     emitted, drafted, steps = self._run(batch, num_draft, use_filter, logprobs, burst, mask)

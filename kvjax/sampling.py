@@ -63,8 +63,12 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
   # Keep the smallest prefix whose mass reaches top_p, and the first token always: as a
   # rank, not through `0 < top_p`, which a denormal top_p (1e-39) fails once XLA flushes
   # it to zero, masking every token.
+  # top_p >= 1 keeps every token outright: the cumulative mass can round to 1 before
+  # the tail, which would drop it, and a row without top-k / top-p must come out
+  # unchanged (prefill programs always filter, kvjax/serve_steps.py program_variant).
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = (mass_before < top_p[:, None]) | (jnp.arange(vocab)[None] == 0)
+  keep = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+          | (jnp.arange(vocab)[None] == 0))
   cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
   threshold = jnp.maximum(kth, cutoff)
   return jnp.where(logits >= threshold, logits, -jnp.inf)

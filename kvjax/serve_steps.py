@@ -135,6 +135,19 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   return state, _emitted(emitted, accepted + 1, failed, raw, logprobs)
 
 
+def program_variant(prefill: bool, use_filter: bool, logprobs: bool) -> tuple[bool, bool]:
+  """The static (use_filter, logprobs) a row group's program runs with.
+
+  A prefill chunk samples at most one token a row after a forward over many columns,
+  so its program always filters and returns logprobs (a row without top-k / top-p is
+  left exactly as it was, kvjax/sampling.py; logprobs nobody asked for are not read):
+  one program per prefill shape instead of four, the largest share of what a server
+  compiles (kvjax/warm_up.py).  Decode programs, where a row's sampling is a real
+  share of the step, keep the variant their rows ask for.
+  """
+  return (True, True) if prefill else (use_filter, logprobs)
+
+
 _STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs",
            "host_drafts")
 serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC,

@@ -4,7 +4,8 @@ An engine runs one serve_step or serve_burst program (kvjax/serve_steps.py) per
 packed shape (kvjax/batching.py `Packing.shapes`: rows, columns, table width),
 per draft count J its policy may pick (kvjax/draft_policy.py) and per static
 variant: `use_filter` (a row with top-k or top-p) and `logprobs` (a row asking
-for them).  XLA compiles each one when it first comes, seconds on a CPU that
+for them) for decode and burst programs; a prefill shape has one program, which
+always filters and returns logprobs (serve_steps.program_variant).  XLA compiles each one when it first comes, seconds on a CPU that
 the request forming the new shape would wait.  `warm_up` runs every program
 once on a batch of padding rows only (q_lens 0, the scratch slot, the null
 page), which writes nothing a request reads, so the engine's later outputs,
@@ -24,14 +25,14 @@ stop ids than its widest E still compiles under its first burst).
 `WarmUpPlan` runs the programs one at a time (`step()`), so a server's
 warm-up thread can run them between requests and report its progress;
 `warm_up` runs a whole plan at once.  A plan runs every shape's plain program
-first, then the decode and burst variants, then the prefill ones (filtered, then
-logprobs, then both): the likeliest first, because a plan may stop early.
+(a prefill shape's only one) first, then the decode and burst variants: the
+likeliest first, because a plan may stop early.
 
 Every compiled XLA:CPU program keeps its LLVM-JIT code in memory maps, ~250 per
 step program of the default model, and a process past the kernel's
 vm.max_map_count (65,530 by default) fails its next compile ("LLVM compilation
-error: Cannot allocate memory"): the default model's 464 programs at its
-2,048-token context need ~116,000.  With `map_budget` a plan stops once the
+error: Cannot allocate memory"): the default model's 176 programs at its
+2,048-token context need ~44,000.  With `map_budget` a plan stops once the
 process holds that fraction of the limit (a server: half, leaving the rest to
 programs compiled under requests); `WarmUp.runs` then counts what it ran.
 """
@@ -47,7 +48,7 @@ from absl import logging
 
 from kvjax.batching import StepShape
 from kvjax.draft_policy import FixedDrafts
-from kvjax.serve_steps import num_compiled
+from kvjax.serve_steps import num_compiled, program_variant
 
 __all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_VARIANTS",
            "draft_counts", "warm_up"]
@@ -90,8 +91,10 @@ class WarmUpPlan:
     variants = list(itertools.product((False, True) if filtered else (False,),
                                       (False, True) if logprobs else (False,)))
     self.num_shapes, self.num_variants = len(shapes), len(variants)
-    runs = [(shape, *variant, width) for shape in shapes for variant in variants
-            for width in (stop_widths if shape.kind == "burst" else (1,))]
+    # A prefill shape has one program whatever its rows ask for (serve_steps.program_variant).
+    runs = dict.fromkeys((shape, *program_variant(shape.kind == "prefill", *variant), width)
+                         for shape in shapes for variant in variants
+                         for width in (stop_widths if shape.kind == "burst" else (1,)))
     self.runs = sorted(runs, key=_priority)  # stable: shapes keep their order in a tier
     self._run, self._prepare, self._finish = run, prepare, finish
     self._map_budget = map_budget
@@ -132,14 +135,11 @@ class WarmUpPlan:
 
 
 def _priority(run) -> int:
-  """0: a plain program; 1: a decode or burst variant; 2-4: prefill filtered / logprobs /
-  both (the order a plan runs them in)."""
+  """0: a plain program (a prefill shape's only one included); 1: a decode or burst
+  variant (the order a plan runs them in)."""
   shape, use_filter, logprobs, stop_width = run
-  if not (use_filter or logprobs or stop_width > 1):
-    return 0
-  if shape.kind != "prefill":
-    return 1
-  return 1 + use_filter + 2 * logprobs
+  plain = shape.kind == "prefill" or not (use_filter or logprobs or stop_width > 1)
+  return 0 if plain else 1
 
 
 def _maps_used() -> float:

@@ -131,6 +131,20 @@ def test_top_k_top_p_filter_matches_brute_force(k, p):
     np.testing.assert_array_equal(np.isfinite(got[row]), _brute_force_filter(logits[row], k, p))
 
 
+def test_no_top_k_and_top_p_one_leave_the_logits_unchanged():
+  """A row without top-k / top-p comes out bit for bit (prefill programs always filter,
+  kvjax/serve_steps.py program_variant), tails that float32's cumulative mass rounds to 1
+  before they start included: one dominant logit over 63 at -30 (p ~ 1e-13 each), and
+  -inf entries (a grammar's mask) left -inf."""
+  logits = np.full((3, 64), -30.0, np.float32)
+  logits[:, 0] = 0.0
+  logits[1, 40:] = -np.inf
+  logits[2] = np.random.default_rng(0).normal(size=64) * 4
+  got = np.asarray(filtered_logits(jnp.asarray(logits), jnp.zeros(3, jnp.int32),
+                                   jnp.ones(3, jnp.float32)))
+  np.testing.assert_array_equal(got, logits)
+
+
 # top_p over the float32 range: the float64 smallest denormal (0 in float32), float32's
 # smallest denormal, issue 33's 1e-39 (a denormal XLA flushes to 0), the smallest normal,
 # then ordinary values (1.0 is in the test above: near 1 the oracle's float64 mass and

@@ -246,14 +246,15 @@ def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
 
 
 def test_filtered_and_logprobs_variants_are_opt_in(tiny_model):
-  """filtered / logprobs add the programs of top-k / top-p and logprobs requests."""
+  """filtered / logprobs add the decode programs of top-k / top-p and logprobs requests; a
+  prefill shape has one program whatever its rows ask for."""
   engine = kvjax.Engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                         page_size=16, num_scheduler_steps=1)  # prefill (4, 16, 5), decode (4, 1, 5)
   assert engine.warm_up().runs == 2
   before = num_compiled()
   engine.generate([[8, 9]], 2, top_k=3)  # a variant the plain warm-up left out
   assert num_compiled() > before
-  assert engine.warm_up(filtered=True, logprobs=True).runs == 2 * 4
+  assert engine.warm_up(filtered=True, logprobs=True).runs == 1 + 4
   before = num_compiled()
   engine.add_request([5, 6, 7], 4, temperature=0.7, top_p=0.9, logprobs=2)
   engine.add_request([8, 9], 4, top_k=3)
@@ -268,10 +269,12 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed, released
   with pytest.raises(ValueError, match="warm_up must be one of"):
     serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="some")
   with serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="full") as server:
-    # Every shape in 4 variants (top-k/top-p x logprobs), bursts in 3 stop-id widths too.
-    shapes = engine.packing.shapes(bursts=True)
-    bursts = sum(shape.kind == "burst" for shape in shapes)
-    assert server.warm_up.runs == 4 * (len(shapes) + 2 * bursts)
+    # Decode shapes in 4 variants (top-k/top-p x logprobs), bursts in 3 stop-id widths too;
+    # a prefill shape's one program serves every variant.
+    kinds = [shape.kind for shape in engine.packing.shapes(bursts=True)]
+    prefills, decodes, bursts = (kinds.count(k) for k in ("prefill", "decode", "burst"))
+    assert prefills and decodes and bursts
+    assert server.warm_up.runs == prefills + 4 * (decodes + 3 * bursts)
     before = num_compiled()
     for prompt in _prompts(4, 3):
       answer = httpx.post(server.url + "/completions", timeout=60,
@@ -288,6 +291,7 @@ def test_progress_bar_adds_up(capsys):
   plan = WarmUpPlan(shapes, lambda *args: calls.append(args), filtered=True)
   done = warm_up(plan, progress="warm-up")
   err = capsys.readouterr().err
-  assert len(calls) == done.runs + 1 == 5  # + 1: the settling run, outside the bar
-  assert "4/4" in err and "5/4" not in err
+  # decode plain and filtered, prefill once; + 1: the settling run, outside the bar.
+  assert len(calls) == done.runs + 1 == 4
+  assert "3/3" in err and "4/3" not in err
   assert done.programs == 0  # nothing here compiles
