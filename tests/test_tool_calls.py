@@ -1,6 +1,7 @@
-"""Tool calls in chat text (kvjax/tool_calls.py): the Hermes block parser, its streaming
-form against the whole-text parse over every split, templates with and without `tools`
-against transformers' renderer, and the enforcing grammar against jsonschema."""
+"""Tool calls in chat text (kvjax/tool_calls.py, kvjax/tool_formats.py): the Hermes block
+parser, its streaming form against the whole-text parse over every split, templates with
+and without `tools` against transformers' renderer, and the enforcing grammar against
+jsonschema."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import llguidance
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from kvjax import tool_calls
+from kvjax import tool_formats
 from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template, takes_tools
 from kvjax.constraints.vocabulary import constraint_vocabulary
 from kvjax.tokenizer import ByteTokenizer
@@ -49,7 +50,7 @@ OUTPUTS = [
 
 @pytest.mark.parametrize("text, content, calls", OUTPUTS)
 def test_parse_splits_content_and_calls(text, content, calls):
-  assert tool_calls.parse(text, NAMES) == (content, calls)
+  assert tool_formats.HERMES.parse(text, NAMES) == (content, calls)
 
 
 @pytest.mark.parametrize("text, content, calls", OUTPUTS)
@@ -60,12 +61,14 @@ def test_stream_equals_parse_of_the_whole_text_at_every_split(text, content, cal
     cuts = sorted(rng.sample(range(len(text) + 1), min(6, len(text))))
     splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
   for pieces in splits:
-    stream, got_content, got_calls = tool_calls.ToolCallStream(NAMES), "", []
+    stream, got_content, got_calls = tool_formats.HERMES.stream(NAMES), "", []
     for piece in pieces:
       delta, new = stream.push(piece)
       got_content += delta
       got_calls += new
-    got_content += stream.finish()[0]
+    rest, more = stream.finish()
+    got_content += rest
+    got_calls += more
     assert (got_content, got_calls) == (content, calls), pieces
 
 
@@ -127,7 +130,7 @@ def test_grammar_accepts_exactly_valid_calls(vocabulary):
   schema = WEATHER["function"]["parameters"]
   cases = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2}, {"city": "Rome", "days": 9},
            {"city": "Rome"}, {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
-  lark = tool_calls.grammar([WEATHER, CLOCK], parallel=True)
+  lark = tool_formats.HERMES.grammar([WEATHER, CLOCK], parallel=True)
   for arguments in cases:  # jsonschema is the judge of the arguments
     valid = jsonschema.Draft202012Validator(schema).is_valid(arguments)
     text = block(json.dumps({"name": "get_weather", "arguments": arguments},
@@ -135,7 +138,7 @@ def test_grammar_accepts_exactly_valid_calls(vocabulary):
     assert accepts(vocabulary, lark, text) == valid, arguments
   now = block('{"name":"now","arguments":{}}')
   assert accepts(vocabulary, lark, now + "\n" + now)
-  assert not accepts(vocabulary, tool_calls.grammar([WEATHER, CLOCK], parallel=False),
+  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER, CLOCK], False),
                      now + "\n" + now)
-  assert not accepts(vocabulary, tool_calls.grammar([WEATHER]), now)  # not offered
+  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER], True), now)  # not offered
   assert not accepts(vocabulary, lark, "hello " + now)  # only calls
