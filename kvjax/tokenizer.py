@@ -166,4 +166,4 @@ class ByteTokenizer:
                           tools: Optional[Sequence[dict]] = None) -> str:
     """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE); tools as text."""
     return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
-                                self.special_tokens, tools)
+                                self.special_tokens, tools, self.tool_format)

@@ -53,23 +53,27 @@ def test_parse_splits_content_and_calls(text, content, calls):
   assert tool_formats.HERMES.parse(text, NAMES) == (content, calls)
 
 
-@pytest.mark.parametrize("text, content, calls", OUTPUTS)
-def test_stream_equals_parse_of_the_whole_text_at_every_split(text, content, calls):
+def check_stream_at_every_split(fmt, text: str, content: str, calls: list):
+  """`fmt`'s stream, fed `text` split at every point (and in random pieces), yields
+  exactly (content, calls)."""
   rng = random.Random(0)
   splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
   for _ in range(20):  # and random many-piece splits
     cuts = sorted(rng.sample(range(len(text) + 1), min(6, len(text))))
     splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
   for pieces in splits:
-    stream, got_content, got_calls = tool_formats.HERMES.stream(NAMES), "", []
+    stream, got_content, got_calls = fmt.stream(NAMES), "", []
     for piece in pieces:
       delta, new = stream.push(piece)
       got_content += delta
       got_calls += new
     rest, more = stream.finish()
-    got_content += rest
-    got_calls += more
-    assert (got_content, got_calls) == (content, calls), pieces
+    assert (got_content + rest, got_calls + more) == (content, calls), pieces
+
+
+@pytest.mark.parametrize("text, content, calls", OUTPUTS)
+def test_stream_equals_parse_of_the_whole_text_at_every_split(text, content, calls):
+  check_stream_at_every_split(tool_formats.HERMES, text, content, calls)
 
 
 # A tools-aware template in the Hermes style (what Qwen2.5-like checkpoints ship).
@@ -120,25 +124,31 @@ def vocabulary():
   return constraint_vocabulary(tokenizer, tokenizer.eos_ids[0])
 
 
-def accepts(vocabulary, lark: str, text: str) -> bool:
+def accepts(vocabulary, lark: str, ids) -> bool:
+  """Does the grammar take exactly these tokens (byte ids: the text's UTF-8)?"""
   matcher = llguidance.LLMatcher(vocabulary, llguidance.LLMatcher.grammar_from_lark(lark),
                                  log_level=0)
-  return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+  return matcher.consume_tokens(list(ids)) and matcher.is_accepting()
+
+
+# Arguments for get_weather, valid or not under its schema (jsonschema judges).
+ARGUMENTS = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2},
+             {"city": "Rome", "days": 9}, {"city": "Rome"},
+             {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
 
 
 def test_grammar_accepts_exactly_valid_calls(vocabulary):
   schema = WEATHER["function"]["parameters"]
-  cases = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2}, {"city": "Rome", "days": 9},
-           {"city": "Rome"}, {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
   lark = tool_formats.HERMES.grammar([WEATHER, CLOCK], parallel=True)
-  for arguments in cases:  # jsonschema is the judge of the arguments
+  for arguments in ARGUMENTS:  # jsonschema is the judge of the arguments
     valid = jsonschema.Draft202012Validator(schema).is_valid(arguments)
     text = block(json.dumps({"name": "get_weather", "arguments": arguments},
                             separators=(",", ":")))
-    assert accepts(vocabulary, lark, text) == valid, arguments
+    assert accepts(vocabulary, lark, text.encode()) == valid, arguments
   now = block('{"name":"now","arguments":{}}')
-  assert accepts(vocabulary, lark, now + "\n" + now)
+  assert accepts(vocabulary, lark, (now + "\n" + now).encode())
   assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER, CLOCK], False),
-                     now + "\n" + now)
-  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER], True), now)  # not offered
-  assert not accepts(vocabulary, lark, "hello " + now)  # only calls
+                     (now + "\n" + now).encode())
+  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER], True),
+                     now.encode())  # not offered
+  assert not accepts(vocabulary, lark, ("hello " + now).encode())  # only calls

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import jsonschema
-import llguidance
 import pytest
 import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -23,7 +21,8 @@ from kvjax.hf_tokenizer import load_tokenizer
 from kvjax.tokenizer import ByteTokenizer
 from kvjax.tool_formats import HERMES, LLAMA_JSON
 from tests.test_hf_tokenizer import _train_byte_level_bpe
-from tests.test_tool_calls import CLOCK, HERMES as HERMES_TEMPLATE, NAMES, WEATHER
+from tests.test_tool_calls import (ARGUMENTS, CLOCK, HERMES as HERMES_TEMPLATE, NAMES, WEATHER,
+                                   accepts, check_stream_at_every_split, vocabulary)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MISTRAL = tool_formats.mistral()  # its marker as text, as the byte tokenizer writes it
@@ -34,7 +33,8 @@ def template(name: str) -> str:
     return f.read()
 
 
-LLAMA_TEMPLATE, MISTRAL_TEMPLATE = template("llama31_tools.jinja"), template("mistral_tools.jinja")
+LLAMA_TEMPLATE = template("llama31_tools.jinja")
+MISTRAL_TEMPLATE = template("mistral_tools.jinja")
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 ASK = [{"role": "user", "content": "Weather in Rome, and the time?"}]
 ROME = ("get_weather", {"city": "Rome", "days": 2})
@@ -118,19 +118,7 @@ OUTPUTS = [
 @pytest.mark.parametrize("fmt, text, content, calls", OUTPUTS)
 def test_parse_and_stream_over_every_split(fmt, text, content, calls):
   assert fmt.parse(text, NAMES) == (content, calls)
-  rng = random.Random(0)
-  splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
-  for _ in range(20):  # and random many-piece splits
-    cuts = sorted(rng.sample(range(len(text) + 1), min(6, len(text))))
-    splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
-  for pieces in splits:
-    stream, got_content, got_calls = fmt.stream(NAMES), "", []
-    for piece in pieces:
-      delta, new = stream.push(piece)
-      got_content += delta
-      got_calls += new
-    rest, more = stream.finish()
-    assert (got_content + rest, got_calls + more) == (content, calls), pieces
+  check_stream_at_every_split(fmt, text, content, calls)
 
 
 def hf_tokenizer(directory, specials, chat_template=None):
@@ -176,18 +164,6 @@ def test_a_template_without_tools_gets_the_conversation_in_the_format(fmt, resul
   assert result in lines
 
 
-@pytest.fixture(scope="module")
-def byte_vocabulary():
-  tokenizer = ByteTokenizer()
-  return constraint_vocabulary(tokenizer, tokenizer.eos_ids[0])
-
-
-def accepts(vocabulary, lark: str, ids) -> bool:
-  matcher = llguidance.LLMatcher(vocabulary, llguidance.LLMatcher.grammar_from_lark(lark),
-                                 log_level=0)
-  return matcher.consume_tokens(list(ids)) and matcher.is_accepting()
-
-
 def sentence(fmt, calls) -> str:
   """Calls written as the format's grammar writes them (compact JSON)."""
   compact = {"separators": (",", ":")}
@@ -197,28 +173,24 @@ def sentence(fmt, calls) -> str:
                                       **compact)
 
 
-ARGUMENTS = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2}, {"city": "Rome", "days": 9},
-             {"city": "Rome"}, {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
-
-
 @pytest.mark.parametrize("fmt", [LLAMA_JSON, MISTRAL])
-def test_grammar_accepts_exactly_valid_calls(byte_vocabulary, fmt):
+def test_grammar_accepts_exactly_valid_calls(vocabulary, fmt):
   schema = WEATHER["function"]["parameters"]
   lark = fmt.grammar([WEATHER, CLOCK], True)
   encode = ByteTokenizer().encode
   for arguments in ARGUMENTS:  # jsonschema is the judge of the arguments
     valid = jsonschema.Draft202012Validator(schema).is_valid(arguments)
     text = sentence(fmt, [("get_weather", arguments)])
-    assert accepts(byte_vocabulary, lark, encode(text)) == valid, arguments
+    assert accepts(vocabulary, lark, encode(text)) == valid, arguments
     if valid:  # and what the grammar allows parses back to its calls
       assert fmt.parse(text, NAMES) == ("", [("get_weather", arguments)])
   two = sentence(fmt, [("now", {}), ROME])
-  assert accepts(byte_vocabulary, lark, encode(two))
+  assert accepts(vocabulary, lark, encode(two))
   assert fmt.parse(two, NAMES) == ("", [("now", {}), ROME])
-  assert not accepts(byte_vocabulary, fmt.grammar([WEATHER, CLOCK], False), encode(two))
-  assert not accepts(byte_vocabulary, fmt.grammar([WEATHER], True),
+  assert not accepts(vocabulary, fmt.grammar([WEATHER, CLOCK], False), encode(two))
+  assert not accepts(vocabulary, fmt.grammar([WEATHER], True),
                      encode(sentence(fmt, [("now", {})])))  # not offered
-  assert not accepts(byte_vocabulary, lark, encode("hello " + sentence(fmt, [ROME])))
+  assert not accepts(vocabulary, lark, encode("hello " + sentence(fmt, [ROME])))
 
 
 def test_mistral_grammar_over_a_vocabulary_with_the_marker_token(tmp_path):
