@@ -12,7 +12,8 @@ bytes, top_logprobs}; a token's text is its id decoded alone.  A request with
 tools (kvjax/server/tools.py) has its tool calls parsed out of each choice's text
 (in the model's format: kvjax/tool_formats.py) into `message.tool_calls`
 (streamed: `delta.tool_calls`, one complete call per entry), the rest is the
-content (null when only calls remain), and a choice that ended on its own with calls finishes with "tool_calls".
+content (null when only calls remain), and a choice that ended on its own with
+calls finishes with "tool_calls".
 """
 from __future__ import annotations
 
