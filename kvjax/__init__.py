@@ -25,8 +25,9 @@ Layers (imports only go down; tests/test_layering.py checks it):
                                                     prefix cache's KV events
   9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
      constraints/vocabulary, chat_template,         and their vocabularies for the matcher,
-     tool_calls, training/, distributed, eval/      chat templates and tool calls in chat
-                                                    text, training (its corpora and its code
+     tool_calls, tool_formats, training/,           chat templates and tool calls in chat
+     distributed, eval/                             text (the formats models write them in),
+                                                    training (its corpora and its code
                                                     checks), multi-host start-up, quality evals
   10 server/, bench_client, bench_workloads,        HTTP serving, its load client and the
      diagnose                                       bench's workloads, C18 diagnosis

@@ -7,8 +7,9 @@ block that renders its body, `raise_exception(message)`, `strftime_now(format)` 
 whose value is None dropped, as transformers does), `add_generation_prompt`, `tools`
 (OpenAI function definitions, or None), `documents` (None) and the tokenizer's special
 tokens (`bos_token`, `eos_token`, ...).  A template that never reads `tools` gets a tool
-conversation as text instead (kvjax/tool_calls.py: the definitions in the system message,
-earlier calls and `tool` results as turns), so every template can carry one.
+conversation as text instead, in the tokenizer's tool-call format (its `tool_format`,
+kvjax/tool_formats.py: the definitions in the system message, earlier calls and `tool`
+results as turns), so every template can carry one.
 
 BYTE_CHAT_TEMPLATE is the built-in byte model's own: one role-tagged line per message,
 e.g. messages [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
@@ -34,6 +35,8 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvjax import tool_calls
+from kvjax.tool_calls import ToolFormat
+from kvjax.tool_formats import HERMES
 
 __all__ = ["BYTE_CHAT_TEMPLATE", "render_chat_template", "takes_tools"]
 
@@ -102,8 +105,10 @@ def takes_tools(source: str) -> bool:
 
 def render_chat_template(source: str, messages: list[dict], add_generation_prompt: bool,
                          special_tokens: Mapping[str, str],
-                         tools: Optional[Sequence[dict]] = None) -> str:
-  """The prompt text of `messages` (and `tools`) under the jinja2 template `source`.
+                         tools: Optional[Sequence[dict]] = None,
+                         tool_format: ToolFormat = HERMES) -> str:
+  """The prompt text of `messages` (and `tools`) under the jinja2 template `source`;
+  a template that takes no tools gets them as text in `tool_format`.
 
   ValueError names the problem for an empty or non-list `messages`, a message that is not
   a dict, a template that does not parse, or a template's raise_exception (e.g. a bad role).
@@ -117,7 +122,7 @@ def render_chat_template(source: str, messages: list[dict], add_generation_promp
   try:
     template = _compile(source)
     if (tools or tool_calls.in_messages(plain)) and not takes_tools(source):
-      plain, tools = tool_calls.as_text(plain, tools), None
+      plain, tools = tool_format.as_text(plain, tools), None
     return template.render(messages=plain, tools=tools or None, documents=None,
                            add_generation_prompt=bool(add_generation_prompt), **special_tokens)
   except jinja2.exceptions.TemplateError as e:

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import tokenizers
 
+from kvjax import tool_formats
 from kvjax.chat_template import render_chat_template
 from kvjax.tokenizer import IncrementalDetokenizer, check_ids
 
@@ -68,6 +69,10 @@ class HFTokenizer:
     self.bos_id = None if bos is None else tokenizer.token_to_id(bos)
     self.eos_ids = tuple(eos_ids)
     self.chat_template = chat_template
+    # The special tokens (text -> id), and the tool-call format they and the template imply.
+    self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()
+                        if t.special}
+    self.tool_format = tool_formats.detect(chat_template, self.special_ids)
     self._clean_up = clean_up
     self._source = source
     self._template_keys = template_keys  # where the source keeps a chat_template, for errors
@@ -102,7 +107,7 @@ class HFTokenizer:
       raise ValueError(f"{self._source} has no chat_template ({self._template_keys}); send "
                        "a plain prompt instead")
     return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                self.special_tokens, tools)
+                                self.special_tokens, tools, self.tool_format)
 
   def _raw_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -21,6 +21,9 @@ The interface (`Tokenizer`; the HTTP server and the CLI code against exactly thi
                                   chat prompt's ids are `encode(text, add_special_tokens=False)`
                                   because templates write their own BOS text (transformers'
                                   `apply_chat_template(tokenize=True)` does the same).
+  tool_format: ToolFormat         how the model writes tool calls (kvjax/tool_formats.py:
+                                  detected from an HF checkpoint's template and special
+                                  tokens; the byte tokenizer's is Hermes)
 
 The byte tokenizer: byte b is token id b; no vocabulary file exists or is ever downloaded,
 and the special ids follow the 256 byte ids. Its specials have no text form in `encode`
@@ -33,6 +36,8 @@ import functools
 from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template
+from kvjax.tool_calls import ToolFormat
+from kvjax.tool_formats import HERMES
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ByteTokenizer", "check_ids"]
 
@@ -47,6 +52,7 @@ class Tokenizer(Protocol):
   vocab_size: int
   bos_id: Optional[int]
   eos_ids: tuple[int, ...]
+  tool_format: ToolFormat
 
   def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -131,6 +137,7 @@ class ByteTokenizer:
   # How decode(skip_special_tokens=False) and chat templates write the specials.
   special_tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
   _special_text = {bos_id: "<s>", eos_id: "</s>", pad_id: "<pad>"}
+  tool_format = HERMES
 
   def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
     """Text -> byte ids; BOS first only with add_special_tokens."""
@@ -159,4 +166,4 @@ class ByteTokenizer:
                           tools: Optional[Sequence[dict]] = None) -> str:
     """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE); tools as text."""
     return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
-                                self.special_tokens, tools)
+                                self.special_tokens, tools, self.tool_format)

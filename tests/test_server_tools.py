@@ -2,18 +2,25 @@
 named function enforce calls whose arguments validate (`jsonschema`) against their
 schemas, streamed and not; a call -> tool result -> answer round trip; "auto" leaves the
 model free (its answer equals the plain completion of the same rendered prompt); bad
-tool fields are 400s naming them, and the server keeps serving."""
+tool fields are 400s naming them, and the server keeps serving.  A model whose template
+and tokenizer are Mistral's gets its calls in that format: the [TOOL_CALLS] token, ids
+its template accepts."""
 from __future__ import annotations
 
 import json
 
+import re
+
 import httpx
+import jax
 import jsonschema
 import openai
 import pytest
 
 import kvjax
+from kvjax.params import init_params
 from kvjax.server import serve_in_thread
+from tests.test_tool_formats import MISTRAL_TEMPLATE, hf_tokenizer
 
 NAME = "tiny-tools-test"
 # The tool definitions go into the byte model's prompt as text: ~1 KiB of tokens.
@@ -47,6 +54,10 @@ def client(server):
 
 def check_call(call) -> dict:
   assert call.type == "function" and call.id.startswith("call_")
+  return check_arguments(call)
+
+
+def check_arguments(call) -> dict:
   arguments = json.loads(call.function.arguments)
   jsonschema.validate(arguments, SCHEMAS[call.function.name])
   return arguments
@@ -147,3 +158,59 @@ def test_bad_tool_fields_are_400s_naming_them(server, client, path, body, param,
   assert error["param"] == param and words in error["message"], error
   ok = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4)
   assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+  """A tiny random model with a byte-level BPE tokenizer whose [TOOL_CALLS] is a special
+  token and whose template is Mistral's (tests/data/mistral_tools.jinja)."""
+  tokenizer = hf_tokenizer(tmp_path_factory.mktemp("mistral"), ["[TOOL_CALLS]"],
+                           MISTRAL_TEMPLATE)
+  cfg = kvjax.get_preset("tiny").replace(name="tiny-mistral-tools", vocab_size=640,
+                                         eos_token_id=tokenizer.eos_ids[0])
+  model = kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(5), std=0.2),
+                      tokenizer=tokenizer)
+  config = kvjax.EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024,
+                              page_size=16)  # the tiny preset's context
+  with serve_in_thread(model, config, served_model_name=NAME, max_waiting=8) as handle:
+    yield handle, openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0,
+                                timeout=120), tokenizer
+
+
+def check_mistral_call(call) -> dict:
+  assert call.type == "function" and re.fullmatch(r"[A-Za-z0-9]{9}", call.id), call.id
+  return check_arguments(call)
+
+
+def test_a_mistral_model_calls_in_its_format(mistral):
+  handle, client, tokenizer = mistral
+  assert tokenizer.tool_format.name == "mistral"
+  answer = client.chat.completions.create(
+      model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+      max_tokens=120, n=2, temperature=1.0, seed=3)
+  for choice in answer.choices:
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    check_mistral_call(choice.message.tool_calls[0])
+  stream = client.chat.completions.create(
+      model=NAME, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0.0, stream=True,
+      tool_choice={"type": "function", "function": {"name": "now"}})
+  calls, reasons = [], []
+  for chunk in stream:
+    calls += chunk.choices[0].delta.tool_calls or []
+    reasons.append(chunk.choices[0].finish_reason)
+  assert reasons[-1] == "tool_calls" and [c.function.name for c in calls] == ["now"]
+  check_mistral_call(calls[0])
+  # The id goes back through the template, which refuses any other kind.
+  call = answer.choices[0].message.tool_calls[0]
+  history = ASK + [answer.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+  final = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS,
+                                         max_tokens=4, temperature=0.0)
+  expected = tokenizer.apply_chat_template(ASK + [
+      {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
+       "function": {"name": call.function.name,
+                    "arguments": json.loads(call.function.arguments)}}]},
+      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}], tools=TOOLS)
+  assert "[TOOL_RESULTS]" in expected and call.id in expected
+  assert final.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))

@@ -1,6 +1,7 @@
-"""Tool calls in chat text (kvjax/tool_calls.py): the Hermes block parser, its streaming
-form against the whole-text parse over every split, templates with and without `tools`
-against transformers' renderer, and the enforcing grammar against jsonschema."""
+"""Tool calls in chat text (kvjax/tool_calls.py, kvjax/tool_formats.py): the Hermes block
+parser, its streaming form against the whole-text parse over every split, templates with
+and without `tools` against transformers' renderer, and the enforcing grammar against
+jsonschema."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import llguidance
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from kvjax import tool_calls
+from kvjax import tool_formats
 from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template, takes_tools
 from kvjax.constraints.vocabulary import constraint_vocabulary
 from kvjax.tokenizer import ByteTokenizer
@@ -49,24 +50,30 @@ OUTPUTS = [
 
 @pytest.mark.parametrize("text, content, calls", OUTPUTS)
 def test_parse_splits_content_and_calls(text, content, calls):
-  assert tool_calls.parse(text, NAMES) == (content, calls)
+  assert tool_formats.HERMES.parse(text, NAMES) == (content, calls)
 
 
-@pytest.mark.parametrize("text, content, calls", OUTPUTS)
-def test_stream_equals_parse_of_the_whole_text_at_every_split(text, content, calls):
+def check_stream_at_every_split(fmt, text: str, content: str, calls: list):
+  """`fmt`'s stream, fed `text` split at every point (and in random pieces), yields
+  exactly (content, calls)."""
   rng = random.Random(0)
   splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
   for _ in range(20):  # and random many-piece splits
     cuts = sorted(rng.sample(range(len(text) + 1), min(6, len(text))))
     splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
   for pieces in splits:
-    stream, got_content, got_calls = tool_calls.ToolCallStream(NAMES), "", []
+    stream, got_content, got_calls = fmt.stream(NAMES), "", []
     for piece in pieces:
       delta, new = stream.push(piece)
       got_content += delta
       got_calls += new
-    got_content += stream.finish()[0]
-    assert (got_content, got_calls) == (content, calls), pieces
+    rest, more = stream.finish()
+    assert (got_content + rest, got_calls + more) == (content, calls), pieces
+
+
+@pytest.mark.parametrize("text, content, calls", OUTPUTS)
+def test_stream_equals_parse_of_the_whole_text_at_every_split(text, content, calls):
+  check_stream_at_every_split(tool_formats.HERMES, text, content, calls)
 
 
 # A tools-aware template in the Hermes style (what Qwen2.5-like checkpoints ship).
@@ -117,25 +124,31 @@ def vocabulary():
   return constraint_vocabulary(tokenizer, tokenizer.eos_ids[0])
 
 
-def accepts(vocabulary, lark: str, text: str) -> bool:
+def accepts(vocabulary, lark: str, ids) -> bool:
+  """Does the grammar take exactly these tokens (byte ids: the text's UTF-8)?"""
   matcher = llguidance.LLMatcher(vocabulary, llguidance.LLMatcher.grammar_from_lark(lark),
                                  log_level=0)
-  return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+  return matcher.consume_tokens(list(ids)) and matcher.is_accepting()
+
+
+# Arguments for get_weather, valid or not under its schema (jsonschema judges).
+ARGUMENTS = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2},
+             {"city": "Rome", "days": 9}, {"city": "Rome"},
+             {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
 
 
 def test_grammar_accepts_exactly_valid_calls(vocabulary):
   schema = WEATHER["function"]["parameters"]
-  cases = [{"city": "Rome", "days": 2}, {"city": "Oslo", "days": 2}, {"city": "Rome", "days": 9},
-           {"city": "Rome"}, {"city": "Paris", "days": 7, "extra": 1}, {"city": "Paris", "days": 1}]
-  lark = tool_calls.grammar([WEATHER, CLOCK], parallel=True)
-  for arguments in cases:  # jsonschema is the judge of the arguments
+  lark = tool_formats.HERMES.grammar([WEATHER, CLOCK], parallel=True)
+  for arguments in ARGUMENTS:  # jsonschema is the judge of the arguments
     valid = jsonschema.Draft202012Validator(schema).is_valid(arguments)
     text = block(json.dumps({"name": "get_weather", "arguments": arguments},
                             separators=(",", ":")))
-    assert accepts(vocabulary, lark, text) == valid, arguments
+    assert accepts(vocabulary, lark, text.encode()) == valid, arguments
   now = block('{"name":"now","arguments":{}}')
-  assert accepts(vocabulary, lark, now + "\n" + now)
-  assert not accepts(vocabulary, tool_calls.grammar([WEATHER, CLOCK], parallel=False),
-                     now + "\n" + now)
-  assert not accepts(vocabulary, tool_calls.grammar([WEATHER]), now)  # not offered
-  assert not accepts(vocabulary, lark, "hello " + now)  # only calls
+  assert accepts(vocabulary, lark, (now + "\n" + now).encode())
+  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER, CLOCK], False),
+                     (now + "\n" + now).encode())
+  assert not accepts(vocabulary, tool_formats.HERMES.grammar([WEATHER], True),
+                     now.encode())  # not offered
+  assert not accepts(vocabulary, lark, ("hello " + now).encode())  # only calls

@@ -165,7 +165,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
     raise OpenAIError("this model has no tokenizer, so no chat template: use "
                       "/v1/completions with token ids", "messages")
   rendered = [_message(i, m) for i, m in enumerate(messages)]
-  tool_use = parse_tools(body, OpenAIError)
+  tool_use = parse_tools(body, OpenAIError, tokenizer.tool_format)
   try:
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
                                          tools=list(tool_use.tools) if tool_use else None)
@@ -332,7 +332,9 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       include_usage=bool(options and options.get("include_usage")), logprobs=logprobs,
       extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
       include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-      skip_special_tokens=_flag(body, "skip_special_tokens", True),
+      # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
+      skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
+          tool_use and tool_use.format.keep_special),
       constraint=_constraint(body, tool_use), tools=tool_use)
 
 

@@ -10,9 +10,10 @@ OpenAI's two shapes: completions' parallel lists (tokens, token_logprobs,
 top_logprobs, text_offset) and chat's `content` list of {token, logprob,
 bytes, top_logprobs}; a token's text is its id decoded alone.  A request with
 tools (kvjax/server/tools.py) has its tool calls parsed out of each choice's text
-(kvjax/tool_calls.py) into `message.tool_calls` (streamed: `delta.tool_calls`, one
-complete call per entry), the rest is the content (null when only calls remain),
-and a choice that ended on its own with calls finishes with "tool_calls".
+(in the model's format: kvjax/tool_formats.py) into `message.tool_calls`
+(streamed: `delta.tool_calls`, one complete call per entry), the rest is the
+content (null when only calls remain), and a choice that ended on its own with
+calls finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import time
 import uuid
 from typing import Optional, Sequence
 
-from kvjax import tool_calls
 from kvjax.server.protocol import GenerationRequest
 
 __all__ = ["Responses", "sse"]
@@ -50,9 +50,8 @@ class Responses:
     self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self._text_offset = [0] * request.num_choices  # completions' text_offset, per choice
-    names = request.tools.names if request.tools else ()
     # Per choice: its tool-call parser and the calls it has streamed (with tools only).
-    self._tool_streams = [tool_calls.ToolCallStream(names) for _ in
+    self._tool_streams = [request.tools.format.stream(request.tools.names) for _ in
                           range(request.num_choices if request.tools else 0)]
     self._calls_sent = [0] * request.num_choices
 
@@ -71,7 +70,7 @@ class Responses:
       choice = {"index": index, "finish_reason": reason,
                 "logprobs": self.logprobs(index, token_ids[index], logprobs[index])}
       if self.chat and self.request.tools:
-        content, calls = tool_calls.parse(text, self.request.tools.names)
+        content, calls = self.request.tools.format.parse(text, self.request.tools.names)
         choice["message"] = {"role": "assistant", "content": (content or None) if calls
                              else content}
         if calls:
@@ -122,9 +121,8 @@ class Responses:
       self._calls_sent[index] += len(calls)
     return delta
 
-  @staticmethod
-  def _tool_calls(calls) -> list:
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+  def _tool_calls(self, calls) -> list:
+    return [{"id": self.request.tools.format.call_id(), "type": "function",
              "function": {"name": name, "arguments": json.dumps(arguments)}}
             for name, arguments in calls]
 

@@ -2,13 +2,15 @@
 
 OpenAI's `tools` (function definitions), `tool_choice` ("none", "auto" (the
 default with tools), "required", or {"type": "function", "function": {"name"}})
-and `parallel_tool_calls` (default true).  The definitions go into the prompt
-through the chat template (kvjax/chat_template.py, kvjax/tool_calls.py: the
-Hermes format when the template takes no tools) and calls are parsed from the
-output into `message.tool_calls`.  "auto" leaves the model free and parses
-what it writes (as vLLM's tool parsers do); "required" and a named function are
-enforced by a grammar (kvjax/tool_calls.grammar) whose sentences are only calls
-with arguments valid under their schemas (a named function: exactly one call;
+and `parallel_tool_calls` (default true).  Calls are written in the loaded
+model's tool-call format (its tokenizer's `tool_format`, kvjax/tool_formats.py:
+Hermes, Llama 3.1 JSON or Mistral, from its chat template and special tokens).
+The definitions go into the prompt through the chat template
+(kvjax/chat_template.py; as the format's text when the template takes no tools)
+and calls are parsed from the output into `message.tool_calls`.  "auto" leaves
+the model free and parses what it writes (as vLLM's tool parsers do); "required"
+and a named function are enforced by the format's grammar whose sentences are
+only calls with arguments valid under their schemas (a named function: exactly one call;
 "required": one, or more when parallel_tool_calls), so they cannot be combined
 with `response_format`.  "none" puts no tools in the prompt and parses nothing.
 A schema feature the matcher does not implement is a 400 naming `tools`.
@@ -20,8 +22,8 @@ import json
 import re
 from typing import Optional
 
-from kvjax import tool_calls
 from kvjax.constraints import Constraint
+from kvjax.tool_calls import ToolFormat
 
 __all__ = ["ToolUse", "parse_tools", "tool_message_fields"]
 
@@ -34,6 +36,7 @@ class ToolUse:
 
   tools: tuple  # of {"type": "function", "function": {...}} dicts
   choice: str  # "auto", "required" or "named"
+  format: ToolFormat  # how the model writes calls
   name: Optional[str] = None  # the named function
   parallel: bool = True
 
@@ -48,13 +51,13 @@ class ToolUse:
     tools = [t for t in self.tools if self.choice == "required"
              or t["function"]["name"] == self.name]
     # A named function is called once; "required" makes one or more calls (parallel).
-    return Constraint("grammar", tool_calls.grammar(tools, self.parallel
-                                                    and self.choice == "required"))
+    return Constraint("grammar", self.format.grammar(tools, self.parallel
+                                                     and self.choice == "required"))
 
 
-def parse_tools(body: dict, error) -> Optional[ToolUse]:
-  """The request's ToolUse, or None (no tools, or tool_choice "none"); error(message,
-  param) builds the 400."""
+def parse_tools(body: dict, error, tool_format: ToolFormat) -> Optional[ToolUse]:
+  """The request's ToolUse (calls in `tool_format`), or None (no tools, or tool_choice
+  "none"); error(message, param) builds the 400."""
   tools, choice = body.get("tools"), body.get("tool_choice")
   parallel = body.get("parallel_tool_calls")
   if parallel is not None and not isinstance(parallel, bool):
@@ -86,7 +89,7 @@ def parse_tools(body: dict, error) -> Optional[ToolUse]:
   elif choice not in ("auto", "required"):
     raise error(f"tool_choice must be none, auto, required or a named function, got "
                 f"{choice!r:.200}", "tool_choice")
-  use = ToolUse(checked, choice, name, True if parallel is None else parallel)
+  use = ToolUse(checked, choice, tool_format, name, True if parallel is None else parallel)
   constraint = use.constraint()
   if constraint is not None:
     try:
