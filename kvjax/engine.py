@@ -62,8 +62,8 @@ from kvjax.prefix_cache import PrefixCache
 from kvjax.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
-from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled,
-                               program_variant, serve_burst, serve_step)
+from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
+                               serve_step)
 from kvjax.validation import check_int, sampling_options, stop_ids
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -355,30 +355,34 @@ class Engine(EngineWarmUp, EngineGenerate):
     if self.ngram is not None:
       batch = with_drafts(batch, drafts)
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
-    use_filter, logprobs = program_variant(
-        not rows[0].is_decode,
-        bool((batch.sampling.top_k > 0).any() or (batch.sampling.top_p < 1).any()),
-        any(r.request.sampling.logprobs is not None for r in rows))
+    logprobs = any(r.request.sampling.logprobs is not None for r in rows)
     burst = None if plan.num_steps == 1 else (
         *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
-    emitted, drafted, steps = self._run(batch, num_draft, use_filter, logprobs, burst, mask)
+    emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask)
     if self.ngram is not None and burst is None:
       drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
     return batch.tokens.shape, emitted, drafted, steps
 
-  def _run(self, batch, num_draft: int, use_filter: bool, logprobs: bool, burst=None, mask=None):
+  def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None):
     """Dispatch serve_step (token mask [B, J+1, Vb] or None), or serve_burst when burst =
-    (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
+    (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B], steps run);
+    logprobs: a row asks for them (else the Emitted leaves them out: no host copy)."""
     draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
-                  backend=self.config.backend, num_draft=num_draft, use_filter=use_filter,
-                  logprobs=logprobs, host_drafts=bool(self.ngram and num_draft))
+                  backend=self.config.backend, num_draft=num_draft,
+                  host_drafts=bool(self.ngram and num_draft))
+    want_logprobs = np.bool_(logprobs)  # traced: one program serves both
     if burst is None:
       self.state, emitted = serve_step(
-          self.model.params, draft and draft.params, self.state, batch, token_mask=mask, **static)
-      return jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
-    left, stop_ids, num_steps = burst
-    self.state, emitted, drafted, steps = serve_burst(
-        self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
-        np.int32(num_steps), max_steps=self.scheduler.num_scheduler_steps, **static)
+          self.model.params, draft and draft.params, self.state, batch, token_mask=mask,
+          want_logprobs=want_logprobs, **static)
+      emitted, drafted, steps = jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
+    else:
+      left, stop_ids, num_steps = burst
+      self.state, emitted, drafted, steps = serve_burst(
+          self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
+          np.int32(num_steps), want_logprobs, max_steps=self.scheduler.num_scheduler_steps,
+          **static)
+    if not logprobs:
+      emitted = emitted.replace(logprobs=None, top_ids=None, top_logprobs=None)
     return emitted, drafted, steps

@@ -29,8 +29,8 @@ class EngineWarmUp:
     (Packing.shapes), per draft count its policy may pick and per variant, on
     padding-only batches, and the page copy / clear programs on the null page, so
     no request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's
-    logprobs / filtered / stop_widths (the programs of requests asking for logprobs / with
-    top-k or top-p / with stop ids) and map_budget.  progress: a progress bar's label.
+    stop_widths (the bursts of requests with stop ids) and map_budget.  progress: a
+    progress bar's label.
     """
     with self._lock:
       return warm_up(self.warm_up_plan(**variants), progress)
@@ -51,8 +51,7 @@ class EngineWarmUp:
         self._copy_pages([])
       self._clear([], self.config.max_num_seqs)  # the scratch slot
 
-  def _run_padding(self, shape: StepShape, use_filter: bool, logprobs: bool,
-                   stop_width: int = 1) -> None:
+  def _run_padding(self, shape: StepShape, stop_width: int = 1) -> None:
     """One step program of `shape` on padding rows (a burst's: none runs a step), its
     stop-id array `stop_width` wide."""
     with self._lock:
@@ -61,4 +60,4 @@ class EngineWarmUp:
       if shape.kind == "burst":
         left, _ = burst_limits([], shape.rows)
         burst = (left, np.full((shape.rows, stop_width), -1, np.int32), 1)
-      self._run(batch, shape.num_draft, use_filter, logprobs, burst)
+      self._run(batch, shape.num_draft, False, burst)

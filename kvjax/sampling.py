@@ -65,13 +65,20 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
   # it to zero, masking every token.
   # top_p >= 1 keeps every token outright: the cumulative mass can round to 1 before
   # the tail, which would drop it, and a row without top-k / top-p must come out
-  # unchanged (prefill programs always filter, kvjax/serve_steps.py program_variant).
+  # unchanged (it shares a filtering batch with rows that ask: filtered_if_asked).
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   keep = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
           | (jnp.arange(vocab)[None] == 0))
   cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
   threshold = jnp.maximum(kth, cutoff)
   return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def filtered_if_asked(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """filtered_logits when a row asks for top-k or top-p, else logits as they are: a cond,
+  so one program serves both and only a batch that filters pays the [B, V] sort."""
+  asked = jnp.any((top_k > 0) | (top_p < 1))
+  return jax.lax.cond(asked, lambda x: filtered_logits(x, top_k, top_p), lambda x: x, logits)
 
 
 def apply_token_mask(logits: jax.Array, mask) -> jax.Array:
@@ -104,7 +111,10 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("use_filter",))
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
            use_filter: bool) -> jax.Array:
-  """logits [B, V] float32, positions [B] (index of the token being sampled) -> [B] int32."""
+  """logits [B, V] float32, positions [B] (index of the token being sampled) -> [B] int32.
+
+  use_filter: rows may ask for top-k / top-p (the filter then runs if one does:
+  filtered_if_asked); False leaves it out of the program altogether."""
   if params.processing is not None:
     logits = params.processing.apply(logits)
   greedy = greedy_tokens(logits)
@@ -113,7 +123,7 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
     if use_filter:
-      scaled = filtered_logits(scaled, params.top_k, params.top_p)
+      scaled = filtered_if_asked(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
         params.seeds, positions)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)

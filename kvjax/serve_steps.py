@@ -9,7 +9,11 @@ drafts need no device rollback: the next batch simply says where each row
 sits.  `serve_burst` runs up to U such decode steps in one device while_loop
 (multi-step scheduling, C13), its carry moving the rows forward.  Both donate
 the state and take the model config, backend and draft count as static
-arguments.  Shapes: docs/DIMENSIONS.md.
+arguments.  A program serves every sampling option: top-k / top-p filtering
+runs only when a row asks for it (a cond in kvjax/sampling.py) and logprobs
+only when `want_logprobs` (a traced flag) says a row does, so a server compiles
+one program per packed shape (and burst stop-id width), not one per
+combination of options (kvjax/warm_up.py).  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -41,20 +45,24 @@ class Emitted:
   tokens: jax.Array  # [B, J+1] int32 emitted ids, -1 from `counts` on
   counts: jax.Array  # [B] int32 ids emitted (0: none, e.g. a failed or padding row)
   failed: jax.Array  # [B] bool: the row's logits were non-finite (see _serve_rows)
-  # With logprobs on (kvjax/sampling.py token_logprobs), A = MAX_LOGPROBS:
+  # kvjax/sampling.py token_logprobs, A = MAX_LOGPROBS; zeros unless want_logprobs
+  # (the engine drops them before its host copy then):
   logprobs: Optional[jax.Array] = None  # [B, J+1] f32 log p of each emitted id
   top_ids: Optional[jax.Array] = None  # [B, J+1, A] int32 the likeliest ids there
   top_logprobs: Optional[jax.Array] = None  # [B, J+1, A] f32 their log p
 
 
-def _emitted(tokens, counts, failed, logits, logprobs: bool) -> Emitted:
+def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array) -> Emitted:
   """tokens [B, J+1], logits [B, J+1, V] -> Emitted; a failed row emits nothing."""
   counts = jnp.where(failed, 0, counts)
-  out = Emitted(tokens=tokens, counts=counts, failed=failed)
-  if not logprobs:
-    return out
-  chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
-  return out.replace(logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+  b, r, v = logits.shape
+  a = min(MAX_LOGPROBS, v)
+  none = (jnp.zeros((b, r), jnp.float32), jnp.zeros((b, r, a), jnp.int32),
+          jnp.zeros((b, r, a), jnp.float32))
+  chosen, top_ids, top_logprobs = jax.lax.cond(
+      want_logprobs, lambda: token_logprobs(logits, tokens), lambda: none)
+  return Emitted(tokens=tokens, counts=counts, failed=failed, logprobs=chosen, top_ids=top_ids,
+                 top_logprobs=top_logprobs)
 
 
 @struct.dataclass
@@ -66,9 +74,10 @@ class EngineState:
 
 
 def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineState,
-                batch: StepBatch, token_mask: Optional[jax.Array] = None, *, config: ModelConfig,
-                draft_config: Optional[ModelConfig], backend, num_draft: int, use_filter: bool,
-                logprobs: bool, host_drafts: bool = False):
+                batch: StepBatch, token_mask: Optional[jax.Array] = None,
+                want_logprobs: jax.Array = False, *, config: ModelConfig,
+                draft_config: Optional[ModelConfig], backend, num_draft: int,
+                host_drafts: bool = False):
   """Run one row group -> (state, Emitted).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
@@ -80,7 +89,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   from at the end of its chunk) hold a NaN or inf: the model broke on this
   request, whose tokens are then meaningless; the engine finishes it with an
   error and the other rows are unaffected.
-  logprobs: also return each emitted id's log-probability and the likeliest ids.
+  want_logprobs (bool, traced): also return each emitted id's log-probability and the
+  likeliest ids (zeros otherwise).
   token_mask [B, J+1, Vb] (constrained decoding, kvjax/constraints/book.py): the
   packed tokens each row may sample at each position, applied before sampling and
   verification, so a draft the grammar forbids is rejected as the target would;
@@ -99,22 +109,23 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   if not num_draft:
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
     masked = apply_token_mask(logits, None if token_mask is None else token_mask[:, 0])
-    new = sample(masked, batch.sampling, first, use_filter=use_filter)  # [B]
+    new = sample(masked, batch.sampling, first, use_filter=True)  # [B]
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
     return state.replace(cache=cache), _emitted(new[:, None], jnp.ones_like(new), failed,
-                                                logits[:, None], logprobs)
+                                                logits[:, None], want_logprobs)
 
   raw = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
   failed = jnp.any(verified & ~jnp.all(jnp.isfinite(raw), axis=-1), axis=1)
   logits = spec.target_logits_for_accept(apply_token_mask(raw, token_mask), batch.sampling,
-                                         use_filter)  # [B, J+1, V]
+                                         use_filter=True)  # [B, J+1, V]
   draft_probs = None if host_drafts else state.draft_probs[batch.slot_ids, :num_draft]
   emitted, accepted = spec.accept(logits, pending, draft_probs, batch.num_draft,
                                   batch.sampling, first, backend)
   cache = cache.keep_accepted(batch, accepted)  # a recurrent state forgets rejected drafts
   if host_drafts:
-    return state.replace(cache=cache), _emitted(emitted, accepted + 1, failed, raw, logprobs)
+    return state.replace(cache=cache), _emitted(emitted, accepted + 1, failed, raw,
+                                                want_logprobs)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
@@ -132,45 +143,28 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids, :num_draft].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids, :num_draft].set(probs))
-  return state, _emitted(emitted, accepted + 1, failed, raw, logprobs)
+  return state, _emitted(emitted, accepted + 1, failed, raw, want_logprobs)
 
 
-def program_variant(prefill: bool, use_filter: bool, logprobs: bool) -> tuple[bool, bool]:
-  """The static (use_filter, logprobs) a row group's program runs with.
-
-  A prefill chunk samples at most one token a row after a forward over many columns,
-  so its program always filters and returns logprobs (a row without top-k / top-p is
-  left exactly as it was, kvjax/sampling.py; logprobs nobody asked for are not read):
-  one program per prefill shape instead of four, the largest share of what a server
-  compiles (kvjax/warm_up.py).  Decode programs, where a row's sampling is a real
-  share of the step, keep the variant their rows ask for.
-  """
-  return (True, True) if prefill else (use_filter, logprobs)
-
-
-_STATIC = ("config", "draft_config", "backend", "num_draft", "use_filter", "logprobs",
-           "host_drafts")
+_STATIC = ("config", "draft_config", "backend", "num_draft", "host_drafts")
 serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC,
                       donate_argnames=("state",))
 
 
-def _empty_history(u: int, b: int, t: int, vocab: int, logprobs: bool) -> Emitted:
+def _empty_history(u: int, b: int, t: int, vocab: int) -> Emitted:
   """U steps of Emitted for B rows of T columns, nothing emitted yet."""
-  out = Emitted(tokens=jnp.full((u, b, t), -1, jnp.int32), counts=jnp.zeros((u, b), jnp.int32),
-                failed=jnp.zeros((u, b), bool))
-  if not logprobs:
-    return out
   a = min(MAX_LOGPROBS, vocab)
-  return out.replace(logprobs=jnp.zeros((u, b, t), jnp.float32),
-                     top_ids=jnp.zeros((u, b, t, a), jnp.int32),
-                     top_logprobs=jnp.zeros((u, b, t, a), jnp.float32))
+  return Emitted(tokens=jnp.full((u, b, t), -1, jnp.int32), counts=jnp.zeros((u, b), jnp.int32),
+                 failed=jnp.zeros((u, b), bool), logprobs=jnp.zeros((u, b, t), jnp.float32),
+                 top_ids=jnp.zeros((u, b, t, a), jnp.int32),
+                 top_logprobs=jnp.zeros((u, b, t, a), jnp.float32))
 
 
 @jit_step(static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
 def serve_burst(params: Params, draft_params: Optional[Params], state: EngineState,
                 batch: StepBatch, left: jax.Array, stop_ids: jax.Array, num_steps: jax.Array,
-                *, config: ModelConfig, draft_config: Optional[ModelConfig], backend,
-                num_draft: int, use_filter: bool, logprobs: bool, max_steps: int,
+                want_logprobs: jax.Array = False, *, config: ModelConfig,
+                draft_config: Optional[ModelConfig], backend, num_draft: int, max_steps: int,
                 host_drafts: bool = False):
   """Up to num_steps decode steps of one row group in one device loop (multi-step).
 
@@ -209,8 +203,8 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
         block_tables=jnp.where(active[:, None], batch.block_tables, 0),
         sampling=batch.sampling.replace(processing=processing))
     state, out = _serve_rows(
-        params, draft_params, state, step_batch, config=config, draft_config=draft_config,
-        backend=backend, num_draft=num_draft, use_filter=use_filter, logprobs=logprobs)
+        params, draft_params, state, step_batch, want_logprobs=want_logprobs, config=config,
+        draft_config=draft_config, backend=backend, num_draft=num_draft)
     failed = active & out.failed
     counts = jnp.where(active, out.counts, 0)
     emitted = jnp.where(col < counts[:, None], out.tokens, -1)
@@ -225,7 +219,7 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
             drafted_all.at[step].set(drafted),
             None if processing is None else processing.advance(emitted))  # penalties' counts
 
-  history = _empty_history(max_steps, b, t, config.vocab_size, logprobs)
+  history = _empty_history(max_steps, b, t, config.vocab_size)
   # The rows' K/V gathered once, not per step (where the backend allows): the trunk's, and
   # the MTP modules' only if the loop drafts (a draft model keeps its own cache).
   drafting = num_draft and draft_config is None

@@ -48,7 +48,7 @@ from kvjax.backends import Backend
 from kvjax.config import ModelConfig
 from kvjax.model import decoder, lm_logits, mtp_block
 from kvjax.params import Params
-from kvjax.sampling import SamplingParams, filtered_logits, greedy_tokens
+from kvjax.sampling import SamplingParams, filtered_if_asked, greedy_tokens
 from kvjax.step_batch import StepBatch
 from kvjax.steps import cache_attend
 
@@ -135,7 +135,7 @@ def target_logits_for_accept(logits: jax.Array, sampling: SamplingParams,
   b, r, v = logits.shape
   temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
   scaled = (logits / temperature[:, None, None]).reshape(b * r, v)
-  kept = filtered_logits(scaled, jnp.repeat(sampling.top_k, r), jnp.repeat(sampling.top_p, r))
+  kept = filtered_if_asked(scaled, jnp.repeat(sampling.top_k, r), jnp.repeat(sampling.top_p, r))
   return jnp.where(jnp.isfinite(kept.reshape(b, r, v)), logits, -jnp.inf)
 
 

@@ -1,12 +1,11 @@
 """Compile an engine's step programs before it serves (`Engine.warm_up`).
 
 An engine runs one serve_step or serve_burst program (kvjax/serve_steps.py) per
-packed shape (kvjax/batching.py `Packing.shapes`: rows, columns, table width),
-per draft count J its policy may pick (kvjax/draft_policy.py) and per static
-variant: `use_filter` (a row with top-k or top-p) and `logprobs` (a row asking
-for them) for decode and burst programs; a prefill shape has one program, which
-always filters and returns logprobs (serve_steps.program_variant).  XLA compiles each one when it first comes, seconds on a CPU that
-the request forming the new shape would wait.  `warm_up` runs every program
+packed shape (kvjax/batching.py `Packing.shapes`: rows, columns, table width)
+and per draft count J its policy may pick (kvjax/draft_policy.py); one program
+serves every sampling option (top-k / top-p, logprobs: runtime conds,
+kvjax/serve_steps.py).  XLA compiles each one when it first comes, seconds on a
+CPU that the request forming the new shape would wait.  `warm_up` runs every program
 once on a batch of padding rows only (q_lens 0, the scratch slot, the null
 page), which writes nothing a request reads, so the engine's later outputs,
 pages, prefix cache and draft policy are what they would have been; afterwards
@@ -16,30 +15,27 @@ committed when the params are (a loaded checkpoint's), which the jit cache keys
 apart, so without it the first program would be compiled for the fresh state
 only and again under the first request that packs its shape.
 
-Variants are opt-in (`filtered`, `logprobs`, and `stop_widths`, the widths E
-of a burst's stop-id array, bucketed: a request with EOS alone or no stop id
-runs E = 1, one with 1 stop id beyond EOS E = 2, 2-3 beyond E = 4): each
-doubles the programs or more.  A server asks for all of them (one with more
-stop ids than its widest E still compiles under its first burst).
+Bursts have a variant per width E of their stop-id array (`stop_widths`,
+opt-in, bucketed: a request with EOS alone or no stop id runs E = 1, one with 1
+stop id beyond EOS E = 2, 2-3 beyond E = 4).  A server asks for all three (one
+with more stop ids than its widest E still compiles under its first burst).
 
 `WarmUpPlan` runs the programs one at a time (`step()`), so a server's
 warm-up thread can run them between requests and report its progress;
-`warm_up` runs a whole plan at once.  A plan runs every shape's plain program
-(a prefill shape's only one) first, then the decode and burst variants: the
-likeliest first, because a plan may stop early.
+`warm_up` runs a whole plan at once.  A plan runs every shape's E = 1 program
+first, then the wider bursts: the likeliest first, because a plan may stop early.
 
 Every compiled XLA:CPU program keeps its LLVM-JIT code in memory maps, ~250 per
 step program of the default model, and a process past the kernel's
 vm.max_map_count (65,530 by default) fails its next compile ("LLVM compilation
-error: Cannot allocate memory"): the default model's 176 programs at its
-2,048-token context need ~44,000.  With `map_budget` a plan stops once the
+error: Cannot allocate memory"): the default model's 116 programs at its
+2,048-token context need ~29,000.  With `map_budget` a plan stops once the
 process holds that fraction of the limit (a server: half, leaving the rest to
 programs compiled under requests); `WarmUp.runs` then counts what it ran.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -48,7 +44,7 @@ from absl import logging
 
 from kvjax.batching import StepShape
 from kvjax.draft_policy import FixedDrafts
-from kvjax.serve_steps import num_compiled, program_variant
+from kvjax.serve_steps import num_compiled
 
 __all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_VARIANTS",
            "draft_counts", "warm_up"]
@@ -56,9 +52,9 @@ __all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_
 # A server's choices (kvjax/server/handle.py): every program while it already serves,
 # every program before it serves, or two short requests' programs only.
 WARM_UP_MODES = ("background", "full", "minimal")
-# What a server's full warm-up covers: every sampling variant a request can ask for, while
+# What a server's full warm-up covers: every burst stop-id width a request can need, while
 # the process holds under half its memory-map limit (the module doc).
-SERVER_VARIANTS = dict(filtered=True, logprobs=True, stop_widths=(1, 2, 4), map_budget=0.5)
+SERVER_VARIANTS = dict(stop_widths=(1, 2, 4), map_budget=0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +62,7 @@ class WarmUp:
   """What a warm-up did."""
 
   programs: int  # step programs its runs compiled (kvjax.serve_steps.num_compiled), <= runs
-  runs: int  # programs it ran: shapes x variants (already compiled ones included)
+  runs: int  # programs it ran: shapes, bursts per stop width (compiled ones included)
   seconds: float
 
 
@@ -81,21 +77,17 @@ def draft_counts(policy, num_draft: int) -> tuple[int, ...]:
 
 
 class WarmUpPlan:
-  """Every run of a warm-up, one per `step()`: run(shape, use_filter, logprobs, stop_width)
-  for every shape and variant; `prepare()` before the first, `finish()` after the last."""
+  """Every run of a warm-up, one per `step()`: run(shape, stop_width) for every shape (a
+  burst per stop width); `prepare()` before the first, `finish()` after the last."""
 
   def __init__(self, shapes: Sequence[StepShape], run: Callable[..., None], *,
-               filtered: bool = False, logprobs: bool = False,
                stop_widths: Sequence[int] = (1,), prepare: Callable[[], None] = lambda: None,
                finish: Callable[[], None] = lambda: None, map_budget: Optional[float] = None):
-    variants = list(itertools.product((False, True) if filtered else (False,),
-                                      (False, True) if logprobs else (False,)))
-    self.num_shapes, self.num_variants = len(shapes), len(variants)
-    # A prefill shape has one program whatever its rows ask for (serve_steps.program_variant).
-    runs = dict.fromkeys((shape, *program_variant(shape.kind == "prefill", *variant), width)
-                         for shape in shapes for variant in variants
-                         for width in (stop_widths if shape.kind == "burst" else (1,)))
-    self.runs = sorted(runs, key=_priority)  # stable: shapes keep their order in a tier
+    self.num_shapes = len(shapes)
+    runs = [(shape, width) for shape in shapes
+            for width in (stop_widths if shape.kind == "burst" else (1,))]
+    # Stable: shapes keep their order, every E = 1 program before the wider bursts.
+    self.runs = sorted(runs, key=lambda run: run[1] > 1)
     self._run, self._prepare, self._finish = run, prepare, finish
     self._map_budget = map_budget
     self.stopped_early = False  # the map budget ran out before every run
@@ -128,18 +120,9 @@ class WarmUpPlan:
       self._finish()
       self.result = WarmUp(num_compiled() - self._compiled, self.done,
                            time.perf_counter() - self._start)
-      logging.info("warm-up: %d step programs compiled (%d shapes x %d variants) in %.1f s",
-                   self.result.programs, self.num_shapes, self.num_variants,
-                   self.result.seconds)
+      logging.info("warm-up: %d step programs compiled (%d runs over %d shapes) in %.1f s",
+                   self.result.programs, self.total, self.num_shapes, self.result.seconds)
     return False
-
-
-def _priority(run) -> int:
-  """0: a plain program (a prefill shape's only one included); 1: a decode or burst
-  variant (the order a plan runs them in)."""
-  shape, use_filter, logprobs, stop_width = run
-  plain = shape.kind == "prefill" or not (use_filter or logprobs or stop_width > 1)
-  return 0 if plain else 1
 
 
 def _maps_used() -> float:

@@ -102,9 +102,9 @@ def decode_batch(eng, temperature):
 
 
 def step_static(eng):
-  """The static arguments of eng's serve_step (top-k/top-p and logprobs off)."""
+  """The static arguments of eng's serve_step."""
   return dict(config=eng.model_config, draft_config=None, backend=eng.config.backend,
-              num_draft=eng.num_draft, use_filter=False, logprobs=False)
+              num_draft=eng.num_draft)
 
 
 def equal_mass_bins(probs: np.ndarray, num_bins: int) -> np.ndarray:

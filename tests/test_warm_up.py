@@ -245,23 +245,31 @@ def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
   assert engine.scheduler.prefix_cache.hit_tokens > hits
 
 
-def test_filtered_and_logprobs_variants_are_opt_in(tiny_model):
-  """filtered / logprobs add the decode programs of top-k / top-p and logprobs requests; a
-  prefill shape has one program whatever its rows ask for."""
-  engine = kvjax.Engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                        page_size=16, num_scheduler_steps=1)  # prefill (4, 16, 5), decode (4, 1, 5)
-  assert engine.warm_up().runs == 2
+def test_one_program_serves_every_sampling_option(tiny_model):
+  """After a plain warm-up, requests with top-k, top-p, logprobs and all of them at once
+  compile nothing (runtime conds, kvjax/serve_steps.py), and their outputs equal a cold
+  engine's (which compiles as it goes)."""
+  options = [dict(top_k=3), dict(temperature=0.7, top_p=0.9, logprobs=2, seed=1), dict(logprobs=0),
+             dict(temperature=1.0, top_k=5, top_p=0.8, logprobs=1, seed=9), {}]
+  shapes = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=16,
+                num_scheduler_steps=1)  # prefill (4, 16, 5), decode (4, 1, 5)
+
+  def run(engine):
+    ids = [engine.add_request([5 + i, 6, 7], 4, **o) for i, o in enumerate(options)]
+    finals, logprobs = {}, {i: [] for i in ids}
+    for out in engine.stream():
+      logprobs[out.request_id] += out.new_logprobs or []
+      if out.finished:
+        finals[out.request_id] = out.output_ids
+    return [(finals[i], logprobs[i]) for i in ids]
+
+  warm = kvjax.Engine(tiny_model, **shapes)
+  assert warm.warm_up().runs == 2
   before = num_compiled()
-  engine.generate([[8, 9]], 2, top_k=3)  # a variant the plain warm-up left out
-  assert num_compiled() > before
-  assert engine.warm_up(filtered=True, logprobs=True).runs == 1 + 4
-  before = num_compiled()
-  engine.add_request([5, 6, 7], 4, temperature=0.7, top_p=0.9, logprobs=2)
-  engine.add_request([8, 9], 4, top_k=3)
-  engine.add_request([10], 4, logprobs=0)
-  while engine.has_unfinished:
-    engine.step()
+  got = run(warm)
   assert num_compiled() == before
+  assert got == run(kvjax.Engine(tiny_model, **shapes))
+  assert all(len(lp) == 4 for _, lp in got[1:4]) and got[0][1] == got[4][1] == []
 
 
 def test_a_full_warm_up_server_serves_without_compiling(placed, warmed, released_programs):
@@ -269,12 +277,11 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed, released
   with pytest.raises(ValueError, match="warm_up must be one of"):
     serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="some")
   with serve_in_thread(placed, kvjax.EngineConfig(**SMALL), warm_up="full") as server:
-    # Decode shapes in 4 variants (top-k/top-p x logprobs), bursts in 3 stop-id widths too;
-    # a prefill shape's one program serves every variant.
+    # One program a shape, bursts in 3 stop-id widths.
     kinds = [shape.kind for shape in engine.packing.shapes(bursts=True)]
-    prefills, decodes, bursts = (kinds.count(k) for k in ("prefill", "decode", "burst"))
-    assert prefills and decodes and bursts
-    assert server.warm_up.runs == prefills + 4 * (decodes + 3 * bursts)
+    bursts = kinds.count("burst")
+    assert bursts and len(kinds) > bursts
+    assert server.warm_up.runs == len(kinds) + 2 * bursts
     before = num_compiled()
     for prompt in _prompts(4, 3):
       answer = httpx.post(server.url + "/completions", timeout=60,
@@ -286,12 +293,13 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed, released
 def test_progress_bar_adds_up(capsys):
   from kvjax.warm_up import WarmUpPlan, warm_up
 
-  shapes = [StepShape("decode", 4, 1, 8, 0), StepShape("prefill", 4, 16, 8, 0)]
+  shapes = [StepShape("burst", 4, 1, 8, 0), StepShape("prefill", 4, 16, 8, 0)]
   calls = []
-  plan = WarmUpPlan(shapes, lambda *args: calls.append(args), filtered=True)
+  plan = WarmUpPlan(shapes, lambda *args: calls.append(args), stop_widths=(1, 2))
   done = warm_up(plan, progress="warm-up")
   err = capsys.readouterr().err
-  # decode plain and filtered, prefill once; + 1: the settling run, outside the bar.
+  # the burst in 2 stop widths, the prefill once; + 1: the settling run, outside the bar.
   assert len(calls) == done.runs + 1 == 4
+  assert calls[1:] == [(shapes[0], 1), (shapes[1], 1), (shapes[0], 2)]  # E = 1 ones first
   assert "3/3" in err and "4/3" not in err
   assert done.programs == 0  # nothing here compiles
