@@ -2,7 +2,8 @@
 
 `python tests/moe_sharded_checks.py OUT.json` sets XLA_FLAGS before jax starts and
 writes {"ep<E>_tp<T>": measured values} for the (ep, tp) meshes of kvjax.make_mesh
-in COMBOS, plus the Engine run, the HF load and the refusals.  Oracles: the same
+in COMBOS, plus the Engine run, `kvjax generate --ep` on an HF checkpoint and the
+refusals.  Oracles: the same
 model on one device (its greedy tokens and logits by no-cache forwards), the
 original per-expert weights (which device holds which slice), the compiled HLO
 text (collectives), and the placed arrays' own bytes per device.
@@ -16,6 +17,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import contextlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -24,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax import ledger_tp, sharding  # noqa: E402
+from kvjax import cli, ledger_tp, sharding  # noqa: E402
 from kvjax.model import forward  # noqa: E402
 from kvjax.params import init_params  # noqa: E402
 
@@ -130,20 +133,22 @@ def check_engine(one: kvjax.Model, ep: int, tp: int, ref_tokens) -> dict:
   return {"tokens_equal": tokens == ref_tokens, "prefix_hit_tokens": engine.stats().prefix_hit_tokens}
 
 
-def check_hf_load() -> dict:
-  """kvjax.load_checkpoint(HF Qwen3-MoE dir, mesh=make_mesh(tp=2, ep=2)): each device reads
-  its own experts' slices (kvjax/sharding.py place_host_params); logits equal one device."""
+def check_cli_hf(one_step) -> dict:
+  """`kvjax generate --checkpoint <HF Qwen3-MoE dir> --tp 2 --ep 2`: the loader places each
+  device's own experts' slices (kvjax/sharding.py place_host_params); tokens equal one
+  device's greedy ones."""
   from tests.moe_models import save_tiny
 
   with tempfile.TemporaryDirectory() as directory:
     save_tiny("qwen3_moe", directory)
     one = kvjax.load_checkpoint(directory)
-    sharded = kvjax.load_checkpoint(directory, mesh=kvjax.make_mesh(tp=2, ep=2))
-  tokens = np.array(PROMPTS, np.int32)
-  want, got = np.asarray(kvjax.forward(one, tokens)), np.asarray(kvjax.forward(sharded, tokens))
-  return {"mesh": dict(sharded.mesh.shape),
-          "stacked": all(b.moe.mesh is not None for b in sharded.params.blocks if b.moe),
-          "logit_error_over_scale": float(np.abs(got - want).max() / np.abs(want).max())}
+    want, _ = greedy(lambda t: one_step(one.params, one.config, t), PROMPTS[:1], NEW_TOKENS)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      code = cli.main(["generate", "--checkpoint", directory, "--tp", "2", "--ep", "2",
+                       "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens",
+                       str(NEW_TOKENS), "--temperature", "0", "--no-warmup", "--json"])
+  return {"exit_code": code, "tokens_equal": json.loads(out.getvalue())["tokens"] == want[0]}
 
 
 def refusal(fn) -> str:
@@ -164,7 +169,7 @@ def main(out_path: str) -> None:
   for ep, tp in COMBOS:
     report[f"ep{ep}_tp{tp}"] = check_combo(one, ep, tp, ref_tokens, ref_logits)
   report["engine_ep4_tp2"] = check_engine(one, 4, 2, ref_tokens)
-  report["hf_ep2_tp2"] = check_hf_load()
+  report["cli_hf_ep2_tp2"] = check_cli_hf(one_step)
   report["ep3_error"] = refusal(lambda: sharding.check_mesh(one.config,
                                                             kvjax.make_mesh(ep=3)))
   report["dense_ep2_error"] = refusal(lambda: kvjax.load_checkpoint(
