@@ -30,6 +30,7 @@ import kvjax  # noqa: E402
 from kvjax import cli, ledger_tp, sharding  # noqa: E402
 from kvjax.model import forward  # noqa: E402
 from kvjax.params import init_params  # noqa: E402
+from kvjax.weights.checkpoint import save  # noqa: E402
 
 # One length (see greedy); all share 8 tokens, two pages of the prefix cache, which the
 # third (admitted once a slot frees: max_num_seqs 2) finds cached.
@@ -151,6 +152,23 @@ def check_cli_hf(one_step) -> dict:
   return {"exit_code": code, "tokens_equal": json.loads(out.getvalue())["tokens"] == want[0]}
 
 
+def check_restore_and_replicas(one: kvjax.Model) -> dict:
+  """A kvjax-native checkpoint restored onto an ep 2 x tp 2 mesh holds what shard_params
+  places (values and shardings); dp 2 x ep 2 x tp 2 gives two disjoint replica meshes."""
+  mesh = kvjax.make_mesh(tp=2, ep=2)
+  want = sharding.shard_params(one.params, mesh)
+  with tempfile.TemporaryDirectory() as directory:
+    save(directory, one.config, one.params)
+    got = kvjax.load_checkpoint(directory, mesh=mesh).params
+  leaves = jax.tree_util.tree_leaves
+  same = jax.tree.structure(got) == jax.tree.structure(want) and all(
+      a.sharding == b.sharding and np.array_equal(a, b) for a, b in zip(leaves(got),
+                                                                         leaves(want)))
+  rows = sharding.submeshes(kvjax.make_mesh(tp=2, ep=2, dp=2))
+  return {"restored_as_placed": bool(same), "replicas": [dict(row.shape) for row in rows],
+          "disjoint": not set(rows[0].devices.flat) & set(rows[1].devices.flat)}
+
+
 def refusal(fn) -> str:
   try:
     fn()
@@ -170,6 +188,7 @@ def main(out_path: str) -> None:
     report[f"ep{ep}_tp{tp}"] = check_combo(one, ep, tp, ref_tokens, ref_logits)
   report["engine_ep4_tp2"] = check_engine(one, 4, 2, ref_tokens)
   report["cli_hf_ep2_tp2"] = check_cli_hf(one_step)
+  report["restore"] = check_restore_and_replicas(one)
   report["ep3_error"] = refusal(lambda: sharding.check_mesh(one.config,
                                                             kvjax.make_mesh(ep=3)))
   report["dense_ep2_error"] = refusal(lambda: kvjax.load_checkpoint(

@@ -6,12 +6,15 @@ before jax starts); each test here asserts on its report.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from kvjax import distributed
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_sharded_checks.py")
 COMBOS = ["ep2_tp2", "ep4_tp2", "ep8_tp1"]
@@ -64,6 +67,20 @@ def test_weight_bytes_per_device_equal_the_ledger(report, combo):
   got = report[combo]
   assert got["weight_bytes"] == [got["ledger_weight_bytes"]]
   assert got["expert_bytes"] == [got["ledger_expert_bytes"]]
+
+
+def test_restore_and_data_parallel_rows_on_an_expert_parallel_mesh(report):
+  got = report["restore"]
+  assert got["restored_as_placed"]
+  assert got["replicas"] == [{"data": 1, "expert": 2, "model": 2}] * 2 and got["disjoint"]
+
+
+def test_ep_flag_states_its_default():
+  parser = argparse.ArgumentParser()
+  distributed.add_parallel_flags(parser)
+  text = " ".join(parser.format_help().split())
+  assert "--ep EP expert-parallel degree for a mixture-of-experts model" in text
+  assert "(default: 1, every device holds every expert)" in text
 
 
 def test_bad_meshes_are_refused(report):
