@@ -15,7 +15,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, request_pages, ledger, ledger_tp,    host policy and each request's pages,
-     metrics, draft_policy, draft_choice, ngram,     accounting (one device, tp-way), n-gram
+     metrics, draft_policy, draft_choice, ngram,     accounting (one device, a mesh), n-gram
      constraints/, output_processor, engine_stats    drafting, grammar matchers and masks,
                                                     step outputs -> RequestOutputs, what an
                                                     engine reports of its scheduler

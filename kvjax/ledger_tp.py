@@ -85,6 +85,7 @@ def _check_sizing(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
 
 def _bytes_per_device(cfg: ModelConfig, tp: int, ep: int, weight_dtype: str,
                       experts_only: bool) -> int:
+  """Bytes of cfg's leaves (`experts_only`: its routed experts') on one device."""
   _check_sizing(cfg, tp, ep)
   ledger.check_dtype(weight_dtype, "weight")
   total = 0
