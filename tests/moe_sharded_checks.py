@@ -124,6 +124,19 @@ def check_combo(one: kvjax.Model, ep: int, tp: int, ref_tokens, ref_logits) -> d
           "ledger_expert_bytes": ledger_tp.expert_bytes_per_device(one.config, tp, "fp32", ep)}
 
 
+def check_tp_only(one: kvjax.Model, ref_logits) -> dict:
+  """tp 2 without an "expert" axis: experts stay per-expert leaves, each one's Fe split over
+  "model" (GSPMD); logits equal one device, bytes per device the ledger's at ep 1."""
+  sharded = kvjax.Model(one.config, sharding.shard_params(one.params, kvjax.make_mesh(tp=2)))
+  logits = np.asarray(kvjax.forward(sharded, np.array(PROMPTS, np.int32)))
+  return {"per_expert_leaves": all(isinstance(b.moe.experts, tuple)
+                                   for b in sharded.params.blocks if b.moe),
+          "logit_error_over_scale": float(np.abs(logits - ref_logits[:, :len(PROMPTS[0])]).max()
+                                          / np.abs(ref_logits).max()),
+          "weight_bytes": sorted(set(device_bytes(sharded.params).values())),
+          "ledger_weight_bytes": ledger_tp.weight_bytes_per_device(one.config, 2, "fp32")}
+
+
 def check_engine(one: kvjax.Model, ep: int, tp: int, ref_tokens) -> dict:
   """The continuous-batching Engine (2 slots for 3 requests, prefix cache on) on the mesh."""
   sharded = kvjax.Model(one.config, sharding.shard_params(one.params,
@@ -186,6 +199,7 @@ def main(out_path: str) -> None:
   report = {"moe_layers": sum(b.moe is not None for b in one.params.blocks)}
   for ep, tp in COMBOS:
     report[f"ep{ep}_tp{tp}"] = check_combo(one, ep, tp, ref_tokens, ref_logits)
+  report["tp2_only"] = check_tp_only(one, ref_logits)
   report["engine_ep4_tp2"] = check_engine(one, 4, 2, ref_tokens)
   report["cli_hf_ep2_tp2"] = check_cli_hf(one_step)
   report["restore"] = check_restore_and_replicas(one)

@@ -40,6 +40,12 @@ def test_expert_parallel_equals_one_device(report, combo):
   assert got["placement_ok"]  # experts e Ne/ep.., Fe slice m: on device (e, m) exactly
 
 
+def test_tensor_parallel_alone_keeps_per_expert_leaves(report):
+  got = report["tp2_only"]
+  assert got["per_expert_leaves"] and got["logit_error_over_scale"] < 1e-5
+  assert got["weight_bytes"] == [got["ledger_weight_bytes"]]
+
+
 def test_engine_on_an_expert_parallel_mesh_equals_one_device(report):
   """Continuous batching (3 requests, 2 slots) with the prefix cache, at ep 4 x tp 2."""
   assert report["engine_ep4_tp2"]["tokens_equal"]
