@@ -1,11 +1,12 @@
-"""Start-up of a multi-device, multi-host run: --tp/--ep/--dp and jax.distributed, for the CLIs.
+"""Start-up of a multi-device, multi-host run: --tp/--ep/--dp and jax.distributed, for
+the CLIs.
 
 `add_parallel_flags(parser)` adds --tp, --ep, --dp, --router-policy and the
 multi-host flags; `load_replicas(args, checkpoint, dtype, weight_dtype)` joins the run
 (`initialize`), lays the (dp, ep, tp) mesh over every process's devices
 (kvjax.make_mesh) and loads one Model per data row (kvjax/sharding.py
-`submeshes`), each over ep x tp devices; `serving_engine(models, config, policy)` is one Engine, or a
-kvjax.Router over one Engine per replica.
+`submeshes`), each over ep x tp devices; `serving_engine(models, config, policy)`
+is one Engine, or a kvjax.Router over one Engine per replica.
 
 Multi-host.  Every process runs the same command with its own --process-id;
 `jax.distributed.initialize` connects them through the coordinator, after

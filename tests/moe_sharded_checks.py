@@ -144,7 +144,8 @@ def check_engine(one: kvjax.Model, ep: int, tp: int, ref_tokens) -> dict:
   engine = kvjax.Engine(sharded, max_num_seqs=2, max_model_len=32, page_size=4,
                         prefix_cache=True)
   tokens = engine.generate(PROMPTS, NEW_TOKENS).tokens
-  return {"tokens_equal": tokens == ref_tokens, "prefix_hit_tokens": engine.stats().prefix_hit_tokens}
+  return {"tokens_equal": tokens == ref_tokens,
+          "prefix_hit_tokens": engine.stats().prefix_hit_tokens}
 
 
 def check_cli_hf(one_step) -> dict:
