@@ -2,7 +2,7 @@
 
 Layers (imports only go down; tests/test_layering.py checks it):
   0  config, presets, pages, xla_options,           static config and named shapes, host page
-     quant/symmetric                                ids, compiler options
+     quant/symmetric, mesh_axes                     ids, compiler options, mesh axis names
   1  layers, params, sampling, step_batch,           pure math, weight quantization, the
      logit_processors, attention/, quant/, moe/,    step metadata pytree, vLLM's penalties,
      layer_kinds                                    MoE experts, the layer-kind registry
@@ -15,7 +15,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, request_pages, ledger, ledger_tp,    host policy and each request's pages,
-     metrics, draft_policy, draft_choice, ngram,     accounting (one device, tp-way), n-gram
+     metrics, draft_policy, draft_choice, ngram,     accounting (one device, a mesh), n-gram
      constraints/, output_processor, engine_stats    drafting, grammar matchers and masks,
                                                     step outputs -> RequestOutputs, what an
                                                     engine reports of its scheduler

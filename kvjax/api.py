@@ -47,7 +47,8 @@ class Model:
 
   @property
   def mesh(self) -> Optional[jax.sharding.Mesh]:
-    """The tensor-parallel mesh the params live on (kvjax/sharding.py), None on one device."""
+    """The mesh the params live on (kvjax/sharding.py: tensor, expert parallel), None on
+    one device."""
     return sharding.mesh_of(self.params)
 
 
@@ -86,10 +87,11 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   a GGUF file's own blocks where they fit (kvjax/weights/gguf_quants.py), other
   formats through quantize_params after the float load.
 
-  With a `mesh` (kvjax.make_mesh(tp=...)) every tensor is placed shard by shard
-  in the Megatron layout of kvjax/sharding.py, never whole on one device; kv
-  heads that tp does not divide are replicated (model.config then counts the
-  stored heads).
+  With a `mesh` (kvjax.make_mesh(tp=..., ep=...)) every tensor is placed shard by
+  shard in the Megatron layout of kvjax/sharding.py, never whole on one device;
+  kv heads that tp does not divide are replicated (model.config then counts the
+  stored heads); with ep > 1 a MoE model's routed experts split ep ways
+  (kvjax/moe/expert_parallel.py).
 
   Before allocating, the config's weights at `dtype` plus a minimal KV cache
   must fit the device's free memory (`available_bytes` overrides the measured
@@ -169,19 +171,20 @@ def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
 
   if mesh is None:
     return load_checks.check_fits(cfg, dtype, available_bytes)
-  sharding.check_tp(cfg, mesh)
+  sharding.check_mesh(cfg, mesh)
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   if not local:
     raise ValueError(f"the mesh has no device of this process ({jax.process_index()})")
   free = available_bytes if available_bytes is not None else \
       load_checks.available_device_bytes(local[0])
-  tp, short = sharding.tp_size(mesh), DTYPE_SHORT_NAMES[np.dtype(dtype).name]
+  tp, ep = sharding.tp_size(mesh), sharding.ep_size(mesh)
+  short = DTYPE_SHORT_NAMES[np.dtype(dtype).name]
   sharers = len(local) if local[0].platform == "cpu" else 1
-  need = sharers * ledger_tp.weight_bytes_per_device(cfg, tp, short)
+  need = sharers * ledger_tp.weight_bytes_per_device(cfg, tp, short, ep)
   if free is not None and need > free:
     raise ValueError(f"{cfg.name} at {short} needs {need} bytes of weights per "
-                     f"{'host' if sharers > 1 else 'device'} at tp={tp}, {local[0]} has "
-                     f"{free} free; use a larger tp (kvjax memory --tp)")
+                     f"{'host' if sharers > 1 else 'device'} at tp={tp}, ep={ep}, {local[0]} "
+                     f"has {free} free; use a larger tp or ep (kvjax memory --tp --ep)")
 
 
 def _model(cfg: ModelConfig, params: Params, dtype, tokenizer, mesh) -> Model:

@@ -54,7 +54,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="add int8/int4 KV scales to per-request bytes and concurrency")
   p.add_argument("--tp", type=int, default=None,
                  help="tensor-parallel degree: also print per-device weight and KV bytes, "
-                      "the kv-head replication cost and the smallest tp that fits")
+                      "the kv-head replication cost and the smallest tp that fits "
+                      "(default: no per-device lines; 1 when only --ep is given)")
+  p.add_argument("--ep", type=int, default=None,
+                 help="expert-parallel degree of a mixture-of-experts preset: per-device "
+                      "lines with its routed experts split ep ways (x --tp), their bytes per "
+                      "device and the smallest ep that fits (default: experts not split)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=run)
   return p
@@ -94,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype, weight_gib=args.weight_gib, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales)
-    per_device = None if args.tp is None else ledger_tp.tp_plan(
-        get_preset(args.preset), args.context, args.tp, batch=args.batch,
+    per_device = None if args.tp is None and args.ep is None else ledger_tp.tp_plan(
+        get_preset(args.preset), args.context, args.tp or 1, batch=args.batch,
         kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
-        count_scales=args.count_scales)
+        count_scales=args.count_scales, ep=args.ep or 1)
     pool = allocated_pool(get_preset(args.preset), args.kv_dtype, args.weight_dtype,
                           args.include_mtp)
   except ValueError as e:
@@ -139,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tp(t: ledger_tp.TPPlan, gpu_bytes: int, mla: bool) -> None:
-  print(f"  per device at tp={t.tp}:")
+  print(f"  per device at tp={t.tp}" + (f", ep={t.ep}:" if t.ep > 1 else ":"))
   print(f"    weights        {_gib(t.weight_bytes_per_device)}")
+  if t.expert_bytes_per_device:
+    print(f"    experts        {_gib(t.expert_bytes_per_device)} of those (routed, 1/{t.ep} "
+          f"of them a device{f', 1/{t.tp} of each' if t.tp > 1 else ''})")
   print(f"    KV per token   {t.kv_bytes_per_token_per_device / ledger.KIB:g} KiB "
         f"({'the latent, replicated' if mla else f'{t.stored_kv_heads // t.tp} kv heads'}"
         " a device)")
@@ -151,4 +159,7 @@ def _print_tp(t: ledger_tp.TPPlan, gpu_bytes: int, mla: bool) -> None:
   print(f"    KV per request {_gib(t.kv_bytes_per_request_per_device)}")
   print(f"    max concurrency {t.max_concurrency}; batch {t.batch} "
         f"{'fits' if t.fits else 'does NOT fit'} in {_gib(gpu_bytes)}")
-  print(f"  smallest tp that fits: {t.smallest_tp or 'none up to 64'}")
+  at_ep = f" at ep={t.ep}" if t.ep > 1 else ""
+  print(f"  smallest tp that fits{at_ep}: {t.smallest_tp or 'none up to 64'}")
+  if t.expert_bytes_per_device:
+    print(f"  smallest ep that fits at tp={t.tp}: {t.smallest_ep or 'none'}")

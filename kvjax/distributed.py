@@ -1,11 +1,12 @@
-"""Start-up of a multi-device, multi-host run: --tp/--dp and jax.distributed, for the CLIs.
+"""Start-up of a multi-device, multi-host run: --tp/--ep/--dp and jax.distributed, for
+the CLIs.
 
-`add_parallel_flags(parser)` adds --tp, --dp, --router-policy and the
+`add_parallel_flags(parser)` adds --tp, --ep, --dp, --router-policy and the
 multi-host flags; `load_replicas(args, checkpoint, dtype, weight_dtype)` joins the run
-(`initialize`), lays the (dp, tp) mesh over every process's devices
+(`initialize`), lays the (dp, ep, tp) mesh over every process's devices
 (kvjax.make_mesh) and loads one Model per data row (kvjax/sharding.py
-`submeshes`); `serving_engine(models, config, policy)` is one Engine, or a
-kvjax.Router over one Engine per replica.
+`submeshes`), each over ep x tp devices; `serving_engine(models, config, policy)`
+is one Engine, or a kvjax.Router over one Engine per replica.
 
 Multi-host.  Every process runs the same command with its own --process-id;
 `jax.distributed.initialize` connects them through the coordinator, after
@@ -36,16 +37,21 @@ _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser, *, router: bool = True) -> None:
-  """--tp, --dp, the multi-host flags and (`router`: the command serves many requests
-  through a kvjax.Router when --dp > 1) --router-policy."""
+  """--tp, --ep, --dp, the multi-host flags and (`router`: the command serves many
+  requests through a kvjax.Router when --dp > 1) --router-policy."""
   parser.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel degree: devices one model is split over "
                            "(default: %(default)s)")
+  parser.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel degree for a mixture-of-experts model: its routed "
+                           "experts are split over this many groups of --tp devices, so one "
+                           "model runs on ep x tp devices (default: 1, every device holds "
+                           "every expert)")
   replicas = ("behind a kvjax.Router" if router
               else "each sampling the prompt once, seed + its index")
   parser.add_argument("--dp", type=int, default=1,
-                      help=f"data-parallel replicas, each on its own --tp devices, {replicas} "
-                           "(default: %(default)s)")
+                      help=f"data-parallel replicas, each on its own --ep x --tp devices, "
+                           f"{replicas} (default: %(default)s)")
   if router:
     parser.add_argument("--router-policy", default="prefix",
                         help="where a request goes with --dp > 1: prefix (the replica "
@@ -80,15 +86,15 @@ def initialize(coordinator_address: Optional[str] = None,
 
 def load_replicas(args: argparse.Namespace, checkpoint: Optional[str], dtype,
                   weight_dtype: Optional[str] = None) -> list:
-  """One kvjax.Model per data-parallel replica, each split over its --tp devices
+  """One kvjax.Model per data-parallel replica, each split over its --ep x --tp devices
   (`weight_dtype` int8 / int4 codes need one device: load_checkpoint says so)."""
   from kvjax.api import load_checkpoint
   from kvjax.sharding import make_mesh, submeshes
 
   initialize(args.coordinator_address, args.num_processes, args.process_id)
-  if args.tp == 1 and args.dp == 1:
+  if args.tp == 1 and args.dp == 1 and args.ep == 1:
     return [load_checkpoint(checkpoint, dtype=dtype, weight_dtype=weight_dtype)]
-  mesh = make_mesh(tp=args.tp, dp=args.dp)
+  mesh = make_mesh(tp=args.tp, dp=args.dp, ep=args.ep)
   return [load_checkpoint(checkpoint, dtype=dtype, mesh=row, weight_dtype=weight_dtype)
           for row in submeshes(mesh)]
 

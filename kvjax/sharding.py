@@ -20,6 +20,14 @@ has no head axis and is replicated; its query and output heads split.
 The steps themselves need no change: jit propagates these shardings through
 the model (GSPMD), and kvjax/backends.py `on_mesh` runs the attention and
 verification kernels per device under `shard_map`.
+
+Expert parallelism: `make_mesh(tp, dp, ep)` with ep > 1 adds an "expert" axis
+between "data" and "model" (why that order: kvjax/mesh_axes.py).  Everything
+above keeps its "model" split and is replicated along "expert"; placement
+stacks each MoE layer's routed experts (`split_experts`) and splits them
+Ne / ep a device along "expert", each expert's width Fe along "model"
+(kvjax/moe/expert_parallel.py `EXPERT_SPECS`).  On a mesh without the axis
+(ep = 1) experts stay per-expert leaves, each one's Fe split over "model".
 """
 from __future__ import annotations
 
@@ -35,12 +43,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.config import ModelConfig
+from kvjax.mesh_axes import DATA, EXPERT, MODEL
+from kvjax.moe.expert_parallel import EXPERT_SPECS, stack_experts
+from kvjax.moe.params import MoEParams
 
-__all__ = ["DATA", "MODEL", "make_mesh", "submeshes", "tp_size", "mesh_of", "check_tp",
-           "replicated_kv_heads", "param_spec", "param_shardings", "init_on_mesh", "shard_params",
-           "place_host_params", "replicate_kv_heads", "cache_shardings"]
-
-DATA, MODEL = "data", "model"
+__all__ = ["DATA", "EXPERT", "MODEL", "make_mesh", "submeshes", "tp_size", "ep_size", "mesh_of",
+           "check_mesh", "replicated_kv_heads", "param_spec", "param_shardings", "split_experts",
+           "init_on_mesh", "shard_params", "place_host_params", "replicate_kv_heads",
+           "cache_shardings"]
 _log = logging.getLogger(__name__)
 
 # Leaf name -> (axis split over "model", what that axis counts).  "kv" leaves split
@@ -61,24 +71,35 @@ def _check_count(value, name: str) -> int:
   return int(value)
 
 
-def make_mesh(tp: int = 1, dp: int = 1, devices: Optional[Sequence] = None) -> Mesh:
+def make_mesh(tp: int = 1, dp: int = 1, ep: int = 1,
+              devices: Optional[Sequence] = None) -> Mesh:
   """A (dp, tp) mesh with axes ("data", "model") over the first dp * tp `devices`
-  (default: every device of every process, jax.devices())."""
-  tp, dp = _check_count(tp, "tp"), _check_count(dp, "dp")
+  (default: every device of every process, jax.devices()); with ep > 1 a (dp, ep, tp)
+  mesh with axes ("data", "expert", "model") over the first dp * ep * tp."""
+  tp, dp, ep = _check_count(tp, "tp"), _check_count(dp, "dp"), _check_count(ep, "ep")
   devices = list(jax.devices() if devices is None else devices)
-  if tp * dp > len(devices):
-    raise ValueError(f"tp={tp} x dp={dp} needs {tp * dp} devices, only {len(devices)} "
+  if tp * dp * ep > len(devices):
+    asked = f"tp={tp} x dp={dp}" + (f" x ep={ep}" if ep > 1 else "")
+    raise ValueError(f"{asked} needs {tp * dp * ep} devices, only {len(devices)} "
                      f"available ({devices[0].platform})")
-  return Mesh(np.array(devices[:tp * dp]).reshape(dp, tp), (DATA, MODEL))
+  grid = np.array(devices[:tp * dp * ep])
+  if ep == 1:
+    return Mesh(grid.reshape(dp, tp), (DATA, MODEL))
+  return Mesh(grid.reshape(dp, ep, tp), (DATA, EXPERT, MODEL))
 
 
 def submeshes(mesh: Mesh) -> list[Mesh]:
-  """One (1, tp) mesh per data row: where each data-parallel replica lives."""
-  return [Mesh(row[None], (DATA, MODEL)) for row in mesh.devices]
+  """One mesh per data row (data axis 1, the rest as `mesh`): where each data-parallel
+  replica lives."""
+  return [Mesh(row[None], mesh.axis_names) for row in mesh.devices]
 
 
 def tp_size(mesh: Optional[Mesh]) -> int:
   return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def ep_size(mesh: Optional[Mesh]) -> int:
+  return 1 if mesh is None or EXPERT not in mesh.axis_names else mesh.shape[EXPERT]
 
 
 def mesh_of(params) -> Optional[Mesh]:
@@ -95,9 +116,9 @@ def replicated_kv_heads(num_kv_heads: int, tp: int) -> int:
   return math.lcm(num_kv_heads, tp)
 
 
-def check_tp(cfg: ModelConfig, mesh: Mesh) -> None:
-  """ValueError naming the dimension unless cfg splits tp ways on `mesh`."""
-  tp = tp_size(mesh)
+def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
+  """ValueError naming the dimension unless cfg splits tp (and ep) ways on `mesh`."""
+  tp, ep = tp_size(mesh), ep_size(mesh)
   if mesh.shape[DATA] != 1:
     raise ValueError(f"a model lives on one data row, got a mesh with data={mesh.shape[DATA]}; "
                      "put one model per kvjax.sharding.submeshes(mesh) behind kvjax.Router")
@@ -110,6 +131,15 @@ def check_tp(cfg: ModelConfig, mesh: Mesh) -> None:
     raise ValueError(f"num_kv_heads {cfg.num_kv_heads} replicated to "
                      f"{replicated_kv_heads(cfg.num_kv_heads, tp)} for tp={tp} does not group "
                      f"num_heads {cfg.num_heads}")
+  if ep > 1 and not cfg.num_experts:
+    raise ValueError(f"ep={ep} splits routed experts, and {cfg.name!r} has none "
+                     "(num_experts=0, a dense model); use ep=1")
+  if cfg.num_experts % ep:
+    raise ValueError(f"num_experts {cfg.num_experts} of {cfg.name!r} does not split over "
+                     f"ep={ep}")
+  if cfg.num_experts and cfg.moe_intermediate_size % tp:
+    raise ValueError(f"moe_intermediate_size {cfg.moe_intermediate_size} of {cfg.name!r} "
+                     f"does not split over tp={tp}")
 
 
 def param_spec(name: str, shape: tuple, tp: int) -> P:
@@ -129,18 +159,41 @@ def _leaf_name(path) -> str:
   return next(str(key.name) for key in reversed(path) if hasattr(key, "name"))
 
 
+def _stacked_expert(path) -> bool:
+  """Whether `path` is a leaf of stacked experts (moe.experts.w_gate, not experts[e].w_gate)."""
+  return len(path) > 1 and getattr(path[-2], "name", None) == "experts"
+
+
 def param_shardings(params, mesh: Mesh):
   """A pytree like `params` (arrays or ShapeDtypeStructs) of NamedShardings."""
   tp = tp_size(mesh)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, tp)), params)
+
+  def spec(path, x):
+    if _stacked_expert(path):
+      return EXPERT_SPECS[_leaf_name(path)]
+    return param_spec(_leaf_name(path), x.shape, tp)
+
+  return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, spec(path, x)),
+                                          params)
+
+
+def split_experts(params, mesh: Mesh, stack: Callable = jnp.stack):
+  """params -> each MoE layer's experts stacked for `mesh`'s "expert" axis (`stack`:
+  kvjax/moe/expert_parallel.py `stack_experts`); as is on a mesh without one."""
+  if EXPERT not in mesh.axis_names:
+    return params
+  is_moe = lambda x: isinstance(x, MoEParams)
+  return jax.tree.map(lambda x: stack_experts(x, mesh, stack) if is_moe(x) else x, params,
+                      is_leaf=is_moe)
 
 
 def init_on_mesh(init: Callable, mesh: Mesh, *args):
   """init(*args) -> params, run with its outputs placed shard by shard (args are passed,
-  never closed over: a multi-process mesh cannot embed another process's shards)."""
-  shardings = param_shardings(jax.eval_shape(init, *args), mesh)
-  return jax.jit(init, out_shardings=shardings)(*args)
+  never closed over: a multi-process mesh cannot embed another process's shards); on
+  an ep mesh with the experts stacked first (`split_experts`), inside the same program."""
+  placed = lambda *a: split_experts(init(*a), mesh)
+  shardings = param_shardings(jax.eval_shape(placed, *args), mesh)
+  return jax.jit(placed, out_shardings=shardings)(*args)
 
 
 def shard_params(params, mesh: Mesh):
@@ -148,14 +201,27 @@ def shard_params(params, mesh: Mesh):
   return init_on_mesh(lambda tree: tree, mesh, params)
 
 
+class _HostStack:
+  """Ne host arrays (memory-mapped views) read as their stack [Ne, ...], one device's
+  slice at a time: no whole copy."""
+
+  def __init__(self, leaves):
+    self.leaves, self.shape = leaves, (len(leaves),) + tuple(leaves[0].shape)
+
+  def __getitem__(self, index):
+    return np.stack([np.asarray(leaf[index[1:]]) for leaf in self.leaves[index[0]]])
+
+
 def place_host_params(host_params, mesh: Mesh, dtype):
-  """Host arrays (memory-mapped views) -> device arrays, each device reading its own slice."""
+  """Host arrays (memory-mapped views) -> device arrays, each device reading its own slice
+  (on an ep mesh: of its own experts)."""
   np_dtype = np.dtype(dtype)
 
   def place(x, sharding):
     return jax.make_array_from_callback(
         x.shape, sharding, lambda index: np.ascontiguousarray(x[index], np_dtype))
 
+  host_params = split_experts(host_params, mesh, _HostStack)
   return jax.tree.map(place, host_params, param_shardings(host_params, mesh))
 
 

@@ -197,3 +197,44 @@ def test_cli_text(capsys):
 def test_cli_bad_input_exits_2(capsys, argv, needle):
   assert _cli(argv) == 2
   assert needle in capsys.readouterr().err
+
+
+def _qwen3_moe_per_device(tp: int, ep: int) -> tuple[int, int]:
+  """Qwen3-30B-A3B's published shape (config.json) counted by hand on one device of a
+  tp x ep mesh -> (params, routed expert params): attention and embeddings split tp ways,
+  128 experts ep ways and each expert's width 768 tp ways, norms and router whole."""
+  d, n, k, h, v, layers, ne, fe = 2048, 32, 4, 128, 151936, 48, 128, 768
+  attention = (2 * d * n * h + 2 * d * k * h) // tp + 2 * h  # wq wo, wk wv; q/k norms
+  experts = ne // ep * 3 * d * fe // tp
+  layer = attention + 2 * d + d * ne + experts  # + two norms and the router
+  return layers * layer + 2 * v * d // tp + d, layers * experts  # + embed, lm_head, norm
+
+
+def test_cli_ep_per_device_bytes_and_smallest_ep_by_hand(capsys):
+  argv = ["--preset", "qwen3-30b-a3b", "--context", "4096", "--tp", "2", "--ep", "4",
+          "--gpu-gib", "24"]
+  assert _cli(argv + ["--json"]) == 0
+  got = json.loads(capsys.readouterr().out)["tp"]
+  params, experts = _qwen3_moe_per_device(2, 4)
+  assert (got["tp"], got["ep"]) == (2, 4)
+  assert got["weight_bytes_per_device"] == 2 * params  # bf16
+  assert got["expert_bytes_per_device"] == 2 * experts
+  kv = 4096 * 48 * 2 * (4 // 2) * 128 * 2  # context x layers x K,V x kv heads a device x H
+  fits = [ep for ep in (1, 2, 4, 8) if 2 * _qwen3_moe_per_device(2, ep)[0] + kv + 4 * GIB
+          <= 24 * GIB]
+  assert got["smallest_ep"] == fits[0] == 2
+  assert _cli(argv) == 0
+  text = capsys.readouterr().out
+  assert "per device at tp=2, ep=4:" in text and "smallest ep that fits at tp=2: 2" in text
+  assert f"experts        {2 * experts / GIB:.3f} GiB of those" in text
+  assert "(30.53B params)" in text and "active per token 3.35B params" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--preset", "tiny", "--context", "8", "--ep", "2"], "ep=2 splits routed experts, and"),
+    (["--preset", "mixtral-8x7b", "--context", "8", "--ep", "3"],
+     "num_experts 8 of 'mixtral-8x7b' does not split over ep=3"),
+])
+def test_cli_bad_ep_exits_2(capsys, argv, needle):
+  assert _cli(argv) == 2
+  assert needle in capsys.readouterr().err

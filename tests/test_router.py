@@ -206,7 +206,7 @@ _CLI_DP = r"""
 import argparse, json, sys
 import jax
 from kvjax import cli, distributed
-args = argparse.Namespace(tp=1, dp=2, coordinator_address=None, num_processes=None,
+args = argparse.Namespace(tp=1, ep=1, dp=2, coordinator_address=None, num_processes=None,
                           process_id=None)
 models = distributed.load_replicas(args, None, "float32")
 print(json.dumps([sorted(d.id for d in jax.tree.leaves(m.params)[0].devices()) for m in models]))

@@ -15,7 +15,7 @@ from kvjax.config import ModelConfig
 from kvjax.moe.activation import ExpertGLU
 from kvjax.moe.expert_parallel import expert_parallel
 from kvjax.moe.grouped import routed_experts, swiglu
-from kvjax.moe.params import ExpertParams, MoEParams
+from kvjax.moe.params import MoEParams
 from kvjax.moe.routing import route
 
 __all__ = ["moe_mlp"]
@@ -29,8 +29,8 @@ def moe_mlp(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> jax.Array:
     logits = logits + p.router_bias.astype(jnp.float32)
   weights, chosen = route(cfg, logits, p.score_bias)
   glu = ExpertGLU.of(cfg)
-  if isinstance(p.experts, ExpertParams):  # stacked over the "expert" mesh axis
-    out = expert_parallel(p.experts, x, weights, chosen, glu).reshape(h.shape)
+  if p.mesh is not None:  # stacked over the "expert" mesh axis
+    out = expert_parallel(p, x, weights, chosen, glu).reshape(h.shape)
   else:
     out = routed_experts(p.experts, x, weights, chosen, glu).reshape(h.shape)
   if p.shared is not None:

@@ -4,9 +4,10 @@ Each expert is its own `ExpertParams` leaf triple, not a slice of one stacked
 [Ne, D, Fe] array: a small decode batch then reads a chosen expert's weights in
 place (kvjax/moe/grouped.py `switched_experts`), where slicing one stacked array
 by a traced index copies the slice first on XLA:CPU (3x the bytes).  The grouped
-path stacks them for `jax.lax.ragged_dot`.  Leaf names follow the dense MLP's
-(`w_gate`, `w_up`, `w_down`), so tensor parallelism (kvjax/sharding.py) splits
-each expert's width Fe over "model" and weight quantization finds them by name.
+path stacks them for `jax.lax.ragged_dot`, and so does placement on a mesh with an
+"expert" axis, once (kvjax/moe/expert_parallel.py).  Leaf names follow the dense
+MLP's (`w_gate`, `w_up`, `w_down`), so tensor parallelism (kvjax/sharding.py)
+splits each expert's width Fe over "model" and weight quantization finds them by name.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from kvjax.config import ModelConfig
 
@@ -40,6 +42,9 @@ class MoEParams:
   router_bias: Optional[jax.Array] = None  # [Ne] added to the logits (gpt-oss)
   score_bias: Optional[jax.Array] = None  # [Ne] DeepSeek-V3 e_score_correction_bias
   shared: Optional[ExpertParams] = None  # always-on experts, one MLP of width Ns Fe
+  # None: `experts` is the tuple.  Else the mesh whose "expert" axis splits `experts`, then
+  # one ExpertParams of [Ne, ...] leaves (kvjax/moe/expert_parallel.py `stack_experts`).
+  mesh: Optional[Mesh] = struct.field(pytree_node=False, default=None)
 
 
 def _expert(key: jax.Array, d: int, width: int, dtype, std: float,

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from kvjax.config import ModelConfig, RopeScaling, YarnScaling
 from kvjax.params import Params, init_params
-from kvjax.sharding import param_shardings
+from kvjax.sharding import ep_size, param_shardings, shard_params
 
 __all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "read_config",
            "restore", "read_metadata", "train_state_manager", "save_train_state",
@@ -96,7 +96,8 @@ def read_config(path: str) -> ModelConfig:
 
 def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[ModelConfig, Params]:
   """-> (config, params); params cast to `dtype` (default: as stored), restored straight
-  into their shardings on `mesh` if given."""
+  into their shardings on `mesh` if given (on an ep mesh the experts restore whole on
+  each "expert" row, then move to their split: kvjax/sharding.py `shard_params`)."""
   path = os.path.abspath(path)
   cfg = read_config(path)
   params_dir = os.path.join(path, "params")
@@ -116,6 +117,8 @@ def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[Model
                      f"{type(error).__name__}: {first_line}") from error
   if dtype is not None:
     params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+  if ep_size(mesh) > 1:  # restored per expert, whole along "expert": now stacked and split
+    params = shard_params(params, mesh)
   return cfg, params
 
 
