@@ -26,7 +26,8 @@ def get_config(arg=None):
   # HumanEval pass@1 (greedy) on the first humaneval_limit problems, these variants.
   config.humaneval_variants = ("float", "kv-int8")
   config.humaneval_limit = 8
-  config.humaneval_new_tokens = 128
+  config.humaneval_new_tokens = 256  # a chat reply writes the whole function
+  config.humaneval_mode = "chat"  # kvjax/eval/humaneval.py MODES: an instruct model
   config.humaneval_timeout_s = 10.0
   # Needle retrieval (C16), these variants.
   config.needle_variants = ("float", "window-256", "window-1024", "sinks4-window252",

@@ -41,7 +41,8 @@ def _row(cfg, name: str, model, ids) -> dict:
                           max_num_seqs=cfg.max_num_seqs, max_model_len=1024)
     row["humaneval"] = humaneval.evaluate(engine, model.tokenizer, problems,
                                           max_new_tokens=cfg.humaneval_new_tokens,
-                                          timeout_s=cfg.humaneval_timeout_s)
+                                          timeout_s=cfg.humaneval_timeout_s,
+                                          mode=cfg.humaneval_mode)
   if name in cfg.needle_variants:
     engine = kvjax.Engine(served, page_size=cfg.page_size, kv_dtype=opts["kv_dtype"],
                           max_num_seqs=cfg.max_num_seqs,

@@ -56,7 +56,12 @@ def add_parser(subparsers) -> None:
   ppl.add_argument("--batch-size", type=int, default=4, help="segments per step")
   he = p.add_argument_group("humaneval")
   he.add_argument("--limit", type=int, default=None, help="the first N problems (default 164)")
-  he.add_argument("--max-new-tokens", type=int, default=256)
+  he.add_argument("--max-new-tokens", type=int, default=256,
+                  help="tokens per answer (default 256)")
+  he.add_argument("--prompt-mode", choices=("completion", "chat"), default="chat",
+                  help="chat (default: the prompt as a user turn of the chat template, the "
+                       "reply's code block run; for instruct models) or completion (the raw "
+                       "prompt continued; for base and code models)")
   he.add_argument("--timeout", type=float, default=10.0, help="seconds per check")
   nd = p.add_argument_group("needle")
   nd.add_argument("--lengths", type=_ints, default=[512, 1024], help="context lengths")
@@ -101,11 +106,12 @@ def run(args: argparse.Namespace) -> int:
                f"{result['tokens']} tokens")
   elif args.task == "humaneval":
     problems = humaneval.load_problems(args.limit)
-    longest = max(len(model.tokenizer.encode(p["prompt"], add_special_tokens=False))
+    longest = max(len(humaneval.prompt_ids(model.tokenizer, p, args.prompt_mode))
                   for p in problems)
     engine = _engine(args, windowed, longest + args.max_new_tokens)
     result = humaneval.evaluate(engine, model.tokenizer, problems,
-                                max_new_tokens=args.max_new_tokens, timeout_s=args.timeout)
+                                max_new_tokens=args.max_new_tokens, timeout_s=args.timeout,
+                                mode=args.prompt_mode)
     summary = f"pass@1 {result['pass_at_1']:.3f} ({result['passed']}/{result['count']})"
   else:
     engine = _engine(args, windowed, max(args.lengths) + 16)

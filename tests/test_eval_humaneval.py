@@ -88,3 +88,52 @@ def test_evaluate_keeps_every_problem_and_counts_pass_at_1():
   assert [r["passed"] for r in out["problems"]] == [True, False]
   assert out["problems"][0]["completion"] == problems[0]["canonical_solution"]
   assert (out["pass_at_1"], out["passed"], out["count"]) == (0.5, 1, 2)
+
+
+def _fenced(code: str, lang: str = "python") -> str:
+  return f"Here is the function:\n\n```{lang}\n{code}```\n\nIt checks every pair."
+
+
+def test_chat_replies_become_programs_the_problem_tests_judge():
+  """reply_program: a whole function (its imports left out, as models often do), a body
+  alone, a bare reply and a block after an unrelated one all pass with the canonical
+  solution; prose, or the function with a wrong body, fails."""
+  problems = humaneval.load_problems(3)
+  first = problems[0]
+  signature = first["prompt"][first["prompt"].index("def "):]  # no `from typing import List`
+  solution = first["canonical_solution"]
+  passing = [_fenced(first["prompt"] + solution), _fenced(signature + solution),
+             _fenced(solution), first["prompt"] + solution,
+             _fenced("print('an example')\n") + _fenced(signature + solution, "py"),
+             "```python\n" + signature + solution]  # an unclosed block (cut by max tokens)
+  for reply in passing:
+    program = humaneval.reply_program(first, reply)
+    assert humaneval.check_program(first, program)["passed"], (reply, program)
+  failing = ["The function takes a list of numbers and a threshold.",
+             _fenced(signature + "    return False\n")]
+  for reply in failing:
+    assert not humaneval.check_program(first, humaneval.reply_program(first, reply))["passed"]
+  for problem in problems[1:]:  # other problems' canonical functions, fenced
+    reply = _fenced(problem["prompt"] + problem["canonical_solution"])
+    assert humaneval.check_program(problem, humaneval.reply_program(problem, reply))["passed"]
+
+
+class _ChatCharTokenizer(_CharTokenizer):
+  def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_evaluate_in_chat_mode_asks_through_the_template_and_runs_the_reply():
+  problems = humaneval.load_problems(2)
+  tok = _ChatCharTokenizer()
+  replies = [tok.encode(_fenced(problems[0]["prompt"] + problems[0]["canonical_solution"])),
+             tok.encode("I would sort the list first.")]
+  engine = _ScriptedEngine(replies)
+  out = humaneval.evaluate(engine, tok, problems, max_new_tokens=64, mode="chat", progress=False)
+  want = "<user>" + humaneval.CHAT_REQUEST.format(prompt=problems[1]["prompt"]) + "<assistant>"
+  assert engine.calls[0][0][1] == tok.encode(want)
+  assert [r["passed"] for r in out["problems"]] == [True, False]
+  assert out["problems"][1]["reply"] == "I would sort the list first."
+  assert (out["pass_at_1"], out["mode"]) == (0.5, "chat")
+  with pytest.raises(ValueError, match="mode must be one of"):
+    humaneval.evaluate(engine, tok, problems, mode="raw", progress=False)

