@@ -10,7 +10,7 @@ from typing import Optional
 from kvjax import ledger
 from kvjax.caches.layout import sizing_layout
 from kvjax.config import ModelConfig
-from kvjax.sharding import param_spec, replicated_kv_heads
+from kvjax.sharding import check_experts_split, param_spec, replicated_kv_heads
 
 __all__ = ["TPPlan", "weight_bytes_per_device", "expert_bytes_per_device",
            "kv_bytes_per_token_per_device", "tp_plan", "smallest_tp", "smallest_ep"]
@@ -75,12 +75,7 @@ def _stored_kv_heads(cfg: ModelConfig, tp: int) -> int:
 def _check_sizing(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
   ledger.check_positive_int(tp, "tp")
   ledger.check_positive_int(ep, "ep")
-  if ep > 1 and not cfg.num_experts:
-    raise ValueError(f"ep={ep} splits routed experts, and {cfg.name!r} has none "
-                     "(num_experts=0, a dense model); use ep=1")
-  if cfg.num_experts % ep:
-    raise ValueError(f"num_experts {cfg.num_experts} of {cfg.name!r} does not split over "
-                     f"ep={ep}")
+  check_experts_split(cfg, ep)
 
 
 def _bytes_per_device(cfg: ModelConfig, tp: int, ep: int, weight_dtype: str,

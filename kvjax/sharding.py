@@ -131,15 +131,20 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     raise ValueError(f"num_kv_heads {cfg.num_kv_heads} replicated to "
                      f"{replicated_kv_heads(cfg.num_kv_heads, tp)} for tp={tp} does not group "
                      f"num_heads {cfg.num_heads}")
+  check_experts_split(cfg, ep)
+  if cfg.num_experts and cfg.moe_intermediate_size % tp:
+    raise ValueError(f"moe_intermediate_size {cfg.moe_intermediate_size} of {cfg.name!r} "
+                     f"does not split over tp={tp}")
+
+
+def check_experts_split(cfg: ModelConfig, ep: int) -> None:
+  """ValueError naming the values unless cfg's routed experts split ep ways."""
   if ep > 1 and not cfg.num_experts:
     raise ValueError(f"ep={ep} splits routed experts, and {cfg.name!r} has none "
                      "(num_experts=0, a dense model); use ep=1")
   if cfg.num_experts % ep:
     raise ValueError(f"num_experts {cfg.num_experts} of {cfg.name!r} does not split over "
                      f"ep={ep}")
-  if cfg.num_experts and cfg.moe_intermediate_size % tp:
-    raise ValueError(f"moe_intermediate_size {cfg.moe_intermediate_size} of {cfg.name!r} "
-                     f"does not split over tp={tp}")
 
 
 def param_spec(name: str, shape: tuple, tp: int) -> P:

@@ -63,14 +63,23 @@ def check_arguments(call) -> dict:
   return arguments
 
 
-def test_required_calls_validate_against_their_schemas(client):
+def required_calls(client, n: int, seed: int):
+  """n sampled answers under tool_choice "required" (one call each) -> (the answer, its
+  calls)."""
   answer = client.chat.completions.create(
       model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-      max_tokens=120, n=3, temperature=1.0, seed=7)
+      max_tokens=120, n=n, temperature=1.0, seed=seed)
+  calls = []
   for choice in answer.choices:
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
-    check_call(choice.message.tool_calls[0])
+    calls.append(choice.message.tool_calls[0])
+  return answer, calls
+
+
+def test_required_calls_validate_against_their_schemas(client):
+  for call in required_calls(client, n=3, seed=7)[1]:
+    check_call(call)
 
 
 def test_named_function_streamed(client):
@@ -185,13 +194,9 @@ def check_mistral_call(call) -> dict:
 def test_a_mistral_model_calls_in_its_format(mistral):
   handle, client, tokenizer = mistral
   assert tokenizer.tool_format.name == "mistral"
-  answer = client.chat.completions.create(
-      model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-      max_tokens=120, n=2, temperature=1.0, seed=3)
-  for choice in answer.choices:
-    assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.content is None and len(choice.message.tool_calls) == 1
-    check_mistral_call(choice.message.tool_calls[0])
+  answer, calls = required_calls(client, n=2, seed=3)
+  for call in calls:
+    check_mistral_call(call)
   stream = client.chat.completions.create(
       model=NAME, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0.0, stream=True,
       tool_choice={"type": "function", "function": {"name": "now"}})
