@@ -164,9 +164,10 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
   `dtype`; `weight_dtype` ("int8", "int4" or a kvjax.weights.quantize scheme) keeps
   the projections (q, k, v, o, gate, up, down, an untied head) as QuantizedWeights,
   the file's own blocks where they fit (kvjax/weights/gguf_quants.py), and a tied
-  head as int8 codes of the embedding (quantize.tied_head).  Embeddings and norms
-  stay float.  `check_finite` counts NaN / inf in numpy as each tensor
-  decodes (floats, or a QuantizedWeight's scales and offsets) and names the first."""
+  head as int8 codes of the embedding: its blocks where they fit int8, else
+  quantize.tied_head.  Embeddings and norms stay float.  `check_finite` counts
+  NaN / inf in numpy as each tensor decodes (floats, or a QuantizedWeight's scales
+  and offsets) and names the first."""
   scheme = weight_scheme(weight_dtype)
   reader = open_gguf(source) if isinstance(source, (str, os.PathLike)) else source
   path = reader.data.filename
@@ -239,11 +240,15 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
         w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
         w_up=projection(pre + "ffn_up.weight", (d, f), 1),
         w_down=projection(pre + "ffn_down.weight", (f, d), 1)))
-  embed = jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size)), dtype)
+  table = rows("token_embd.weight", (d, cfg.vocab_size))
+  embed = jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size), stored=table), dtype)
   if not cfg.tie_word_embeddings:
     head = projection("output.weight", (d, cfg.vocab_size), 1)
-  else:
-    head = None if scheme is None else tied_head(embed)
+  elif scheme is None:
+    head = None
+  else:  # the table's own blocks as int8 codes where they fit (Q8_0, Q4_*, Q6_K)
+    head = (blocks_qweight(*table, "int8", (d, cfg.vocab_size), 1)
+            if maps_blocks(table[1], "int8") else tied_head(embed))
   params = Params(embed=embed, blocks=tuple(blocks), final_norm=vector("output_norm.weight", (d,)),
                   lm_head=head)
   if checked:
