@@ -24,6 +24,8 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +56,17 @@ def _library_path() -> str:
   return os.path.join(root, "kvjax", "kernels", f"qmatmul-{key}.so")
 
 
+_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
   """Whether qmatmul runs here (built and registered with XLA on the first call)."""
+  with _LOCK:  # lru_cache may run two first calls at once: build and register once
+    return _build_and_register()
+
+
+def _build_and_register() -> bool:
   compiler = os.environ.get("CXX") or shutil.which("g++")
   if (os.environ.get("KVJAX_QMATMUL") == "0" or jax.default_backend() != "cpu" or
       jax.device_count() != 1 or not compiler):
@@ -69,6 +79,8 @@ def available() -> bool:
         [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
          "-I", jax.ffi.include_dir(), _SOURCE, "-o", partial], capture_output=True, text=True)
     if build.returncode:
+      warnings.warn(f"kvjax qmatmul: {compiler} could not build {_SOURCE}, so quantized "
+                    f"weights dequantize for every matmul:\n{build.stderr[-2000:]}")
       return False
     os.replace(partial, path)  # atomic: a concurrent builder loads a whole file
   library = ctypes.CDLL(path)
