@@ -10,7 +10,7 @@ import ml_collections
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.shapes = ((576, 1536), (1536, 576), (576, 49152))  # [D, F]: w_up, w_down, the head
-  config.batches = (1, 8)
+  config.batches = (1, 8, 32)  # 32: the most rows layers.dense gives qmatmul (MAX_ROWS)
   # Each timed program runs distinct copies of its weight until the float32 copies
   # fill this many bytes, so every variant reads its weights from DRAM, not the caches
   # (a decode step reads 538 MB of float32 weights; the host's L3 is 32 MiB).

@@ -1,7 +1,8 @@
 """Issue 27 item 4, the micro-benchmark: [B, D] x [D, F] with quantized weights on XLA:CPU.
 
 At SmolLM2-135M's shapes (w_up 576x1536, w_down 1536x576, the tied head 576x49152)
-and B in {1, 8}, jitted variants side by side, each compiled with kvjax's decode
+and B in {1, 8, 32} (32: qmatmul.MAX_ROWS, the widest decode / verify input it
+takes), jitted variants side by side, each compiled with kvjax's decode
 and prefill compiler options (kvjax/xla_options.py):
   float32          the float32 dot (the baseline; 4 B a weight)
   dequant-*        QuantizedWeight.dequantize then the dot: kvjax's path before qmatmul
@@ -16,7 +17,7 @@ and prefill compiler options (kvjax/xla_options.py):
 Each program runs distinct copies of its weight until the float32 copies fill
 cfg.cold_bytes, so weights come from DRAM as in a decode step.  Reported per variant:
 microseconds per matmul, GB/s of its own weight bytes (codes, scales, offsets), and
-its speedup over float32 (the claim rows: batch 1 and 8, decode options).
+its speedup over float32 (the claim rows: every batch, decode options).
 """
 import functools
 import time
