@@ -7,6 +7,9 @@ batch, interleaved rounds, median; weight bytes one decode step reads; and the
 temp bytes XLA allocates for the decode-loop program compiled with kvjax's step
 options and with main's before this change (the default concurrency-optimized
 scheduler), which is where dequantized float copies of the weights would live.
+Quantized decode steps multiply through kvjax/quant/qmatmul.py's custom call (the
+codes read once; `qmatmul_available` in the results says it ran) and a tied head is
+int8 codes (kvjax/weights/quantize.py tied_head).
 Writes results/<name>.json and .png; says which CPU ran it (the machine is shared).
 """
 import functools
@@ -23,6 +26,7 @@ import kvjax
 from kvjax import generation
 from kvjax.backends import get_backend
 from kvjax.caches import create_paged_cache
+from kvjax.quant import qmatmul
 from kvjax.sampling import SamplingParams
 from kvjax.step_batch import make_step_batch
 from kvjax.weights.quantize import decode_step_weight_bytes
@@ -107,7 +111,7 @@ def main(_):
   common.print_claims(claims, "{claim:5s} {what:44s} {seed:>5s} {ours:>7s}", "{:.3f}")
   result = dict(config=cfg.to_dict(), device=common.device_label(),
                 device_info=common.describe_device(), shared_machine=True,
-                seconds=time.perf_counter() - start, rows=rows, claims=claims)
+                qmatmul_available=qmatmul.available(), seconds=time.perf_counter() - start, rows=rows, claims=claims)
   common.write_results(cfg.out_dir, cfg.name, result,
                        plot=functools.partial(_plot, rows, cfg.batches))
 

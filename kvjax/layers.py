@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig, YarnScaling
+from kvjax.quant import qmatmul
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
 
 __all__ = ["rms_norm", "rope_inv_freq", "rope_attention_factor", "apply_rope", "dense",
@@ -106,22 +107,31 @@ def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
   ActivationProbe (calibration, eager only) records x on the way.  A spec that
   contracts x's trailing axes with w's leading ones ("btnh,nhd->btd") runs as
   one 2-D matmul [rows, I] @ [I, O] of the row-major arrays: left to einsum,
-  XLA:CPU may pick an axis order that transposes the weight on every call.
+  XLA:CPU may pick an axis order that transposes the weight on every call.  A
+  QuantizedWeight times at most qmatmul.MAX_ROWS rows (decode and verify steps) runs
+  kvjax/quant/qmatmul.py's custom call where it is available (XLA:CPU), which reads
+  the integer codes once; wider inputs (prefill) dequantize for XLA's dot.
   """
   if isinstance(w, ActivationProbe):
     w.observe(x)
     w = w.weight
+  inputs, out_axes = spec.split("->")
+  x_axes, w_axes = inputs.split(",")
+  num_in = sum(axis in x_axes for axis in w_axes)  # contracted axes
+  row_axes = x_axes[:len(x_axes) - num_in]
+  matrix = x_axes.endswith(w_axes[:num_in]) and out_axes == row_axes + w_axes[num_in:]
+  size_in = math.prod(w.shape[:num_in])
+  out_shape = x.shape[:x.ndim - num_in] + tuple(w.shape[num_in:])
+  if isinstance(w, QuantizedWeight) and matrix and x.size // size_in <= qmatmul.MAX_ROWS \
+      and qmatmul.available():  # decode and verify rows: read the codes, not a float copy
+    out = qmatmul.qmatmul(x.reshape(-1, size_in), w)
+    return out.astype(dot_kwargs.get("preferred_element_type") or x.dtype).reshape(out_shape)
   if isinstance(w, QuantizedWeight):
     # Tied to x, the dequantization stays beside its matmul: left loop-invariant, XLA
     # hoists it out of a decode loop and every step reads the float weight it made.
     x, w = jax.lax.optimization_barrier((x, w))
     w = w.dequantize(x.dtype)
-  inputs, out_axes = spec.split("->")
-  x_axes, w_axes = inputs.split(",")
-  num_in = sum(axis in x_axes for axis in w_axes)  # contracted axes
-  row_axes = x_axes[:len(x_axes) - num_in]
-  if not (x_axes.endswith(w_axes[:num_in]) and out_axes == row_axes + w_axes[num_in:]):
+  if not matrix:
     return jnp.einsum(spec, x, w, **dot_kwargs)
-  size_in = math.prod(w.shape[:num_in])
   out = jnp.matmul(x.reshape(-1, size_in), w.reshape(size_in, -1), **dot_kwargs)
-  return out.reshape(x.shape[:x.ndim - num_in] + w.shape[num_in:])
+  return out.reshape(out_shape)

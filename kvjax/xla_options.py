@@ -22,7 +22,9 @@ of QuantizedWeights dequantized all 210 SmolLM2-135M projections at the top of
 the decode loop's body, 433 MB of float copies live at once (an int4 model then
 reads more bytes per step than a float one); memory-optimized, 6.6 MB (each
 float weight lives from its dequantization to its dot; the bool option
-xla_cpu_enable_concurrency_optimized_scheduler=False changes nothing in this XLA).
+xla_cpu_enable_concurrency_optimized_scheduler=False changes nothing in this XLA;
+decode steps dequantize nothing where kvjax/quant/qmatmul.py's custom call runs,
+prefill chunks still do).
 `jit_step` compiles a step program with these options on a CPU backend whose XLA
 accepts them (checked once with a probe compile: an option this XLA does not know
 would fail every compile), and with none elsewhere (GPU).

@@ -30,7 +30,7 @@ from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import quantize_weight
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
 from kvjax.weights.load_checks import raise_first_nonfinite
-from kvjax.weights.quantize import SCHEMES, weight_scheme
+from kvjax.weights.quantize import SCHEMES, tied_head, weight_scheme
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
            "resolve_registry_name", "open_gguf", "config_from_gguf", "read_gguf_config",
@@ -163,9 +163,11 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
   """A GGUF path or an open_gguf reader -> (config, params).  Float leaves are at
   `dtype`; `weight_dtype` ("int8", "int4" or a kvjax.weights.quantize scheme) keeps
   the projections (q, k, v, o, gate, up, down, an untied head) as QuantizedWeights,
-  the file's own blocks where they fit (kvjax/weights/gguf_quants.py).  Embeddings
-  and norms stay float.  `check_finite` counts NaN / inf in numpy as each tensor
-  decodes (floats, or a QuantizedWeight's scales and offsets) and names the first."""
+  the file's own blocks where they fit (kvjax/weights/gguf_quants.py), and a tied
+  head as int8 codes of the embedding: its blocks where they fit int8, else
+  quantize.tied_head.  Embeddings and norms stay float.  `check_finite` counts
+  NaN / inf in numpy as each tensor decodes (floats, or a QuantizedWeight's scales
+  and offsets) and names the first."""
   scheme = weight_scheme(weight_dtype)
   reader = open_gguf(source) if isinstance(source, (str, os.PathLike)) else source
   path = reader.data.filename
@@ -238,11 +240,17 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
         w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
         w_up=projection(pre + "ffn_up.weight", (d, f), 1),
         w_down=projection(pre + "ffn_down.weight", (f, d), 1)))
-  params = Params(
-      embed=jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size)), dtype),
-      blocks=tuple(blocks), final_norm=vector("output_norm.weight", (d,)),
-      lm_head=None if cfg.tie_word_embeddings else
-      projection("output.weight", (d, cfg.vocab_size), 1))
+  table = rows("token_embd.weight", (d, cfg.vocab_size))
+  embed = jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size), stored=table), dtype)
+  if not cfg.tie_word_embeddings:
+    head = projection("output.weight", (d, cfg.vocab_size), 1)
+  elif scheme is None:
+    head = None
+  else:  # the table's own blocks as int8 codes where they fit (Q8_0, Q4_*, Q6_K)
+    head = (blocks_qweight(*table, "int8", (d, cfg.vocab_size), 1)
+            if maps_blocks(table[1], "int8") else tied_head(embed))
+  params = Params(embed=embed, blocks=tuple(blocks), final_norm=vector("output_norm.weight", (d,)),
+                  lm_head=head)
   if checked:
     names, counts, sizes = zip(*checked)
     raise_first_nonfinite(names, counts, sizes, f"GGUF file {path}")

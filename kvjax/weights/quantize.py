@@ -4,10 +4,14 @@
 by `QuantizedWeight` leaves (kvjax/quant/qweight.py); the model code is
 unchanged because every matmul goes through `layers.dense`.  Quantized: the
 GQA projections (wq, wk, wv, wo), the MLP (w_gate, w_up, w_down) of every block
-and MTP block, and an untied lm_head.  Kept in float: embeddings (a gather
-reads B rows per step, not the table), norms, MTP input projections and MLA's
-attention weights (its absorbed up-projections contract over their output
-axis; only its MLP is quantized).
+and MTP block, and an untied lm_head.  A tied head gets its own int8 codes,
+`tied_head`: one scale per vocabulary row of the embedding, whatever the scheme
+(the head reads the whole [V, D] table every step: 113 MB in float32 for
+SmolLM2-135M, 28 MB as int8 codes), so Params.lm_head is set and the embedding
+stays float for its gather.  Kept in float: embeddings (a gather reads B rows
+per step, not the table), norms, MTP input projections and MLA's attention
+weights (its absorbed up-projections contract over their output axis; only its
+MLP is quantized).
 
 Schemes (claim C12: 16 -> 4 bits is ~4x fewer weight bytes per decode step):
   int8        one f32 scale per output channel: 1 B + 4/I B per weight
@@ -31,8 +35,8 @@ from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight, quantize_weight
 
-__all__ = ["SCHEMES", "AWQ_ALPHAS", "weight_scheme", "quantize_params", "weight_bytes",
-           "decode_step_weight_bytes"]
+__all__ = ["SCHEMES", "AWQ_ALPHAS", "weight_scheme", "quantize_params", "tied_head",
+           "weight_bytes", "decode_step_weight_bytes"]
 
 SCHEMES = {"int8": (8, None), "int4-g32": (4, 32), "int4-g64": (4, 64), "int4-g128": (4, 128)}
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -131,7 +135,15 @@ def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,
       return _awq_weight(w, inputs[name], num_in, bits, group_size)
     return quantize_weight(w, num_in=num_in, bits=bits, group_size=group_size)
 
-  return _map_weights(params, quantize)
+  quantized = _map_weights(params, quantize)
+  return quantized if params.lm_head is not None else quantized.replace(
+      lm_head=tied_head(params.embed))
+
+
+def tied_head(embed: jax.Array) -> QuantizedWeight:
+  """The output projection [D, V] of a tied embedding [V, D] as int8 codes, one scale per
+  vocabulary row (per output channel of the head)."""
+  return quantize_weight(embed.T, num_in=1, bits=8, group_size=None)
 
 
 def weight_bytes(params: Params) -> int:
