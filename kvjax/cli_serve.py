@@ -7,7 +7,7 @@
 Loads the model, prints one line to stdout, `kvjax serving <name> at
 http://<host>:<port>/v1` (the real port when --port is 0), and serves until SIGINT
 or SIGTERM.  --warm-up background (the default) compiles every step program the
-engine can run, in every sampling variant, while it already serves (/health says
+engine can run (each serves every sampling option) while it already serves (/health says
 "warming", then "ready"; a line on stderr says when); --warm-up full compiles them
 first (a progress bar), before that line; --warm-up minimal only what two short
 requests run (the rest compiles under the first clients).  Compiled programs go
@@ -48,8 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="sequences (prompts x n) that may wait beyond the --max-num-seqs running "
                       "ones; more get 503 (default: %(default)s)")
   p.add_argument("--warm-up", choices=WARM_UP_MODES, default="background",
-                 help="background: serve at once and compile every step program (every "
-                      "sampling variant) while idle, /health says warming until done; full: "
+                 help="background: serve at once and compile every step program while "
+                      "idle, /health says warming until done; full: "
                       "compile them all before serving; minimal: only two short requests' "
                       "programs (default: %(default)s)")
   p.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=False,

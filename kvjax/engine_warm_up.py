@@ -26,7 +26,7 @@ class EngineWarmUp:
     (programs compiled, programs run, seconds); kvjax/warm_up.py.
 
     Runs serve_step / serve_burst once per shape its packing can form
-    (Packing.shapes), per draft count its policy may pick and per variant, on
+    (Packing.shapes), per draft count its policy may pick and per burst stop width, on
     padding-only batches, and the page copy / clear programs on the null page, so
     no request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's
     stop_widths (the bursts of requests with stop ids) and map_budget.  progress: a

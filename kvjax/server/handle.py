@@ -5,8 +5,8 @@ kvjax.Router over one Engine each: the engine thread drives it as it would
 one Engine), warms it up, starts the engine thread and uvicorn, and
 returns once the socket listens.  Port 0 picks a free port; `handle.port` is the
 real one.  The warm-up decides what the first clients pay in XLA compilation:
-"full" compiles every step program the engine can run, in every sampling variant
-(Engine.warm_up, kvjax/warm_up.py SERVER_VARIANTS), so no request waits on a
+"full" compiles every step program the engine can run, bursts in every stop-id
+width (Engine.warm_up, kvjax/warm_up.py SERVER_VARIANTS), so no request waits on a
 compile; "background" compiles the same programs in a thread while the server
 already answers, whenever no request is running (a request meeting a program not
 yet compiled compiles it; /health says "warming" until the last one ran, then
