@@ -1,5 +1,5 @@
 """The background warm-up: the server answers while it compiles, /health says warming
-then ready, and after ready no request of any sampling variant compiles.
+then ready, and after ready no request with any sampling option compiles.
 
 Oracles: /health's status, kvjax.serve_steps.num_compiled and jax's own compile events
 (kvjax.xla_options.xla_compile_counts: programs compiled or loaded from the persistent
@@ -17,9 +17,9 @@ from kvjax.serve_steps import num_compiled
 from kvjax.server import serve_in_thread
 from kvjax.xla_options import xla_compile_counts
 
-# 2 rows, 16-token chunks, tables of 2 pages: 3 shapes, 20 runs in every variant (top-k /
-# top-p, logprobs; the bursts' stop-id widths too).
-pytestmark = pytest.mark.slow  # ~2 min on 2 busy cores: every variant compiles
+# 2 rows, 16-token chunks, tables of 2 pages: 3 shapes, 5 runs (the burst in 3 stop-id
+# widths; one program a shape serves top-k / top-p and logprobs).
+pytestmark = pytest.mark.slow  # ~1 min on 2 busy cores
 
 SMALL = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, page_size=16)
 
