@@ -3,13 +3,35 @@ release), the random-weight `tiny` the tests build, and kvjax's own byte-level d
 model.  `get_preset(name)` -> its ModelConfig (kvjax/config.py)."""
 from __future__ import annotations
 
-from kvjax.config import ModelConfig, RopeScaling
+import math
+
+from kvjax.config import ModelConfig, RopeScaling, YarnScaling
 
 __all__ = ["PRESETS", "get_preset"]
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)
+
+
+
+def _gpt_oss(size: str, num_layers: int, num_experts: int) -> ModelConfig:
+  """gpt-oss-20b / -120b: every layer top-4 softmax-after-top-k over experts of width 2880
+  with biases and clamped SwiGLU, learned attention sinks (the "+sinks" name selects
+  that layer kind, kvjax/learned_sinks.py), sliding 128-token and full layers
+  alternating, YaRN rope (factor 32 over 4,096 positions, not truncated), o_proj bias."""
+  yarn = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                     beta_slow=1.0, truncate=False, attention_factor=0.1 * math.log(32.0) + 1)
+  return ModelConfig(
+      name=f"gpt-oss-{size}+sinks", vocab_size=201088, hidden_size=2880,
+      intermediate_size=2880, num_layers=num_layers, num_heads=64, num_kv_heads=8,
+      head_dim=64, max_position_embeddings=131072, rope_theta=150000.0, rope_scaling=yarn,
+      rms_norm_eps=1e-5, attention_bias=True, attention_out_bias=True,
+      layer_windows=(128, None) * (num_layers // 2), eos_token_id=200002, pad_token_id=199999,
+      num_experts=num_experts, num_experts_per_tok=4, moe_intermediate_size=2880,
+      moe_softmax_after_topk=True, expert_activation="clamped_swiglu", swiglu_limit=7.0,
+      swiglu_alpha=1.702, moe_bias=True)
+
 
 # Published shapes of the real checkpoints (config.json of each release).
 PRESETS: dict[str, ModelConfig] = {
@@ -99,6 +121,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=2048, first_k_dense_layers=3, moe_scoring="sigmoid",
         moe_score_bias=True, moe_num_groups=8, moe_topk_groups=4, norm_topk_prob=True,
         routed_scaling_factor=2.5),
+    "gpt-oss-20b": _gpt_oss("20b", num_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss("120b", num_layers=36, num_experts=128),
     # Qwen3.5-9B text model: 32 layers laid out 8 x (3 Gated DeltaNet + 1 gated
     # full attention), full attention 16 q / 4 kv heads of head_dim 256 with a
     # sigmoid output gate and rope on the first quarter of each head.  Only the

@@ -238,3 +238,38 @@ def test_cli_ep_per_device_bytes_and_smallest_ep_by_hand(capsys):
 def test_cli_bad_ep_exits_2(capsys, argv, needle):
   assert _cli(argv) == 2
   assert needle in capsys.readouterr().err
+
+
+# gpt-oss-20b's config.json as released (openai/gpt-oss-20b); -120b differs in its layer and
+# expert counts.
+_GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "vocab_size": 201088}
+
+
+@pytest.mark.parametrize("size,layers,experts,total_b,active_b",
+                         [("20b", 24, 32, 20.91, 3.61), ("120b", 36, 128, 116.83, 5.13)])
+def test_gpt_oss_presets_are_the_released_configs(size, layers, experts, total_b, active_b):
+  """The presets equal what the HF loader reads from the released config.json, and their
+  parameter counts OpenAI's model card: 20.91B / 116.83B in total, 3.61B / 5.13B active.
+  The card leaves the input embedding out of "active" (a token reads one row of it); the
+  ledger counts the table, as Qwen's figures do (Qwen3-30B-A3B's 3.3B)."""
+  from kvjax.weights.hf import config_from_hf
+
+  released = {**_GPT_OSS_20B, "num_hidden_layers": layers, "num_local_experts": experts,
+              "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
+  preset = get_preset(f"gpt-oss-{size}")
+  assert config_from_hf(released, f"gpt-oss-{size}") == preset
+  embedding = preset.vocab_size * preset.hidden_size
+  assert ledger.param_count(preset) / 1e9 == pytest.approx(total_b, abs=0.005)
+  assert (ledger.param_count(preset, active=True) - embedding) / 1e9 == pytest.approx(
+      active_b, abs=0.005)
