@@ -2,13 +2,15 @@
 
 A `Backend` says what one implementation can do; caches and the speculative
 step call through it and never compare functions by identity:
-  attention(q [B, T, N, H], k_pages, v_pages [K, P, Z, H], batch: StepBatch, *,
+  attention(q [B, T, N, H], k_pages, v_pages [L, K, P, Z, H], batch: StepBatch, *, layer,
             sm_scale, sliding_window=None, k_scales=None, v_scales=None)
-      -> [B, T, N, H]    float or int8 pages (scales [K, P, Z] f32 with int8)
+      -> [B, T, N, H]    layer `layer` of every layer's float or int8 pages (scales
+                         [L, K, P, Z] f32 with int8): given whole, so a loop inside
+                         reads the layer in place instead of a copy of its pool
   verify(draft_tokens [B, J], draft_probs [B, J, V], target_logits [B, J+1, V],
          num_draft [B], keys [B], *, temperature [B]) -> (tokens [B, J+1], accepted [B])
       the whole batch at once, one PRNG key per row (claim C10)
-  mla_attention(q [B, T, N, R + Hr], pages [P, Z, R + Hr], batch, *, value_dim,
+  mla_attention(q [B, T, N, R + Hr], pages [L, P, Z, R + Hr], batch, *, layer, value_dim,
                 sm_scale, sliding_window) -> [B, T, N, R], or None: cannot read
                 MLA's latent pages
   delta_rule(q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta [B, T, Nv], state
@@ -26,6 +28,12 @@ step call through it and never compare functions by identity:
       pages in place): every step reads pages through `attention`.  A variant
       that replaces `attention` of a record that has it replaces it too (or
       sets None), or bursts bypass the new `attention`.
+  prefill_full_width: a prefill chunk's `attention` (and `mla_attention`) reads each
+      row's pages only as far as its kv_lens, whatever the block table's width (the
+      reference backend walks blocks, kvjax/attention/blocked.py; the ragged kernels
+      stop at kv_lens), so the packing gives prefill chunks the widest table and
+      compiles one program per chunk shape (kvjax/batching.py).  False (the default
+      of a new record): prefill tables are bucketed by width too.
   kv_dtypes: the page stores its `attention` reads (the model dtype always); a KV
       layout names the store it needs in its `check_backend` (kvjax/caches/layout.py),
       the backend never inspects layouts.  int4 (KIVI) pages are dequantized by
@@ -75,6 +83,7 @@ class Backend:
   mla_attention: Optional[Callable] = None
   gathered_attention: Optional[Callable] = None
   delta_rule: Callable = delta_rule
+  prefill_full_width: bool = False
   mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
 
   def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:
@@ -90,7 +99,8 @@ class Backend:
 
 
 def _padded_reference(q, k_pages, v_pages, batch, **kwargs):
-  return paged_attention(q, k_pages, v_pages, batch.kv_lens, batch.block_tables, **kwargs)
+  return paged_attention(q, k_pages, v_pages, batch.kv_lens, batch.block_tables,
+                         q_lens=batch.q_lens, **kwargs)
 
 
 def _gathered_reference(q, keys_t, values, batch, **kwargs):
@@ -98,16 +108,18 @@ def _gathered_reference(q, keys_t, values, batch, **kwargs):
 
 
 def _padded_mla(q, pages, batch, **kwargs):
-  return mla_paged_attention(q, pages, batch.kv_lens, batch.block_tables, **kwargs)
+  return mla_paged_attention(q, pages, batch.kv_lens, batch.block_tables, q_lens=batch.q_lens,
+                             **kwargs)
 
 
 def _ragged(kernel: Callable) -> Callable:
   """Padded [B, T] rows -> the ragged kernel's flattened [B*T] layout (cu_q_lens = b*T)."""
 
-  def attention(q, k_pages, v_pages, batch, **kwargs):
+  def attention(q, k_pages, v_pages, batch, *, layer, k_scales=None, v_scales=None, **kwargs):
     b, t, n, h = q.shape
-    out = kernel(q.reshape(b * t, n, h), k_pages, v_pages, batch.kv_lens, batch.block_tables,
-                 batch.cu_q_lens, **kwargs)
+    scales = {} if k_scales is None else dict(k_scales=k_scales[layer], v_scales=v_scales[layer])
+    out = kernel(q.reshape(b * t, n, h), k_pages[layer], v_pages[layer], batch.kv_lens,
+                 batch.block_tables, batch.cu_q_lens, **scales, **kwargs)
     return out.reshape(b, t, n, h)
 
   return attention
@@ -117,14 +129,15 @@ BACKENDS = types.MappingProxyType({
     "reference": Backend(
         "reference", _padded_reference, pallas_kernels.rejection_sample_reference,
         kv_dtypes=("fp32", "bf16", "fp16", "int8", "int4"), mla_attention=_padded_mla,
-        gathered_attention=_gathered_reference),
+        gathered_attention=_gathered_reference, prefill_full_width=True),
     "pallas": Backend(
         "pallas", _ragged(pallas_kernels.ragged_paged_attention),
-        pallas_kernels.rejection_sample),
+        pallas_kernels.rejection_sample, prefill_full_width=True),
     "pallas_interpret": Backend(
         "pallas_interpret",
         _ragged(functools.partial(pallas_kernels.ragged_paged_attention, interpret=True)),
-        functools.partial(pallas_kernels.rejection_sample, interpret=True)),
+        functools.partial(pallas_kernels.rejection_sample, interpret=True),
+        prefill_full_width=True),
     "pallas_reference": Backend(
         "pallas_reference", _ragged(pallas_kernels.ragged_paged_attention_reference),
         pallas_kernels.rejection_sample_reference),
@@ -144,11 +157,11 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
     return backend
   if backend.mesh is not None:
     raise ValueError(f"backend {backend.name!r} already runs on another mesh")
-  heads, pages, whole = P(None, None, MODEL, None), P(MODEL), P()
+  heads, pages, whole = P(None, None, MODEL, None), P(None, MODEL), P()  # pages [L, K, ...]
 
-  def attention(q, k_pages, v_pages, batch, *, sm_scale, sliding_window=None, **scales):
+  def attention(q, k_pages, v_pages, batch, *, layer, sm_scale, sliding_window=None, **scales):
     def local(q, k_pages, v_pages, batch, scales):
-      return backend.attention(q, k_pages, v_pages, batch, sm_scale=sm_scale,
+      return backend.attention(q, k_pages, v_pages, batch, layer=layer, sm_scale=sm_scale,
                                sliding_window=sliding_window, **scales)
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, pages),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, batch, scales)

@@ -11,10 +11,13 @@ pack (what Engine.warm_up compiles before serving): at most (row buckets) x
 (chunk buckets + 1) x (table buckets) serve steps, plus a multi-step loop per
 row and table bucket, each times the draft counts an adaptive draft policy may
 pick; fewer, since a long chunk never meets a narrow table and max_model_len
-bounds both.  The table width matters because the reference backend gathers
-every column: a decode row of a 192-token context would otherwise carry the
-pages a 512-token prefill chunk needs.  Padding rows use the scratch slot and
-the null page.  Shapes: docs/DIMENSIONS.md.
+bounds both.  The table width matters because the reference backend's decode
+steps gather every column: a decode row of a 192-token context would otherwise
+carry the pages a 512-token prefill chunk needs.  Prefill chunks take the widest
+table where their attention reads only as far as each row's length (a backend's
+`prefill_full_width`, kvjax/attention/blocked.py, on a layout that attends
+through it): one program per chunk shape instead of one per width.  Padding
+rows use the scratch slot and the null page.  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -104,15 +107,17 @@ class Packing:
   num_draft: int  # J: decode rows are 1 + J wide
   max_num_batched_tokens: int  # the token budget of a step
   max_model_len: int  # prompt + max_new_tokens at most
+  prefill_full_width: bool = False  # prefill chunks take max_table_width (module doc)
 
   @classmethod
   def create(cls, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-             max_pages_per_seq: int, num_draft: int, max_model_len: int) -> "Packing":
+             max_pages_per_seq: int, num_draft: int, max_model_len: int,
+             prefill_full_width: bool = False) -> "Packing":
     max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too.
     width = max_pages_per_seq + -(-max_query // page_size)
     return cls(max_num_seqs, max_query, page_size, width, num_draft, max_num_batched_tokens,
-               max_model_len)
+               max_model_len, prefill_full_width)
 
   # -- the bucketing rules (shape, table_width and shapes all use these) ------------------
 
@@ -173,7 +178,10 @@ class Packing:
 
   def table_width(self, tables: np.ndarray, rows: Sequence[ScheduledRow], t: int) -> int:
     """Block-table columns W a row group's step reads, bucketed: each row's padded last
-    position start + t - 1 (a burst's: every position reserved) and every page it holds."""
+    position start + t - 1 (a burst's: every position reserved) and every page it holds;
+    a prefill group's is the widest where `prefill_full_width`."""
+    if self.prefill_full_width and not rows[0].is_decode:
+      return self.max_table_width
     needed = max(-(-(r.start + t) // self.page_size) for r in rows)
     held = np.flatnonzero(tables.any(axis=0))
     return self._width_bucket(max(needed, int(held[-1]) + 1 if held.size else 0))
@@ -243,6 +251,8 @@ class Packing:
       # Pages read: from a row at start 0 to one at the last fed position.
       pages = range(-(-t // self.page_size), -(-(most_fed - 1 + t) // self.page_size) + 1)
       widths = {self._width_bucket(p) for p in pages}
+      if self.prefill_full_width and not decode:
+        widths = {self.max_table_width}
       out += [StepShape(kind, b, t, w, j) for b in sorted(row_buckets) for w in sorted(widths)]
     return out
 

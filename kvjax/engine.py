@@ -107,7 +107,8 @@ class Engine(EngineWarmUp, EngineGenerate):
     self.packing = Packing.create(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,
-        num_draft=self.num_draft, max_model_len=config.max_model_len)
+        num_draft=self.num_draft, max_model_len=config.max_model_len,
+        prefill_full_width=config.prefill_full_width(cfg))
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
                                model.dtype, with_mtp=config.speculative == "mtp",

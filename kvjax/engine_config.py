@@ -174,6 +174,12 @@ class EngineConfig:
     """The layout's host-side page manager: which pages a request may release."""
     return get_layout(self.kv_dtype, cfg).page_release(self.page_size, self.widest_window(cfg))
 
+  def prefill_full_width(self, cfg: ModelConfig) -> bool:
+    """Whether prefill chunks may take the widest block table (kvjax/batching.py): the
+    layout attends through the backend and the backend reads only as far as kv_lens."""
+    return get_layout(self.kv_dtype, cfg).prefill_full_width and \
+        self.backend.prefill_full_width
+
   def widest_window(self, cfg: ModelConfig) -> Optional[int]:
     """Widest window over every layer reading the pages; None if one sees everything."""
     draft = self.draft_model

@@ -3,8 +3,12 @@
 This is kvjax's reference backend (the default on CPU).  The batch layout is
 padded, not ragged: q is [B, T, N, H] and row i of batch row b sits at position
 `kv_lens[b] - T + i` (every row counted, padding rows included), so the block
-table must cover `kv_lens[b]` tokens.  Pallas backends receive the same call
-flattened into the ragged layout (see kvjax/backends.py).
+table must cover `kv_lens[b]` tokens.  Decode and verify steps (at most
+DECODE_COLUMNS columns) gather every column of the table at once; prefill
+chunks walk it a block at a time up to their rows' lengths
+(kvjax/attention/blocked.py), so their cost does not grow with the table's
+width.  Pallas backends receive the same call flattened into the ragged layout
+(see kvjax/backends.py).
 """
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention.blocked import block_pages, blocked_attention
 from kvjax.attention.dense import grouped_attention, padded_visibility
+from kvjax.xla_options import DECODE_COLUMNS
 
-__all__ = ["paged_attention", "gather_pages", "gathered_attention"]
+__all__ = ["paged_attention", "gather_pages", "gathered_attention", "padded_tables", "block_of"]
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array,
@@ -50,15 +56,65 @@ def gathered_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array, kv_le
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     kv_lens: jax.Array, block_tables: jax.Array, *, sm_scale: float,
+                    layer: Optional[int] = None,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
                     k_scales: Optional[jax.Array] = None,
                     v_scales: Optional[jax.Array] = None,
-                    sinks: Optional[jax.Array] = None) -> jax.Array:
-  """q [B, T, N, H]; k/v_pages [K, P, Z, H]; kv_lens [B]; block_tables [B, W]; sinks [N] or
-  None -> [B, T, N, H]."""
+                    sinks: Optional[jax.Array] = None,
+                    q_lens: Optional[jax.Array] = None) -> jax.Array:
+  """q [B, T, N, H]; k/v_pages [K, P, Z, H], or every layer's [L, K, P, Z, H] with `layer`
+  (scales likewise); kv_lens [B]; block_tables [B, W]; sinks [N] or None; q_lens [B] real
+  columns (lets a windowed prefill skip what padding rows would pin) -> [B, T, N, H].
+
+  Given every layer's pages, a prefill chunk's block loop indexes the layer inside
+  its body: slicing it out first would copy the layer's whole pool each call (a
+  loop operand cannot fuse into the gather that reads it).
+  """
+  pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
+  if q.shape[1] > DECODE_COLUMNS:
+    return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
+                    sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+                    v_scales=v_scales, sinks=sinks)
+  k_pages, v_pages, k_scales, v_scales = map(pick, (k_pages, v_pages, k_scales, v_scales))
   keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
   keys_t = jnp.swapaxes(keys, 2, 3)  # [K, B, H, S]: one gather fusion writes it this way
   return gathered_attention(q, keys_t.astype(q.dtype) if k_scales is None else keys_t, values,
                             kv_lens, sm_scale=sm_scale, sliding_window=sliding_window,
                             soft_cap=soft_cap, sinks=sinks)
+
+
+def padded_tables(block_tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
+  """block_tables [B, W] -> (the table widened with null pages to whole blocks of
+  pages_per_block, its number of blocks)."""
+  w = block_tables.shape[1]
+  num_blocks = -(-w // pages_per_block)
+  return jnp.pad(block_tables, ((0, 0), (0, num_blocks * pages_per_block - w))), num_blocks
+
+
+def block_of(tables: jax.Array, c: jax.Array, pages_per_block: int) -> jax.Array:
+  """Columns of KV block c of a padded_tables table -> [B, Wb]."""
+  return jax.lax.dynamic_slice_in_dim(tables, c * pages_per_block, pages_per_block, axis=1)
+
+
+def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_scale,
+             sliding_window, soft_cap, k_scales, v_scales, sinks):
+  """paged_attention of a prefill chunk, block by block (kvjax/attention/blocked.py);
+  pick(array) -> the layer's [K, P, Z, ...] (indexed inside the loop body)."""
+  b, t, n, h = q.shape
+  num_kv, page_size, value_dim = k_pages.shape[-4], k_pages.shape[-2], v_pages.shape[-1]
+  wb = block_pages(page_size)
+  tables, num_blocks = padded_tables(block_tables, wb)
+
+  def read_block(c):
+    columns = block_of(tables, c, wb)
+    keys_t = jnp.swapaxes(gather_pages(pick(k_pages), columns, pick(k_scales)), 2, 3)
+    return (keys_t.astype(q.dtype) if k_scales is None else keys_t,  # [K, B, H, Sb]
+            gather_pages(pick(v_pages), columns, pick(v_scales)))
+
+  qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
+  out = blocked_attention(qg, read_block, kv_lens, q_lens, num_blocks, wb * page_size,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          sinks=None if sinks is None else sinks.reshape(num_kv, -1),
+                          value_dim=value_dim)
+  return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, -1).astype(q.dtype)

@@ -11,7 +11,8 @@ K/V (float pages, int8, KIVI int4, MLA latents, StreamingLLM's sinks + window):
       attention (the contract in kvjax/caches/__init__.py);
   capabilities: which backends read it (`check_backend`), whether a hybrid's
       recurrent state rides along (`hybrid`), a contiguous twin (`contiguous`),
-      what it refuses (speculation, token-mode prefix hits: the reason, or None);
+      what it refuses (speculation, token-mode prefix hits: the reason, or None),
+      whether a prefill chunk may take the widest block table (`prefill_full_width`);
   release: its host-side manager, the `PageRelease` of a request (which logical
       pages no future query reads, so the scheduler may free them).
 A layout module registers its records at import (`register`); the package
@@ -152,6 +153,10 @@ class KVLayout:
   release: Callable = _window_release  # (page_size, model window, **options) -> PageRelease
   check_model: Callable = lambda cfg: None  # ValueError for a model it cannot serve
   options: tuple = ()  # (field, value) pairs: static fields of its cache (e.g. a window)
+  # Its attention goes through the backend's, so a prefill chunk reads only as far as its
+  # rows' lengths where the backend's does (Backend.prefill_full_width); False: it reads
+  # every table column itself, and the packing keeps prefill tables bucketed by width.
+  prefill_full_width: bool = False
 
   def create(self, cfg: ModelConfig, sizes: PoolSizes, dtype):
     """The empty cache for cfg (model dtype `dtype`) sized by `sizes`."""

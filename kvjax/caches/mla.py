@@ -55,7 +55,7 @@ class MLAPagedCache(PagedLayout):
     del v
     backend.check_mla()
     cache = self.write(layer, k[:, :, 0], batch)
-    out = backend.mla_attention(q, cache.pages[layer], batch, value_dim=self.value_dim,
+    out = backend.mla_attention(q, cache.pages, batch, layer=layer, value_dim=self.value_dim,
                                 sm_scale=sm_scale, sliding_window=window)
     return cache, out
 
@@ -77,4 +77,5 @@ def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
 
 
 register(KVLayout("latent", latent_arrays, MLAPagedCache, attention="mla", default=True,
-                  check_backend=Backend.check_mla, contiguous=_contiguous))
+                  check_backend=Backend.check_mla, contiguous=_contiguous,
+                  prefill_full_width=True))

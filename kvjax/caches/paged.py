@@ -118,9 +118,9 @@ class PagedKVCache(PagedLayout):
     """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H]);
     `options` (a layer kind's extras, e.g. sinks) go to the backend's attention."""
     cache = self.write(layer, k, v, batch)
-    scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales[layer],
-                                                     v_scales=cache.v_scales[layer])
-    out = backend.attention(q, cache.k_pages[layer], cache.v_pages[layer], batch,
+    scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales,
+                                                     v_scales=cache.v_scales)
+    out = backend.attention(q, cache.k_pages, cache.v_pages, batch, layer=layer,
                             sm_scale=sm_scale, sliding_window=window, **scales, **options)
     return cache, out
 
@@ -195,9 +195,10 @@ def _reads(kv_dtype):
 
 
 register(KVLayout("float", kv_page_arrays, PagedKVCache, default=True, hybrid=True,
-                  contiguous=_contiguous))
+                  contiguous=_contiguous, prefill_full_width=True))
 for _store in ("fp32", "bf16", "fp16"):
   register(KVLayout(_store, kv_page_arrays, PagedKVCache, store=_store, hybrid=True,
-                    contiguous=_contiguous, check_backend=_reads(_store)))
+                    contiguous=_contiguous, check_backend=_reads(_store),
+                    prefill_full_width=True))
 register(KVLayout("int8", _int8_arrays, PagedKVCache, store="int8", hybrid=True,
-                  check_backend=_reads("int8")))
+                  check_backend=_reads("int8"), prefill_full_width=True))
