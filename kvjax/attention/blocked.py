@@ -2,9 +2,9 @@
 chunk reads costs its rows' lengths, not the width of their block tables.
 
 The reference backend's gather (kvjax/attention/paged.py) reads every column of
-a block table, so the packing buckets table widths (kvjax/batching.py) and each
-prefill chunk shape compiles once per width: 96 of the default model's 101 step
-programs.  Here a `lax.fori_loop` walks the table Wb pages at a time, from the
+a block table, so the packing buckets table widths (kvjax/batching.py), and with
+the gather alone each prefill chunk shape compiled once per width (96 of the
+default server's 101 step programs).  Here a `lax.fori_loop` walks the table Wb pages at a time, from the
 first block a row's window still sees to the last one its kv_lens reach (both
 traced), keeping each query's running max, denominator and weighted sum.  A
 prefill program can then take the widest table whatever its rows hold: one
