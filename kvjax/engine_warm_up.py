@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from kvjax.batching import StepShape, burst_limits
+from kvjax.logit_processors import with_processing
 from kvjax.ngram import host_draft_shapes
 from kvjax.warm_up import WarmUp, WarmUpPlan, draft_counts, warm_up
 
@@ -55,7 +56,8 @@ class EngineWarmUp:
     """One step program of `shape` on padding rows (a burst's: none runs a step), its
     stop-id array `stop_width` wide."""
     with self._lock:
-      batch = self.packing.padding(shape, snapshots=self.snapshots is not None)
+      batch = with_processing(self.packing.padding(shape, snapshots=self.snapshots is not None),
+                              [], self.model_config.vocab_size)  # neutral, as every group's
       burst = None
       if shape.kind == "burst":
         left, _ = burst_limits([], shape.rows)

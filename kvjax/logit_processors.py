@@ -9,15 +9,20 @@ min_tokens), then the penalties of vLLM's apply_penalties:
   repetition r, on ids in the prompt or the output: logit / r if logit > 0 else logit * r;
   frequency f and presence p, on output ids:       logit - f * count - p * (count > 0).
 Reported logprobs stay the model's raw ones (vLLM's default, raw_logprobs).
-A group with no such row carries `processing=None` and compiles the program it
-had before, so requests without these fields pay nothing; a group with one pays
-[B, V] element-wise work and the host arrays below per step.  Inside a multi-step
+Every group the engine packs carries a LogitProcessing, so one step program
+serves rows with and without these fields (nothing compiles on a request's first
+penalty): a group with no such row carries the neutral one (`active` False, its
+host arrays made once per row count and reused), whose `apply` a cond in
+kvjax/sampling.py skips; the cost left is its copy to the device, [B, V] x 10
+bytes a step.  A group with such a row pays [B, V] element-wise work and builds
+the host arrays below per step.  Inside a multi-step
 burst (kvjax/serve_steps.py) `advance` counts each step's emitted ids.
 Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +44,16 @@ class LogitProcessing:
   repetition: jax.Array  # [B] f32 (1: off)
   presence: jax.Array  # [B] f32 (0: off)
   frequency: jax.Array  # [B] f32 (0: off)
+  active: jax.Array  # [] bool: some row asks (False: sampling skips `apply`)
 
   @classmethod
-  def neutral(cls, b: int, vocab: int) -> "LogitProcessing":
+  def neutral(cls, b: int, vocab: int, active: bool = False) -> "LogitProcessing":
     """Host arrays for B rows that change no logit (padding rows; a warm-up's batch)."""
     return cls(bias=np.zeros((b, vocab), np.float32), stop_mask=np.zeros((b, vocab), bool),
                min_left=np.zeros(b, np.int32), prompt_mask=np.zeros((b, vocab), bool),
                output_counts=np.zeros((b, vocab), np.int32), repetition=np.ones(b, np.float32),
-               presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32))
+               presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32),
+               active=np.bool_(active))
 
   def apply(self, logits: jax.Array) -> jax.Array:
     """logits [B, V] f32 -> processed logits [B, V] f32."""
@@ -67,12 +74,19 @@ class LogitProcessing:
                         min_left=self.min_left - jnp.sum(valid, axis=1, dtype=jnp.int32))
 
 
-def pack_processing(requests: Sequence, b: int, vocab: int) -> Optional[LogitProcessing]:
+@functools.lru_cache(maxsize=64)
+def _neutral(b: int, vocab: int) -> LogitProcessing:
+  """The inactive processing of B rows, made once (never written: pack_processing builds
+  fresh arrays for a group that asks)."""
+  return LogitProcessing.neutral(b, vocab)
+
+
+def pack_processing(requests: Sequence, b: int, vocab: int) -> LogitProcessing:
   """Host arrays for a group's requests (row j: requests[j]; rows beyond: padding)
-  -> LogitProcessing, or None when no request asks for any processing."""
+  -> LogitProcessing; the shared neutral one when no request asks for any processing."""
   if not any(r.sampling.processed for r in requests):
-    return None
-  p = LogitProcessing.neutral(b, vocab)
+    return _neutral(b, vocab)
+  p = LogitProcessing.neutral(b, vocab, active=True)
   for j, req in enumerate(requests):
     s = req.sampling
     if not s.processed:
@@ -89,6 +103,7 @@ def pack_processing(requests: Sequence, b: int, vocab: int) -> Optional[LogitPro
 
 
 def with_processing(batch, requests: Sequence, vocab: int):
-  """A packed StepBatch whose sampling carries its requests' processing (or None)."""
+  """A packed StepBatch whose sampling carries its requests' processing (neutral if none
+  asks; padding rows are neutral rows)."""
   processing = pack_processing(requests, batch.tokens.shape[0], vocab)
   return batch.replace(sampling=batch.sampling.replace(processing=processing))

@@ -26,7 +26,8 @@ class SamplingParams:
   top_k: jax.Array  # [B] int32; 0 = off
   top_p: jax.Array  # [B] f32; 1 = off
   seeds: jax.Array  # [B] uint32
-  # vLLM's logit processing (kvjax/logit_processors.py LogitProcessing), None: none.
+  # vLLM's logit processing (kvjax/logit_processors.py LogitProcessing), None: none
+  # (kvjax.generate); the engine always passes one, inactive when no row asks.
   processing: Any = None
 
   @classmethod
@@ -115,8 +116,9 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
 
   use_filter: rows may ask for top-k / top-p (the filter then runs if one does:
   filtered_if_asked); False leaves it out of the program altogether."""
-  if params.processing is not None:
-    logits = params.processing.apply(logits)
+  if params.processing is not None:  # a cond: the engine's groups always carry it
+    logits = jax.lax.cond(params.processing.active, params.processing.apply, lambda x: x,
+                          logits)
   greedy = greedy_tokens(logits)
 
   def draw(_):

@@ -222,6 +222,32 @@ def test_after_warm_up_generate_compiles_nothing_and_equals_an_unwarmed_engine(w
   assert cold.generate(prompts[:3], 10, temperature=0.9, seed=[4, 5, 6]).tokens == sampled
 
 
+def _run_to_end(engine, requests) -> list[list[int]]:
+  """Add (prompt, options) requests of 8 tokens, step until done -> their output ids."""
+  ids = [engine.add_request(prompt, 8, **options) for prompt, options in requests]
+  final = {}
+  while engine.has_unfinished:
+    final.update({out.request_id: out.output_ids for out in engine.step() if out.finished})
+  return [final[i] for i in ids]
+
+
+def test_penalties_min_tokens_and_logit_bias_after_warm_up_compile_nothing(warmed, placed):
+  """Their rows carry active logit processing, every other group the neutral one: one
+  program serves both, so a request's first penalty waits on no compile; and the cond
+  that skips inactive processing does apply active processing (their tokens differ from
+  the same prompts' without it)."""
+  engine, _, _ = warmed
+  prompts = _prompts(5, 3)
+  options = [dict(repetition_penalty=1.8, frequency_penalty=0.7),
+             dict(min_tokens=6, presence_penalty=1.1), dict(logit_bias={7: 9.0, 11: 4.0})]
+  before = num_compiled()
+  processed = _run_to_end(engine, [*zip(prompts, options), (prompts[0], {})])
+  assert num_compiled() == before
+  plain = kvjax.Engine(placed, **SMALL).generate(prompts, 8).tokens
+  assert processed[3] == plain[0]  # the neutral row beside them
+  assert all(got != want for got, want in zip(processed[:3], plain))
+
+
 def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
   """Arrivals mid-run (prefill beside decode), chunked long prompts, prefix hits, bursts,
   an abort, sampled and greedy rows: every step program was compiled by the warm-up."""
