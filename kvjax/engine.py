@@ -352,7 +352,6 @@ class Engine(EngineWarmUp, EngineGenerate):
       verify = [0 if r.request_id in self.constraints else
                 min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
     batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
-    mask = ConstraintBook.padded(mask, batch.tokens.shape[0])
     if self.ngram is not None:
       batch = with_drafts(batch, drafts)
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
@@ -365,7 +364,7 @@ class Engine(EngineWarmUp, EngineGenerate):
     return batch.tokens.shape, emitted, drafted, steps
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None):
-    """Dispatch serve_step (token mask [B, J+1, Vb] or None), or serve_burst when burst =
+    """Dispatch serve_step (token mask [rows, J+1, Vb] or None: all ones), or serve_burst when burst =
     (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B], steps run);
     logprobs: a row asks for them (else the Emitted leaves them out: no host copy)."""
     draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
@@ -374,6 +373,8 @@ class Engine(EngineWarmUp, EngineGenerate):
                   host_drafts=bool(self.ngram and num_draft))
     want_logprobs = np.bool_(logprobs)  # traced: one program serves both
     if burst is None:
+      mask = ConstraintBook.step_mask(mask, batch.tokens.shape[0], num_draft + 1,
+                                      self.model_config.vocab_size)  # one program with or without
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, token_mask=mask,
           want_logprobs=want_logprobs, **static)

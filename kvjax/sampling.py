@@ -85,13 +85,18 @@ def filtered_if_asked(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 def apply_token_mask(logits: jax.Array, mask) -> jax.Array:
   """logits [..., V] with -inf where a packed bitmask [..., Vb] (int32 words, token v at
   bit v % 32 of word v // 32; kvjax/constraints/book.py) clears the bit; mask None:
-  unchanged (the unconstrained program has no mask at all)."""
+  unchanged.  A mask with every bit set (an engine's unconstrained group) is skipped
+  under a cond: [..., Vb] words checked instead of [..., V] logits rewritten."""
   if mask is None:
     return logits
-  vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-  words = jnp.take(mask, vocab // 32, axis=-1)  # [..., V]
-  keep = jnp.bitwise_and(jnp.right_shift(words, vocab % 32), 1) == 1
-  return jnp.where(keep, logits, -jnp.inf)
+
+  def masked(logits):
+    vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(mask, vocab // 32, axis=-1)  # [..., V]
+    keep = jnp.bitwise_and(jnp.right_shift(words, vocab % 32), 1) == 1
+    return jnp.where(keep, logits, -jnp.inf)
+
+  return jax.lax.cond(jnp.any(mask != -1), masked, lambda x: x, logits)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:

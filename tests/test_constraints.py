@@ -27,6 +27,7 @@ from kvjax.constraints.vocabulary import constraint_book
 from kvjax.engine_generate import run_until_finished
 from kvjax.params import init_params
 from kvjax.sampling import apply_token_mask
+from kvjax.serve_steps import num_compiled
 from kvjax.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -234,3 +235,14 @@ def test_outputs_validate_through_preemption_and_prefix_hits():
   for schema, a, b, c in zip(SCHEMAS, roomy, first, again):
     assert a.output_ids == b.output_ids == c.output_ids
     jsonschema.validate(json.loads(text_of(b)), schema)
+
+
+def test_a_constrained_request_after_warm_up_compiles_nothing():
+  """Unconstrained groups take the shared all-ones mask, so the warm-up's programs are the
+  ones a constrained request runs: its first mask waits on no compile."""
+  eng = engine(random_model())
+  eng.warm_up()
+  before = num_compiled()
+  out, = run(eng, [Constraint("regex", REGEXES[1])])
+  assert num_compiled() == before
+  assert text_of(out) in {"yes!", "no!", "maybe!"}

@@ -20,6 +20,8 @@ a finished grammar ends its request.  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
+import functools
+
 import time
 from typing import Optional, Sequence
 
@@ -141,9 +143,24 @@ class ConstraintBook:
     return mask, drafts
 
   @staticmethod
-  def padded(mask: Optional[np.ndarray], num_rows: int) -> Optional[np.ndarray]:
-    """mask (its rows, J+1, Vb) with all-ones padding rows up to num_rows (a packed batch's B)."""
-    if mask is None or mask.shape[0] == num_rows:
+  def step_mask(mask: Optional[np.ndarray], num_rows: int, columns: int,
+                vocab_size: int) -> np.ndarray:
+    """The token mask a serve step gets: mask (its rows, J+1, Vb) with all-ones padding
+    rows up to num_rows (a packed batch's B), or, for a group with no constrained row
+    (mask None), the shared all-ones mask [B, columns, Vb]: every step program takes
+    one, so a request's first constraint compiles nothing (the device skips an
+    all-ones mask: kvjax/sampling.py apply_token_mask)."""
+    if mask is None:
+      return _open_mask(num_rows, columns, -(-vocab_size // 32))
+    if mask.shape[0] == num_rows:
       return mask
     pad = np.full((num_rows - mask.shape[0], *mask.shape[1:]), -1, np.int32)
     return np.concatenate([mask, pad])
+
+
+@functools.lru_cache(maxsize=64)
+def _open_mask(num_rows: int, columns: int, words: int) -> np.ndarray:
+  """All ones [B, columns, Vb] int32, made once per shape and never written."""
+  mask = np.full((num_rows, columns, words), -1, np.int32)
+  mask.setflags(write=False)
+  return mask
