@@ -364,9 +364,10 @@ class Engine(EngineWarmUp, EngineGenerate):
     return batch.tokens.shape, emitted, drafted, steps
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None):
-    """Dispatch serve_step (token mask [rows, J+1, Vb] or None: all ones), or serve_burst when burst =
-    (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B], steps run);
-    logprobs: a row asks for them (else the Emitted leaves them out: no host copy)."""
+    """Dispatch serve_step (token mask [rows, J+1, Vb], or None: all ones), or serve_burst
+    when burst = (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B],
+    steps run); logprobs: a row asks for them (else the Emitted leaves them out: no host
+    copy)."""
     draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft,
@@ -374,7 +375,7 @@ class Engine(EngineWarmUp, EngineGenerate):
     want_logprobs = np.bool_(logprobs)  # traced: one program serves both
     if burst is None:
       mask = ConstraintBook.step_mask(mask, batch.tokens.shape[0], num_draft + 1,
-                                      self.model_config.vocab_size)  # one program with or without
+                                      self.model_config.vocab_size)  # one program either way
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, token_mask=mask,
           want_logprobs=want_logprobs, **static)

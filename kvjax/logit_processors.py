@@ -15,8 +15,8 @@ penalty): a group with no such row carries the neutral one (`active` False, its
 host arrays made once per row count and reused), whose `apply` a cond in
 kvjax/sampling.py skips; the cost left is its copy to the device, [B, V] x 10
 bytes a step.  A group with such a row pays [B, V] element-wise work and builds
-the host arrays below per step.  Inside a multi-step
-burst (kvjax/serve_steps.py) `advance` counts each step's emitted ids.
+the host arrays below per step.  Inside a multi-step burst (kvjax/serve_steps.py)
+`advance` counts each step's emitted ids.
 Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations

@@ -21,7 +21,6 @@ a finished grammar ends its request.  Shapes: docs/DIMENSIONS.md.
 from __future__ import annotations
 
 import functools
-
 import time
 from typing import Optional, Sequence
 
