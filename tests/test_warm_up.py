@@ -17,6 +17,7 @@ import pytest
 import kvjax
 from kvjax.batching import Packing, StepShape
 from kvjax.serve_steps import num_compiled
+from kvjax.warm_up import SERVER_VARIANTS
 from kvjax.server import serve_in_thread
 from kvjax.params import init_params
 from tests.test_hybrid import CONFIG as HYBRID
@@ -246,6 +247,23 @@ def test_penalties_min_tokens_and_logit_bias_after_warm_up_compile_nothing(warme
   plain = kvjax.Engine(placed, **SMALL).generate(prompts, 8).tokens
   assert processed[3] == plain[0]  # the neutral row beside them
   assert all(got != want for got, want in zip(processed[:3], plain))
+
+
+def test_every_sampling_option_after_a_servers_warm_up_compiles_nothing(placed):
+  """A server's engine (one step a call) warmed as a server warms it: requests asking for
+  every sampling option a client can send, side by side, run the warm-up's programs."""
+  engine = kvjax.Engine(placed, **SMALL, num_scheduler_steps=1)
+  engine.warm_up(**SERVER_VARIANTS)
+  before = num_compiled()
+  prompts = _prompts(8, 8)
+  options = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, top_k=5, seed=2),
+             dict(logprobs=3), dict(stop=[7, 9, 11]), dict(min_tokens=4, ignore_eos=True),
+             dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+             dict(logit_bias={5: 3.0}, temperature=0.7, top_p=0.5, top_k=9, seed=3, logprobs=1),
+             {}]
+  outputs = _run_to_end(engine, list(zip(prompts, options)))
+  assert num_compiled() == before
+  assert len(outputs[4]) == 8  # ignore_eos: the full length
 
 
 def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
