@@ -4,9 +4,10 @@ chunk reads costs its rows' lengths, not the width of their block tables.
 The reference backend's gather (kvjax/attention/paged.py) reads every column of
 a block table, so the packing buckets table widths (kvjax/batching.py), and with
 the gather alone each prefill chunk shape compiled once per width (96 of the
-default server's 101 step programs).  Here a `lax.fori_loop` walks the table Wb pages at a time, from the
-first block a row's window still sees to the last one its kv_lens reach (both
-traced), keeping each query's running max, denominator and weighted sum.  A
+default server's 101 step programs).  Here a `lax.fori_loop` walks the table Wb
+pages at a time, from the first block a row's window still sees to the last one
+its kv_lens reach (both traced), keeping each query's running max, denominator
+and weighted sum.  A
 prefill program can then take the widest table whatever its rows hold: one
 program per chunk shape.  Decode and verify steps (a few columns) keep the one
 gather, which their short loops would not beat (kvjax/xla_options.py DECODE_COLUMNS).
@@ -61,8 +62,7 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
   def body(c, carry):
     row_max, denom, acc = carry  # [K, B, Gq, T, 1] x2, [K, B, Gq, T, Hv]
     k_t, v = read_block(c)
-    scores = jnp.einsum("kbih,kbhs->kbis", q, k_t,
-                        preferred_element_type=jnp.float32)
+    scores = jnp.einsum("kbih,kbhs->kbis", q, k_t, preferred_element_type=jnp.float32)
     scores = scores.reshape(num_kv, b, group, t, -1) * sm_scale  # [K, B, Gq, T, Sb]
     if soft_cap is not None:
       scores = soft_cap * jnp.tanh(scores / soft_cap)
