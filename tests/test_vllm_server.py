@@ -95,3 +95,28 @@ def test_unknown_fields_ignored_unsupported_400_unknown_model_404(server, client
   assert answer.json()["error"]["code"] == "model_not_found"
   with pytest.raises(openai.NotFoundError):
     client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+
+
+def test_continuous_usage_stats_puts_the_counts_so_far_in_every_chunk(server, client, model):
+  """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each chunk's usage
+  counts the tokens streamed up to it; the last chunk the whole answer."""
+  prompt = "x = 1"
+  chunks = list(client.completions.create(
+      model=NAME, prompt=prompt, max_tokens=9, temperature=0, stream=True,
+      stream_options={"include_usage": True, "continuous_usage_stats": True},
+      extra_body=dict(ignore_eos=True)))
+  prompt_tokens = len(ids_of(model.tokenizer, prompt))
+  streamed = 0
+  for chunk in chunks[:-1]:
+    streamed += len(chunk.choices[0].text.encode())  # byte tokens: a byte each
+    assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens,
+            chunk.usage.total_tokens) == (prompt_tokens, streamed, prompt_tokens + streamed)
+  assert (chunks[-1].choices, chunks[-1].usage.completion_tokens) == ([], 9)
+  plain = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=3, stream=True,
+                                         stream_options={"include_usage": True}))
+  assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1)
+  for options in ({"continuous_usage_stats": "yes"}, {"include_usage": 1}):
+    answer = httpx.post(f"{server.url}/completions", timeout=30, json={
+        "model": NAME, "prompt": prompt, "max_tokens": 2, "stream": True,
+        "stream_options": options})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream_options"

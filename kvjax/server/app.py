@@ -198,7 +198,7 @@ async def _stream(engine_loop: EngineLoop, submission: Submission, events: async
                   responses: Responses):
   """SSE chunks as the choices' text arrives, then usage (if asked) and [DONE]."""
   request = submission.request
-  counts, done = [0] * request.num_choices, 0
+  done = 0
   try:
     if request.chat:
       for index in range(request.num_choices):
@@ -208,12 +208,11 @@ async def _stream(engine_loop: EngineLoop, submission: Submission, events: async
       if isinstance(event, Failed):
         yield sse(event.error.body())
         return
-      counts[event.index] = event.num_tokens
       done += event.finish_reason is not None
       yield sse(responses.chunk(event.index, event.text, event.token_ids, event.finish_reason,
-                                event.logprobs))
+                                event.logprobs, event.num_tokens))
     if request.include_usage:
-      yield sse(responses.usage_chunk(counts))
+      yield sse(responses.usage_chunk())
     yield sse("[DONE]")
   finally:  # also when the client disconnects: the stream is cancelled mid-await
     if done < request.num_choices:

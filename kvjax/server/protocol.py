@@ -54,6 +54,8 @@ _UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed
 # vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
 _ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "logit_bias")
+# stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
+_STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
 
 
 class OpenAIError(Exception):
@@ -100,8 +102,9 @@ class GenerationRequest:
   stop_ids: tuple
   n: int
   stream: bool
-  include_usage: bool
+  include_usage: bool  # stream_options: a last chunk with the usage
   logprobs: Optional[int] = None  # alternatives per token (None: no logprobs)
+  continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
   extensions: tuple = ()  # ((name, value), ...): vLLM's fields for Engine.add_request
   include_stop_str_in_output: bool = False  # a matched stop string stays in the text
   skip_special_tokens: bool = True  # special tokens add no text
@@ -321,15 +324,19 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   if not isinstance(stream, bool) and stream is not None:
     raise OpenAIError(f"stream must be a boolean, got {stream!r}", "stream")
   options = body.get("stream_options")
-  if options is not None and (not stream or not isinstance(options, dict)
-                              or not isinstance(options.get("include_usage", False), bool)):
-    raise OpenAIError("stream_options must be an object {include_usage: bool} and needs "
-                      f"stream: true, got {options!r}", "stream_options")
+  if options is not None and (not stream or not isinstance(options, dict) or not all(
+      isinstance(options.get(flag, False), bool) for flag in _STREAM_FLAGS)):
+    raise OpenAIError("stream_options must be an object {include_usage: bool, "
+                      "continuous_usage_stats: bool} and needs stream: true, got "
+                      f"{options!r}", "stream_options")
+  options = options or {}
   return GenerationRequest(
       chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
       temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
       seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
-      include_usage=bool(options and options.get("include_usage")), logprobs=logprobs,
+      include_usage=options.get("include_usage", False),
+      continuous_usage=options.get("include_usage", False) and options.get(
+          "continuous_usage_stats", False), logprobs=logprobs,
       extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
       include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
       # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.

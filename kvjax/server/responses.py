@@ -54,6 +54,7 @@ class Responses:
     self._tool_streams = [request.tools.format.stream(request.tools.names) for _ in
                           range(request.num_choices if request.tools else 0)]
     self._calls_sent = [0] * request.num_choices
+    self._streamed_tokens = [0] * request.num_choices  # per choice, in the chunks so far
 
   def usage(self, completion_tokens: Sequence[int]) -> dict:
     prompt = sum(map(len, self.request.prompts))
@@ -93,7 +94,9 @@ class Responses:
                          "logprobs": None, "finish_reason": None}])
 
   def chunk(self, index: int, text: str, token_ids: list, finish_reason: Optional[str],
-            logprobs: Optional[list]) -> dict:
+            logprobs: Optional[list], num_tokens: int) -> dict:
+    """A stream chunk of choice `index`: its new text, `num_tokens` generated so far."""
+    self._streamed_tokens[index] = num_tokens
     choice = {"index": index, "logprobs": self.logprobs(index, token_ids, logprobs),
               "finish_reason": finish_reason}
     if self.chat and self.request.tools:
@@ -126,9 +129,9 @@ class Responses:
              "function": {"name": name, "arguments": json.dumps(arguments)}}
             for name, arguments in calls]
 
-  def usage_chunk(self, completion_tokens: Sequence[int]) -> dict:
+  def usage_chunk(self) -> dict:
     """stream_options.include_usage: the last chunk, no choices."""
-    return {**self._chunk([]), "usage": self.usage(completion_tokens)}
+    return {**self._chunk([]), "usage": self.usage(self._streamed_tokens)}
 
   def logprobs(self, index: int, token_ids: list, logprobs: Optional[list]) -> Optional[dict]:
     """OpenAI's logprobs object of a choice's next tokens (None if not asked)."""
@@ -158,6 +161,8 @@ class Responses:
   def _chunk(self, choices: list) -> dict:
     out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
            "created": self.created, "model": self.model_name, "choices": choices}
-    if self.request.include_usage:
+    if self.request.continuous_usage:  # vLLM's continuous_usage_stats: counts so far
+      out["usage"] = self.usage(self._streamed_tokens)
+    elif self.request.include_usage:
       out["usage"] = None
     return out
