@@ -35,14 +35,16 @@ def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
 
 class ServeProcess:
   """One `python -m kvjax serve` subprocess: `.root`, `.url` (…/v1), `.model`, `.stderr`
-  (what it wrote so far), `.started_s` (seconds from launch to its URL line)."""
+  (what it wrote so far), `.started_s` (seconds from launch to its URL line).  `cpus`:
+  the cores it may run on (all by default), as one device group of its own."""
 
   def __init__(self, args: Sequence[str], timeout_s: float = 180.0,
-               env: Optional[dict] = None):
+               env: Optional[dict] = None, cpus: Optional[Sequence[int]] = None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     start = time.perf_counter()
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     self.proc = subprocess.Popen([sys.executable, "-m", "kvjax", "serve", "--port", "0",
-                                  *args], cwd=ROOT, env=env, text=True,
+                                  *args], cwd=ROOT, env=env, text=True, preexec_fn=pin,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     self._err: list[str] = []
     self._err_thread = threading.Thread(target=self._read_stderr, daemon=True)
