@@ -19,9 +19,9 @@ page manager keeps.
 
 Quantized KV.  int8 is 1 and int4 1/2 byte per value: the ideal 2x and 4x of
 claim C6.  A real quantized cache also stores scales, the layout's arrays marked
-`scales`: int8 one float32 per token, layer, kv head and K or V; int4 (KIVI) one
-per token for values and one per channel per page for keys (sized at the
-Engine's default `PAGE_SIZE`).  Scales are reported separately and enter a
+`scales`: int8 one float32 per token, layer, kv head and K or V; int4 (KIVI) a
+float32 scale and offset per token for values and per channel per page for keys
+(sized at the Engine's default `PAGE_SIZE`).  Scales are reported separately and enter a
 plan's per-request bytes only with `count_scales=True`, so the default
 reproduces the seed's ideal ratios.
 

@@ -145,9 +145,9 @@ def test_kv_quantization_ideal_ratios_and_scales():
   assert ledger.kv_scale_bytes_per_token(GQA8, "bf16") == 0
   plain = ledger.kv_bytes_per_request(GQA8, 1024, "int4")
   scaled = ledger.kv_bytes_per_request(GQA8, 1024, "int4", count_scales=True)
-  # KIVI int4 (the pool kvjax allocates): values one scale per token per kv head, keys
-  # one per channel per 16-token page: 32 layers x 8 kv heads x 4 B x (1 + 128 / 16).
-  assert scaled - plain == 1024 * 32 * 8 * 4 * (1 + 128 // ledger.PAGE_SIZE)
+  # KIVI int4 (the pool kvjax allocates): values a scale and an offset per token per kv
+  # head, keys per channel per 16-token page: 32 layers x 8 kv heads x 2 x 4 B x (1 + 128 / 16).
+  assert scaled - plain == 1024 * 32 * 8 * 2 * 4 * (1 + 128 // ledger.PAGE_SIZE)
 
 
 # Bad input.

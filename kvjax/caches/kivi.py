@@ -7,13 +7,15 @@ per-channel scale needs a group of tokens, so the group is a page:
     per-slot residual [Z, K, H] (KIVI's full-precision window of recent tokens,
     here the 0..Z-1 tokens since the last page boundary);
   * when a write completes a page, the page is quantized from the residual plus
-    the new tokens: keys with one scale per (page, head, channel), values with
-    one scale per (token, head); it is never requantized afterwards.
+    the new tokens: keys with one scale and offset per (page, head, channel),
+    values with one per (token, head); it is never requantized afterwards.
+    Both are affine, as in KIVI: each group's [min, max] split into 15 steps
+    (kvjax/quant/affine.py), so a skewed group uses all 16 codes.
 So only full pages are quantized, exactly the pages a prefix cache can share
 (claim C8), and a page's codes do not depend on how the prompt was chunked.
 Codes are packed two per int8 byte along H (kvjax/quant/symmetric.py), so the
-values take the ledger's ideal 1/2 byte; scales add 4H/Z bytes per token per
-head for keys (per page, amortized over Z tokens) and 4 for values, and the
+values take the ledger's ideal 1/2 byte; scales and offsets add 8H/Z bytes per
+token per head for keys (per page, amortized over Z tokens) and 8 for values, and the
 residual a fixed L x M x Z x K x H x 2 floats independent of context length.
 Registered as layout "int4" (kvjax/caches/layout.py).
 """
@@ -32,7 +34,8 @@ from kvjax.backends import Backend
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import NULL_PAGE, PagedLayout, physical_pages
 from kvjax.config import ModelConfig
-from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
+from kvjax.quant.affine import quantize_affine
+from kvjax.quant.symmetric import pack_int4, unpack_int4
 from kvjax.step_batch import StepBatch
 
 __all__ = ["KIVIPagedKVCache"]
@@ -41,7 +44,7 @@ __all__ = ["KIVIPagedKVCache"]
 @struct.dataclass
 class KIVIPagedKVCache(PagedLayout):
   # Per-page arrays (kvjax/caches/paged.py copy_cache_pages); the residual belongs to a slot.
-  PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")
+  PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales", "k_offsets", "v_offsets")
   PAGE_AXIS = 2
   SLOT_ARRAYS = ("k_residual", "v_residual")
   # kv-head axes, split over tp (kvjax/sharding.py)
@@ -51,6 +54,8 @@ class KIVIPagedKVCache(PagedLayout):
   v_pages: jax.Array  # [L, K, P, Z, H/2]
   k_scales: jax.Array  # [L, K, P, H] f32, per channel over the page's Z tokens
   v_scales: jax.Array  # [L, K, P, Z] f32, per token
+  k_offsets: jax.Array  # [L, K, P, H] f32: key = code * scale + offset
+  v_offsets: jax.Array  # [L, K, P, Z] f32
   k_residual: jax.Array  # [L, M, Z, K, H] the current incomplete page, full precision
   v_residual: jax.Array  # [L, M, Z, K, H]
 
@@ -85,8 +90,8 @@ class KIVIPagedKVCache(PagedLayout):
       return tail(buf.at[rows, index].set(new.astype(residual.dtype), mode="drop"))
 
     k_buf, v_buf = buffer(self.k_residual, k), buffer(self.v_residual, v)
-    k_codes, k_scale = quantize(k_buf, 4, axis=2)  # scales [B, n_buf, K, H]: per channel
-    v_codes, v_scale = quantize(v_buf, 4, axis=4)  # scales [B, n_buf, Z, K]: per token
+    k_codes, k_scale, k_offset = quantize_affine(k_buf, 4, axis=2)  # [B, n_buf, K, H]
+    v_codes, v_scale, v_offset = quantize_affine(v_buf, 4, axis=4)  # [B, n_buf, Z, K]
     first_page = base // z  # [B]
     logical = first_page[:, None] + jnp.arange(n_buf)[None]  # [B, n_buf]
     complete = (logical + 1) * z <= end[:, None]
@@ -100,6 +105,8 @@ class KIVIPagedKVCache(PagedLayout):
         v_pages=self.v_pages.at[layer, :, physical].set(to_pages(v_codes)),
         k_scales=self.k_scales.at[layer, :, physical].set(k_scale),
         v_scales=self.v_scales.at[layer, :, physical].set(v_scale.transpose(0, 1, 3, 2)),
+        k_offsets=self.k_offsets.at[layer, :, physical].set(k_offset),
+        v_offsets=self.v_offsets.at[layer, :, physical].set(v_offset.transpose(0, 1, 3, 2)),
         k_residual=self.k_residual.at[layer, slots].set(take(k_buf), mode="drop"),
         v_residual=self.v_residual.at[layer, slots].set(take(v_buf), mode="drop"))
 
@@ -109,16 +116,17 @@ class KIVIPagedKVCache(PagedLayout):
     end = batch.positions[:, 0] + batch.q_lens
     is_residual = (jnp.arange(tables.shape[1])[None] == (end // self.page_size)[:, None])
 
-    def gather(pages, scales, residual, scale_axis):
+    def gather(pages, scales, offsets, residual, scale_axis):
       codes = unpack_int4(pages[layer][:, tables]).astype(jnp.float32)  # [K, B, W, Z, H]
-      values = codes * jnp.expand_dims(scales[layer][:, tables], scale_axis)
+      per_group = lambda x: jnp.expand_dims(x[layer][:, tables], scale_axis)
+      values = codes * per_group(scales) + per_group(offsets)
       values = values.transpose(1, 2, 3, 0, 4)  # [B, W, Z, K, H]
       recent = residual[layer, batch.slot_ids].astype(jnp.float32)[:, None]  # [B, 1, Z, K, H]
       values = jnp.where(is_residual[:, :, None, None, None], recent, values)
       return values.reshape((values.shape[0], -1) + values.shape[3:])
 
-    return (gather(self.k_pages, self.k_scales, self.k_residual, 3),
-            gather(self.v_pages, self.v_scales, self.v_residual, 4))
+    return (gather(self.k_pages, self.k_scales, self.k_offsets, self.k_residual, 3),
+            gather(self.v_pages, self.v_scales, self.v_offsets, self.v_residual, 4))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              window: Optional[int], backend: Backend):
@@ -132,14 +140,18 @@ class KIVIPagedKVCache(PagedLayout):
 
 def _arrays(layers: int, num_kv: int, p: int, z: int, h: int, num_slots: int,
             store: str) -> dict:
-  """Packed int4 pages, their scales (module doc) and the per-slot residual at `store`."""
+  """Packed int4 pages, their scales and offsets (module doc), the per-slot residual at
+  `store`."""
   if h % 2:
     raise ValueError(f"int4 KV packs pairs along head_dim; got odd head_dim {h}")
   pages = ArraySpec((layers, num_kv, p, z, h // 2), "int8")
   residual = ArraySpec((layers, num_slots, z, num_kv, h), store, role="slot")
+  per_channel, per_token = (layers, num_kv, p, h), (layers, num_kv, p, z)
   return {"k_pages": pages, "v_pages": pages,
-          "k_scales": ArraySpec((layers, num_kv, p, h), "fp32", scales=True, fill=1),
-          "v_scales": ArraySpec((layers, num_kv, p, z), "fp32", scales=True, fill=1),
+          "k_scales": ArraySpec(per_channel, "fp32", scales=True, fill=1),
+          "v_scales": ArraySpec(per_token, "fp32", scales=True, fill=1),
+          "k_offsets": ArraySpec(per_channel, "fp32", scales=True),
+          "v_offsets": ArraySpec(per_token, "fp32", scales=True),
           "k_residual": residual, "v_residual": residual}
 
 

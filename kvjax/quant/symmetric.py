@@ -29,7 +29,8 @@ def quantize(x: jax.Array, bits: int, axis) -> tuple[jax.Array, jax.Array]:
   top = qmax(bits)
   x = x.astype(jnp.float32)
   absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  finite = jnp.isfinite(absmax)
+  # Checked element-wise: XLA's max reduction need not propagate NaN (wide slices).
+  finite = jnp.all(jnp.isfinite(x), axis=axis, keepdims=True)
   scale = jnp.where(finite, jnp.where(absmax > 0, absmax / top, 1.0), jnp.nan)
   safe = jnp.where(finite, scale, 1.0)
   codes = jnp.where(finite, jnp.clip(jnp.round(x / safe), -top, top), 0).astype(jnp.int8)
@@ -37,7 +38,7 @@ def quantize(x: jax.Array, bits: int, axis) -> tuple[jax.Array, jax.Array]:
 
 
 def pack_int4(codes: jax.Array) -> jax.Array:
-  """int8 codes in [-7, 7], last dim 2M -> int8 [..., M]: even index low nibble, odd high."""
+  """int8 codes in [-8, 7], last dim 2M -> int8 [..., M]: even index low nibble, odd high."""
   lo, hi = codes[..., 0::2], codes[..., 1::2]
   return (lo & 0xF) | jnp.left_shift(hi, 4)
 
