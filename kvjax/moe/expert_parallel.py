@@ -30,6 +30,7 @@ from kvjax.mesh_axes import EXPERT, MODEL
 from kvjax.moe.activation import SWIGLU, ExpertGLU
 from kvjax.moe.grouped import ragged_expert_mlp
 from kvjax.moe.params import ExpertParams, MoEParams
+from kvjax.quant.qweight import QuantizedWeight
 
 __all__ = ["EXPERT_SPECS", "stack_experts", "expert_parallel"]
 
@@ -46,6 +47,9 @@ def stack_experts(moe: MoEParams, mesh: Mesh, stack: Callable = jnp.stack) -> Mo
   already stacked as is."""
   if moe.mesh is not None:
     return moe
+  if any(isinstance(w, QuantizedWeight) for w in (moe.experts[0].w_gate, moe.experts[0].w_up)):
+    raise ValueError("expert parallelism (ep > 1) splits float experts; these are quantized "
+                     "(weight_dtype): use ep=1")
   stacked = jax.tree.map(lambda *leaves: stack(leaves), *moe.experts)
   return moe.replace(experts=stacked, mesh=mesh)
 

@@ -4,11 +4,12 @@
 by `QuantizedWeight` leaves (kvjax/quant/qweight.py); the model code is
 unchanged because every matmul goes through `layers.dense`.  Quantized: the
 GQA projections (wq, wk, wv, wo), the MLP (w_gate, w_up, w_down) of every block
-and MTP block, and an untied lm_head.  A tied head gets its own int8 codes,
-`tied_head`: one scale per vocabulary row of the embedding, whatever the scheme
-(the head reads the whole [V, D] table every step: 113 MB in float32 for
-SmolLM2-135M, 28 MB as int8 codes), so Params.lm_head is set and the embedding
-stays float for its gather.  Kept in float: embeddings (a gather reads B rows
+and MTP block, every routed and shared expert of an MoE layer (its router stays
+float: the choice of experts is not rounded), and an untied lm_head.  A tied head
+gets its own int8 codes, `tied_head`: one scale per vocabulary row of the
+embedding, whatever the scheme (the head reads the whole [V, D] table every
+step: 113 MB in float32 for SmolLM2-135M, 28 MB as int8 codes), so
+Params.lm_head is set and the embedding stays float for its gather.  Kept in float: embeddings (a gather reads B rows
 per step, not the table), norms, MTP input projections and MLA's attention
 weights (its absorbed up-projections contract over their output axis; only its
 MLP is quantized).
@@ -17,10 +18,10 @@ Schemes (claim C12: 16 -> 4 bits is ~4x fewer weight bytes per decode step):
   int8        one f32 scale per output channel: 1 B + 4/I B per weight
   int4-gN     one f32 scale per N input rows per output channel (N = 32, 64,
               128): 0.5 B + 4/N B per weight
-AWQ (`calibration_tokens`): inputs of every projection are recorded on
-calibration text; per weight, s = mean|x|^alpha (normalized) with alpha from a
-small grid minimizing ||X W - X W_q||^2 on those inputs (alpha = 0 is plain
-rounding, so AWQ never does worse on the calibration data).
+AWQ (`calibration_tokens`, models without experts): inputs of every projection
+are recorded on calibration text; per weight, s = mean|x|^alpha (normalized)
+with alpha from a small grid minimizing ||X W - X W_q||^2 on those inputs
+(alpha = 0 is plain rounding, so AWQ never does worse on the calibration data).
 """
 from __future__ import annotations
 
@@ -48,8 +49,16 @@ _CALIBRATION_ROWS = 2048  # input rows kept per weight for the AWQ search
 def _map_weights(params: Params, fn: Callable) -> Params:
   """Apply fn(weight, num_in, name) to every quantizable projection."""
 
+  def mlp(holder, name: str) -> dict:
+    return {k: fn(getattr(holder, k), n, f"{name}.{k}") for k, n in _MLP.items()}
+
   def block(b: BlockParams, name: str) -> BlockParams:
-    changes = {k: fn(getattr(b, k), n, f"{name}.{k}") for k, n in _MLP.items()}
+    changes = {} if b.w_gate is None else mlp(b, name)
+    if b.moe is not None:  # every routed and shared expert; the router stays float
+      experts = tuple(e.replace(**mlp(e, f"{name}.moe.experts.{i}"))
+                      for i, e in enumerate(b.moe.experts))
+      shared = b.moe.shared and b.moe.shared.replace(**mlp(b.moe.shared, f"{name}.moe.shared"))
+      changes["moe"] = b.moe.replace(experts=experts, shared=shared)
     if isinstance(b.attn, AttentionParams):
       attn = b.attn.replace(**{k: fn(getattr(b.attn, k), n, f"{name}.attn.{k}")
                                for k, n in _ATTENTION.items()})
@@ -124,9 +133,10 @@ def quantize_params(params: Params, cfg: ModelConfig, scheme: str, *,
   if scheme not in SCHEMES:
     raise ValueError(f"unknown weight quantization scheme {scheme!r}; use one of "
                      f"{sorted(SCHEMES)}")
-  if cfg.num_experts:
-    raise ValueError(f"weight quantization ({scheme}) covers dense MLPs; {cfg.name!r} has "
-                     f"{cfg.num_experts} experts per MoE layer (kvjax/moe/)")
+  if cfg.num_experts and calibration_tokens is not None:
+    raise ValueError(f"AWQ calibration records dense projections' inputs; {cfg.name!r} has "
+                     f"{cfg.num_experts} experts per MoE layer: quantize it without "
+                     "calibration_tokens (plain rounding)")
   bits, group_size = SCHEMES[scheme]
   inputs = None if calibration_tokens is None else _calibrate(params, cfg, calibration_tokens)
 
