@@ -4,8 +4,9 @@
 A variant name: "float" (the GGUF's Q4_1 weights dequantized to float32, fp32 KV
 pages), "kv-<bf16|int8|int4>", "window-<N>" (every layer's sliding window),
 "sinks<S>-window<W>" (S attention sinks + the last W tokens: the streaming KV
-layout) or "weights-<int8|int4|int4-g128>" (int4 = int4-g32, the GGUF's own Q4_1 blocks
-kept as codes).  get_config("runlocal"): a smoke run of a few variants, short
+layout) or "weights-<int8|int4|int4-g64|int4-g128>" (int4 = int4-g32, the GGUF's own
+Q4_1 blocks kept as codes; g64 / g128 re-quantized) or "weights-awq-<scheme>" (AWQ:
+activation-aware scales calibrated on text the perplexity does not score).  get_config("runlocal"): a smoke run of a few variants, short
 text, two problems, one needle length, two engines timed twice.
 """
 import ml_collections
@@ -15,7 +16,9 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.model = "smollm2-135m-instruct"
   config.variants = ("float", "kv-bf16", "kv-int8", "kv-int4", "window-256", "window-1024",
-                     "sinks4-window252", "sinks4-window1020", "weights-int8", "weights-int4", "weights-int4-g128")
+                     "sinks4-window252", "sinks4-window1020", "weights-int8", "weights-int4",
+                     "weights-int4-g64", "weights-int4-g128", "weights-awq-int4-g128")
+  config.awq_calibration_tokens = 512  # AWQ's calibration text: past the scored tokens
   config.page_size = 16
   # Perplexity (kvjax/eval/perplexity.py) of the stdlib text (kvjax/eval/text_set.py).
   config.ppl_context = 1280  # > 1024: window-1024 drops context
@@ -25,7 +28,7 @@ def get_config(arg=None):
   config.ppl_batch_size = 1
   # HumanEval pass@1 (greedy) on the first humaneval_limit problems, these variants.
   config.humaneval_variants = ("float", "kv-int8", "kv-int4", "weights-int8",
-                               "weights-int4-g128")
+                               "weights-int4-g128", "weights-awq-int4-g128")
   config.humaneval_limit = 16
   config.humaneval_new_tokens = 256  # a chat reply writes the whole function
   config.humaneval_mode = "chat"  # kvjax/eval/humaneval.py MODES: an instruct model

@@ -11,20 +11,24 @@ kvjax/caches/streaming.py) sits beside the plain window of the same size (4 + 25
 vs 256, 4 + 1020 vs 1024): what the sinks buy back.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
 within 3%, int8 weights within 1%) beside ours, writes results/<name>.json + .png.
 """
+import dataclasses
 import functools
 import time
 
 from absl import app
 import jax
 from ml_collections import config_flags
+import numpy as np
 
 from experiments import common
 import kvjax
 from kvjax.eval import humaneval, needle, perplexity, text_set, variant
+from kvjax.weights.quantize import quantize_params
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/variant_quality.py", "experiment config", lock_config=True)
 
+AWQ = "awq-"  # a weight variant "weights-awq-<scheme>": AWQ-calibrated <scheme>
 GOALS = {"kv-int8": 0.5, "kv-int4": 3.0, "weights-int8": 1.0}  # % perplexity over float
 
 
@@ -53,6 +57,23 @@ def _row(cfg, name: str, model, ids) -> dict:
     row["needle"] = needle.needle_accuracy(engine, model.tokenizer, cfg.needle_lengths,
                                            cfg.needle_depths, label=name)
   return row
+
+
+def _weights(cfg, weight_dtype, models: dict, ids) -> kvjax.Model:
+  """The model of one weight variant: a load with its weight_dtype, or for
+  "awq-<scheme>" the float model (loaded first) quantized with AWQ, calibrated on
+  cfg.awq_calibration_tokens of the text past the part perplexity scores."""
+  if not (weight_dtype or "").startswith(AWQ):
+    return kvjax.load_checkpoint(cfg.model, weight_dtype=weight_dtype)
+  if None not in models or len(ids) < cfg.ppl_tokens + cfg.awq_calibration_tokens:
+    raise ValueError(f"weights-{weight_dtype} needs 'float' earlier in variants and "
+                     f"{cfg.ppl_tokens + cfg.awq_calibration_tokens} text tokens")
+  base = models[None]
+  calibration = np.asarray(ids[cfg.ppl_tokens:cfg.ppl_tokens + cfg.awq_calibration_tokens],
+                           np.int32)[None]
+  params = quantize_params(base.params, base.config, weight_dtype[len(AWQ):],
+                           calibration_tokens=calibration)
+  return dataclasses.replace(base, params=params)
 
 
 def _speed(cfg, models: dict, ids) -> dict:
@@ -94,7 +115,9 @@ def _claims(rows: dict, cfg) -> list:
 
   for name, claim, seed in (("kv-int8", "C6", "goal <= 0.5%"), ("kv-int4", "C6", "goal <= 3%"),
                             ("kv-bf16", "C6", "-"), ("weights-int8", "C12", "goal <= 1%"),
-                            ("weights-int4", "C12", "-"), ("weights-int4-g128", "C12", "-"),
+                            ("weights-int4", "C12", "-"), ("weights-int4-g64", "C12", "-"),
+                            ("weights-int4-g128", "C12", "-"),
+                            ("weights-awq-int4-g128", "C12", "-"),
                             ("window-256", "C16", "-"), ("window-1024", "C16", "-"),
                             ("sinks4-window252", "C16", "-"), ("sinks4-window1020", "C16", "-")):
     if name in rows:
@@ -111,7 +134,8 @@ def _claims(rows: dict, cfg) -> list:
     out.append(dict(claim="C12", what=f"SmolLM2-135M HumanEval pass@1 (greedy, first "
                     f"{cfg.humaneval_limit}): " + ", ".join(he), seed="-",
                     ours=" / ".join(f"{h['passed']}/{h['count']}" for h in he.values())))
-  for name in ("weights-int8", "weights-int4", "kv-int8", "kv-int4"):
+  for name in ("weights-int8", "weights-int4", "weights-int4-g128", "weights-awq-int4-g128",
+               "kv-int8", "kv-int4"):
     if "speed" in rows.get(name, {}) and "speed" in rows["float"]:
       claim, seed = ("C12", "faster") if name.startswith("weights") else ("C6", "-")
       out.append(dict(claim=claim, what=f"SmolLM2-135M decode tokens/s at batch "
@@ -159,11 +183,11 @@ def main(_):
   start = time.perf_counter()
   print("goals: int8 KV perplexity within 0.5% of float, KIVI int4 within 3%, int8 weights "
         "within 1% (C6, C12); C16: where a window starts to lose far context", flush=True)
-  models, rows = {}, {}
+  models, rows, ids = {}, {}, None
   for name in cfg.variants:
     weight_dtype = variant.parse_variant(name)["weight_dtype"]
     if weight_dtype not in models:  # each weight variant loaded once, kept for _speed
-      models[weight_dtype] = kvjax.load_checkpoint(cfg.model, weight_dtype=weight_dtype)
+      models[weight_dtype] = _weights(cfg, weight_dtype, models, ids)
       ids = text_set.text_ids(models[weight_dtype].tokenizer)
     rows[name] = _row(cfg, name, models[weight_dtype], ids)
     jax.clear_caches()  # each variant compiles its own programs: past ~20 variants'
