@@ -9,10 +9,10 @@ float: the choice of experts is not rounded), and an untied lm_head.  A tied hea
 gets its own int8 codes, `tied_head`: one scale per vocabulary row of the
 embedding, whatever the scheme (the head reads the whole [V, D] table every
 step: 113 MB in float32 for SmolLM2-135M, 28 MB as int8 codes), so
-Params.lm_head is set and the embedding stays float for its gather.  Kept in float: embeddings (a gather reads B rows
-per step, not the table), norms, MTP input projections and MLA's attention
-weights (its absorbed up-projections contract over their output axis; only its
-MLP is quantized).
+Params.lm_head is set and the embedding stays float for its gather. Kept in
+float: embeddings (a gather reads B rows per step, not the table), norms, MTP
+input projections and MLA's attention weights (its absorbed up-projections
+contract over their output axis; only its MLP is quantized).
 
 Schemes (claim C12: 16 -> 4 bits is ~4x fewer weight bytes per decode step):
   int8        one f32 scale per output channel: 1 B + 4/I B per weight
