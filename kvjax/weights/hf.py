@@ -25,9 +25,9 @@ import numpy as np
 from kvjax.config import ModelConfig, RopeScaling, YarnScaling
 from kvjax.layer_kinds import layer_kind
 from kvjax.learned_sinks import LEARNED_SINKS, SinkAttentionParams, with_learned_sinks
-from kvjax.params import AttentionParams, BlockParams, MLAParams, Params
+from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
 from kvjax.sharding import place_host_params
-from kvjax.weights.hf_contract import check_hf_tensors
+from kvjax.weights.hf_contract import check_hf_tensors, mtp_copies
 from kvjax.weights.hf_moe import MOE_MODEL_TYPES, moe_config, moe_params
 from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, hf_eos_id, load_qwen3_5, qwen3_5_config
 from kvjax.weights.load_checks import check_finite_tree, nonfinite_count, raise_first_nonfinite
@@ -191,7 +191,9 @@ def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
       attention_type="mla", kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"),
       qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
       v_head_dim=hf["v_head_dim"], bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
-      pad_token_id=hf.get("pad_token_id"), **moe)
+      pad_token_id=hf.get("pad_token_id"),
+      mtp_num_hidden_layers=(hf.get("num_nextn_predict_layers") or 0
+                             if hf["model_type"] == "deepseek_v3" else 0), **moe)
 
 
 def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
@@ -320,8 +322,8 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
 
   if hf_config.get("model_type") in QWEN3_5_MODEL_TYPES:
     return finish(*load_qwen3_5(cfg, hf_config, get, has))
-  blocks = []
-  for i in range(cfg.num_layers):
+
+  def block(i: int) -> BlockParams:  # decoder layer i (DeepSeek-V3's MTP layers: i >= L)
     pre = f"model.layers.{i}."
     bias = cfg.attention_bias
     if cfg.attention_type == "mla":
@@ -344,11 +346,40 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
     else:
       mlp = dict(w_gate=get(pre + "mlp.gate_proj.weight").T,
                  w_up=get(pre + "mlp.up_proj.weight").T, w_down=get(pre + "mlp.down_proj.weight").T)
-    blocks.append(BlockParams(
+    return BlockParams(
         attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
-        mlp_norm=get(pre + "post_attention_layernorm.weight"), **mlp))
+        mlp_norm=get(pre + "post_attention_layernorm.weight"), **mlp)
+
   params = Params(
-      embed=get("model.embed_tokens.weight"), blocks=tuple(blocks),
+      embed=get("model.embed_tokens.weight"),
+      blocks=tuple(block(i) for i in range(cfg.num_layers)),
       final_norm=get("model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
-  return finish(cfg, params)
+  _check_mtp_copies(cfg, hf_config, read, path)
+  mtp = tuple(_deepseek_mtp(get, block, cfg.num_layers + depth)
+              for depth in range(cfg.mtp_num_hidden_layers))
+  return finish(cfg, params.replace(mtp=mtp))
+
+
+def _deepseek_mtp(get: Callable[[str], Any], block: Callable[[int], BlockParams],
+                  layer: int) -> MTPParams:
+  """DeepSeek-V3's MTP layer `layer` (>= num_hidden_layers; transformers drops it):
+  h = layer(eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])), logits through
+  shared_head.norm and the trunk's head (the copy it stores was checked equal)."""
+  pre = f"model.layers.{layer}."
+  return MTPParams(embed_norm=get(pre + "enorm.weight"), hidden_norm=get(pre + "hnorm.weight"),
+                   proj=get(pre + "eh_proj.weight").T, block=block(layer),
+                   out_norm=get(pre + "shared_head.norm.weight"))
+
+
+def _check_mtp_copies(cfg: ModelConfig, hf: dict[str, Any], read, path: str) -> None:
+  """kvjax's MTP modules share the trunk's embedding and head, so each copy a DeepSeek-V3
+  checkpoint stores must equal it (a different one would compute something else)."""
+  for name, trunk in mtp_copies(cfg, hf.get("model_type", "")).items():
+    try:
+      copy = np.asarray(read(name))
+    except KeyError:
+      continue
+    if not np.array_equal(copy, np.asarray(read(trunk))):
+      raise ValueError(f"HF checkpoint {path}: tensor {name} differs from {trunk}; kvjax's "
+                       "MTP layers share the trunk's embedding and head")

@@ -8,8 +8,11 @@ naming the tensor, what the config expects and what the file holds; a tensor
 kvjax would not use raises naming it too, since ignoring it would compute
 something else than the checkpoint means (an o_proj bias, a layer beyond
 num_hidden_layers), except the ones transformers itself ignores (rotary
-inv_freq buffers, DeepSeek-V3's next-token-prediction layers), which a warning
-names.  A config that ties the head to the embedding over a checkpoint that
+inv_freq buffers, DeepSeek-V3's next-token-prediction layers where the first lacks
+its eh_proj), which a warning names.  DeepSeek-V3's MTP layers, where the checkpoint
+has them, are expected whole: enorm, hnorm, eh_proj, shared_head.norm and a decoder
+layer each (the embedding and head they repeat are optional, shaped as the trunk's).
+A config that ties the head to the embedding over a checkpoint that
 stores lm_head.weight gets that head, as transformers loads it (a warning says so).
 The dense (llama, mistral, qwen2, qwen3; gpt_oss's o_proj bias and sinks), MoE
 (kvjax/weights/hf_moe.py) and DeepSeek MLA layouts are checked tensor by tensor;
@@ -28,7 +31,8 @@ from kvjax.layer_kinds import layer_kind
 from kvjax.learned_sinks import LEARNED_SINKS
 from kvjax.weights.hf_moe import moe_tensors
 
-__all__ = ["FLOAT_DTYPES", "safetensors_headers", "expected_tensors", "check_hf_tensors"]
+__all__ = ["FLOAT_DTYPES", "safetensors_headers", "expected_tensors", "mtp_copies",
+           "check_hf_tensors"]
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors codes kvjax casts from
 # Buffers transformers never loads (its _keys_to_ignore_on_load_unexpected).
@@ -107,8 +111,12 @@ def expected_tensors(cfg: ModelConfig, model_type: str = "") -> dict[str, tuple]
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = (v, d)
   attention = _mla_layer if cfg.attention_type == "mla" else _dense_layer
-  for layer in range(cfg.num_layers):
+  mtp = cfg.mtp_num_hidden_layers if model_type == "deepseek_v3" else 0
+  for layer in range(cfg.num_layers + mtp):  # DeepSeek-V3's MTP layers follow the trunk's
     pre = f"model.layers.{layer}."
+    if layer >= cfg.num_layers:
+      out.update({pre + "enorm.weight": (d,), pre + "hnorm.weight": (d,),
+                  pre + "eh_proj.weight": (d, 2 * d), pre + "shared_head.norm.weight": (d,)})
     out.update(attention(cfg, pre, layer))
     out.update({pre + "input_layernorm.weight": (d,),
                 pre + "post_attention_layernorm.weight": (d,)})
@@ -117,6 +125,19 @@ def expected_tensors(cfg: ModelConfig, model_type: str = "") -> dict[str, tuple]
       continue
     out.update({pre + "mlp.gate_proj.weight": (i, d), pre + "mlp.up_proj.weight": (i, d),
                 pre + "mlp.down_proj.weight": (d, i)})
+  return out
+
+
+def mtp_copies(cfg: ModelConfig, model_type: str = "") -> dict[str, str]:
+  """DeepSeek-V3 MTP tensors that repeat a trunk tensor (its checkpoints store the shared
+  embedding and head again per MTP layer): name -> the trunk tensor they must equal."""
+  if model_type != "deepseek_v3":
+    return {}
+  head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+  out = {}
+  for layer in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_hidden_layers):
+    out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+    out[f"model.layers.{layer}.shared_head.head.weight"] = head
   return out
 
 
@@ -148,7 +169,14 @@ def check_hf_tensors(path: str, hf: dict[str, Any], cfg: ModelConfig,
     warnings.warn(f"{where}: config.json ties the head to the embedding but the checkpoint "
                   "stores lm_head.weight; using it, as transformers does", stacklevel=3)
     cfg = cfg.replace(tie_word_embeddings=False)
-  expected = expected_tensors(cfg, hf.get("model_type", ""))
+  model_type = hf.get("model_type", "")
+  first_mtp = f"model.layers.{cfg.num_layers}.eh_proj.weight"
+  if model_type == "deepseek_v3" and cfg.mtp_num_hidden_layers and first_mtp not in found:
+    cfg = cfg.replace(mtp_num_hidden_layers=0)  # HF's save_pretrained drops the MTP layers
+  expected = expected_tensors(cfg, model_type)
+  for name, trunk in mtp_copies(cfg, model_type).items():
+    if name in found and trunk in found:  # optional copies, shaped as what they repeat
+      expected[name] = found[trunk][0]
   for name, shape in expected.items():
     if name not in found:
       raise ValueError(f"{where}: tensor {name} is missing (config.json implies shape "
