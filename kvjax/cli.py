@@ -1,4 +1,4 @@
-"""`python -m kvjax generate | chat | serve | bench | memory | diagnose` (also `kvjax`).
+"""`python -m kvjax generate | chat | serve | bench | memory | diagnose | eval` (or `kvjax`).
 
 Each sub-command registers itself with `add_parser(subparsers)` and runs with
 `run(args) -> exit code`; this file only dispatches.

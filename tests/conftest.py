@@ -58,6 +58,7 @@ QUICK = {
     "code_eval": [""],
     "default_model": ["test_loads_as_the_tiny_code_preset_and_stays_small"],
     "device_checks": [""],
+    "docs": [""],
     "diagnose": ["test_histogram_quantile_hand_cases", "test_scenario_kind_and_actions"],
     "draft_policy": ["test_adaptive_picks_the_best_tokens_per_second"],
     "engine": ["test_mixed_requests_equal_generate_alone[block_match]"],
