@@ -64,7 +64,8 @@ from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
 from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
                                serve_step)
-from kvjax.validation import check_int, sampling_options, stop_ids
+from kvjax.validation import (check_arrival, check_cache_salt, check_int, check_request_id,
+                              sampling_options, stop_ids)
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
@@ -164,21 +165,15 @@ class Engine(EngineWarmUp, EngineGenerate):
                    cache_salt, logprobs=None, arrival_s=None, constraint=None,
                    **extensions) -> str:
     request_id = str(next(self._ids))
-    vocab = self.model_config.vocab_size
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f"request {request_id!r}: prompt must be a non-empty 1-D list of "
-                       f"int token ids, got shape {ids.shape} dtype {ids.dtype}")
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.size:
-      raise ValueError(f"request {request_id!r}: token id {int(bad[0])} outside [0, "
-                       f"vocab_size={vocab})")
-    try:
+    try:  # every argument checked before anything is queued
+      ids = self._prompt_ids(prompt)
       max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-      sampling = sampling_options(vocab, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed, logprobs=logprobs, max_tokens=max_new_tokens,
-                                  **extensions)
-      stops = stop_ids(stop, vocab)
+      sampling = sampling_options(self.model_config.vocab_size, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs,
+                                  max_tokens=max_new_tokens, **extensions)
+      stops = stop_ids(stop, self.model_config.vocab_size)
+      cache_salt = check_cache_salt(cache_salt)
+      arrival_s = check_arrival(arrival_s)
       if sampling.processed and self.num_draft:  # drafts are verified unprocessed
         raise ValueError("min_tokens, penalties and logit_bias need an engine without "
                          f"speculative decoding (this one: {self.config.speculative})")
@@ -190,11 +185,29 @@ class Engine(EngineWarmUp, EngineGenerate):
                                sampling=sampling, ignore_eos=sampling.ignore_eos)
     self.constraints.attach(request_id, matcher)
     now = time.perf_counter()
-    arrival = now if arrival_s is None else min(float(arrival_s), now)
+    arrival = now if arrival_s is None else min(arrival_s, now)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
     return request_id
+
+  def _prompt_ids(self, prompt) -> np.ndarray:
+    """prompt as a 1-D int array of ids inside the vocabulary; ValueError naming it."""
+    vocab = self.model_config.vocab_size
+    try:
+      ids = np.asarray(prompt)
+    except (ValueError, TypeError, OverflowError) as error:  # ragged or odd sequences
+      raise ValueError(f"prompt must be a non-empty 1-D list of int token ids: {error}") \
+          from None
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt must be a non-empty 1-D list of int token ids, got shape "
+                       f"{ids.shape} dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.size:
+      raise ValueError(f"prompt token id {int(bad[0])} outside [0, vocab_size={vocab})")
+    return ids
+
   def abort(self, request_id: str) -> bool:
-    """Finish a waiting or running request now; its pages are freed.
+    """Finish a waiting or running request now; its pages are freed.  False: no such
+    request (any more); ValueError: request_id is no string.
 
     Its final RequestOutput (finish_reason "abort") comes with the next step().
     """
@@ -202,7 +215,7 @@ class Engine(EngineWarmUp, EngineGenerate):
       return self._abort(request_id)
 
   def _abort(self, request_id: str) -> bool:
-    req = self.scheduler.requests.get(request_id)
+    req = self.scheduler.requests.get(check_request_id(request_id))
     if req is None or not self.scheduler.abort(request_id):
       return False
     metrics = self.metrics.pop(request_id)

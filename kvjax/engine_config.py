@@ -18,6 +18,9 @@ from kvjax.caches.layout import PageRelease
 from kvjax.config import ModelConfig, short_dtype_name
 from kvjax.ngram import DEFAULT_NGRAM_N, check_ngram
 from kvjax.sharding import mesh_of
+from kvjax.validation import check_int
+
+_MAX_INT32 = 2**31 - 1  # positions and page ids are int32 on the device and in the tables
 
 __all__ = ["EngineConfig", "add_engine_flags", "engine_config_from_flags"]
 
@@ -131,14 +134,21 @@ class EngineConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     max_model_len = cfg.max_position_embeddings if self.max_model_len is None else \
-        self.max_model_len
+        check_int("max_model_len", self.max_model_len, 1)
     if not 1 <= max_model_len <= cfg.max_position_embeddings:
       raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
                        f"(the model context), got {max_model_len}")
     num_pages = self.num_pages
-    if num_pages is None:  # a windowed model's requests hold a bounded number of pages
+    if num_pages is not None:
+      check_int("num_pages", num_pages, 2)  # the null page and one to hold a request
+    else:  # a windowed model's requests hold a bounded number of pages
       num_pages = 1 + self.max_num_seqs * self.page_release(cfg).max_pages_held(
           max_model_len, self.max_num_batched_tokens)
+    if num_pages >= _MAX_INT32 or max_model_len >= _MAX_INT32:
+      source = "" if self.max_model_len else " (the model's max_position_embeddings)"
+      raise ValueError(f"max_model_len={max_model_len}{source} with num_pages={num_pages} "
+                       f"is past the int32 positions and page ids the steps use; pass a "
+                       f"smaller max_model_len (and num_pages)")
     return dataclasses.replace(config, backend=backend, max_model_len=max_model_len,
                                num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
 

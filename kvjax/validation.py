@@ -11,9 +11,13 @@ from typing import Optional, Sequence, Union
 from kvjax.requests import SamplingOptions
 from kvjax.sampling import MAX_LOGPROBS
 
-__all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEED_RANGE"]
+__all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEED_RANGE",
+           "EXTENSIONS", "check_arrival", "check_cache_salt", "check_request_id"]
 
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
+# vLLM's request extensions sampling_options takes (kvjax/requests.py SamplingOptions).
+EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "logit_bias")
 
 
 def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -46,6 +50,9 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
   presence_penalty and frequency_penalty (in [-2, 2]), logit_bias ({token id or its
   decimal string: bias in [-100, 100]}).
   """
+  unknown = sorted(set(extensions) - set(EXTENSIONS))
+  if unknown:
+    raise ValueError(f"unknown request option(s) {unknown}; kvjax takes {list(EXTENSIONS)}")
   temperature = _check_real("temperature", temperature)
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
@@ -111,6 +118,27 @@ def stop_ids(stop: Union[None, int, Sequence[int]], vocab_size: int) -> tuple:
     raise ValueError(f"stop must be a token id or a list of token ids, got {stop!r}")
   ids = (stop,) if isinstance(stop, numbers.Integral) else tuple(stop)
   return tuple(check_int("stop", s, 0, vocab_size) for s in ids)
+
+
+def check_arrival(arrival_s) -> Optional[float]:
+  """arrival_s: None (now) or a finite time.perf_counter reading -> float or None."""
+  return None if arrival_s is None else _check_real("arrival_s", arrival_s)
+
+
+def check_cache_salt(cache_salt) -> Optional[str]:
+  """cache_salt: None or a string (it enters the prefix blocks' hashes)."""
+  if cache_salt is not None and not isinstance(cache_salt, str):
+    raise ValueError(f"cache_salt must be a string, got {cache_salt!r:.200} "
+                     f"({type(cache_salt).__name__})")
+  return cache_salt
+
+
+def check_request_id(request_id) -> str:
+  """A request id as add_request returns it: a string."""
+  if not isinstance(request_id, str):
+    raise ValueError(f"request_id must be a string (as add_request returns), got "
+                     f"{request_id!r:.200} ({type(request_id).__name__})")
+  return request_id
 
 
 def per_prompt_seeds(seed: Union[int, Sequence[int]], num_prompts: int) -> list:

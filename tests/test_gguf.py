@@ -62,8 +62,11 @@ def write_tiny_gguf(path: str, arch: str, type_name: str, seed: int = 0,
   writer.add_rope_freq_base(cfg.rope_theta)
   writer.add_bos_token_id(cfg.bos_token_id)
   writer.add_eos_token_id(cfg.eos_token_id)
-  for key, value in (metadata or {}).items():
-    writer.add_uint32(key, value)
+  for key, value in (metadata or {}).items():  # a uint32, or (value, GGUFValueType)
+    if isinstance(value, tuple):
+      writer.add_key_value(key, *value)  # an existing key is overwritten
+    else:
+      writer.add_uint32(key, value)
 
   def matrix(name: str, hf_rows: np.ndarray, heads: int | None = None) -> np.ndarray:
     """Store torch-layout [O, I] weights; -> what the stored bytes decode to, [O, I]."""

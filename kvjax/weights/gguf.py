@@ -28,6 +28,8 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import quantize_weight
+from kvjax.weights.config_checks import (MAX_CONTEXT, MAX_LAYERS, count_field,
+                                          positive_real_field)
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
 from kvjax.weights.load_checks import raise_first_nonfinite
 from kvjax.weights.quantize import SCHEMES, tied_head, weight_scheme
@@ -116,34 +118,44 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
     raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
   tensors = {t.name: t for t in reader.tensors}
+  where = f"GGUF file {reader.data.filename}"
   get = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)
+  count = lambda key, default=_MISSING, high=None: count_field(
+      where, f"{arch}.{key}", get(key, default), high)
+  real = lambda key, default=_MISSING: positive_real_field(where, f"{arch}.{key}",
+                                                           get(key, default))
   scaling = get("rope.scaling.type", "none")
   if scaling != "none" or "rope_freqs.weight" in tensors:
-    raise ValueError(f"GGUF file {reader.data.filename}: rope scaling "
-                     f"{scaling if scaling != 'none' else 'rope_freqs (llama3)'} is unsupported; "
-                     "kvjax loads GGUF models with plain rope")
-  num_heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
-  head_dim = int(get("attention.key_length", hidden // num_heads))
-  if int(get("attention.value_length", head_dim)) != head_dim or \
-      int(get("rope.dimension_count", head_dim)) != head_dim:
-    raise ValueError(f"GGUF file {reader.data.filename}: value or rope dims differ from "
+    raise ValueError(f"{where}: rope scaling "
+                     f"{scaling if scaling != 'none' else 'rope_freqs (llama3)'} is "
+                     "unsupported; kvjax loads GGUF models with plain rope")
+  num_heads, hidden = count("attention.head_count"), count("embedding_length")
+  head_dim = count("attention.key_length", hidden // num_heads or 1)
+  if count("attention.value_length", head_dim) != head_dim or \
+      count("rope.dimension_count", head_dim) != head_dim:
+    raise ValueError(f"{where}: value or rope dims differ from "
                      f"the key head dim {head_dim}; kvjax needs them equal")
   window = get("attention.sliding_window", None)
   if window is not None and arch != "llama":
-    raise ValueError(f"GGUF file {reader.data.filename}: {arch} with a sliding window is "
+    raise ValueError(f"{where}: {arch} with a sliding window is "
                      "unsupported (GGUF does not record which of its layers slide)")
+  embedding = tensors.get("token_embd.weight")
+  if embedding is None or len(embedding.shape) != 2:
+    raise ValueError(f"{where} has no 2-D tensor token_embd.weight (the embedding table)")
   tokenizer = lambda key: _field(reader, f"tokenizer.ggml.{key}", None)
   return ModelConfig(
-      name=os.path.splitext(os.path.basename(reader.data.filename))[0], vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-      intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
-      num_heads=num_heads, num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-      head_dim=head_dim, max_position_embeddings=int(get("context_length")),
-      rope_theta=float(get("rope.freq_base", 10000.0)),
-      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+      name=os.path.splitext(os.path.basename(reader.data.filename))[0],
+      vocab_size=count_field(where, "token_embd.weight ne[1]", int(embedding.shape[1])),
+      hidden_size=hidden, intermediate_size=count("feed_forward_length"),
+      num_layers=count("block_count", high=MAX_LAYERS), num_heads=num_heads,
+      num_kv_heads=count("attention.head_count_kv", num_heads), head_dim=head_dim,
+      max_position_embeddings=count("context_length", high=MAX_CONTEXT),
+      rope_theta=real("rope.freq_base", 10000.0),
+      rms_norm_eps=real("attention.layer_norm_rms_epsilon"),
       tie_word_embeddings="output.weight" not in tensors,
       attention_bias="blk.0.attn_q.bias" in tensors,
       qk_norm="blk.0.attn_q_norm.weight" in tensors,
-      sliding_window=None if window is None else int(window),
+      sliding_window=None if window is None else count("attention.sliding_window"),
       bos_token_id=tokenizer("bos_token_id"), eos_token_id=tokenizer("eos_token_id"),
       pad_token_id=tokenizer("padding_token_id"))
 

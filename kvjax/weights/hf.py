@@ -27,6 +27,7 @@ from kvjax.layer_kinds import layer_kind
 from kvjax.learned_sinks import LEARNED_SINKS, SinkAttentionParams, with_learned_sinks
 from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
 from kvjax.sharding import place_host_params
+from kvjax.weights.config_checks import check_hf_fields
 from kvjax.weights.hf_contract import check_hf_tensors, mtp_copies
 from kvjax.weights.hf_moe import MOE_MODEL_TYPES, moe_config, moe_params
 from kvjax.weights.hf_qwen3_5 import QWEN3_5_MODEL_TYPES, hf_eos_id, load_qwen3_5, qwen3_5_config
@@ -50,7 +51,11 @@ def is_hf_checkpoint(path: str) -> bool:
   if not os.path.isfile(config):
     return False
   with open(config) as f:
-    return "model_type" in json.load(f)
+    try:
+      loaded = json.load(f)
+    except ValueError as error:
+      raise ValueError(f"{config} is not valid JSON: {error}") from None
+  return isinstance(loaded, dict) and "model_type" in loaded
 
 
 def read_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
@@ -127,6 +132,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     raise ValueError(f"unsupported model_type {model_type!r} "
                      f"(architectures {hf.get('architectures')}); "
                      f"supported: {SUPPORTED_MODEL_TYPES}")
+  check_hf_fields(hf)
   if model_type in QWEN3_5_MODEL_TYPES:
     return qwen3_5_config(hf, name)
   theta, scaling = _rope(hf)
@@ -240,11 +246,21 @@ def _mmap_tensors(file: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+def _open_safetensors(file: str, mmap: bool):
+  """safe_open(file) or its _mmap_tensors; a truncated or corrupt file is a ValueError
+  naming it (safetensors checks the header against the file's size as it opens)."""
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    return _mmap_tensors(file) if mmap else safe_open(file, framework="flax")
+  except (SafetensorError, ValueError, KeyError, TypeError) as error:
+    raise ValueError(f"{file} is not a complete safetensors file ({os.path.getsize(file)} "
+                     f"bytes; truncated or corrupt?): {error}") from None
+
+
 def _tensor_reader(path: str, mmap: bool = False) -> Callable[[str], np.ndarray]:
   """name -> array over model.safetensors or a sharded model.safetensors.index.json
   (`mmap`: a memory-mapped host view, nothing read until a slice is used)."""
-  from safetensors import safe_open
-
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index):
     with open(index) as f:
@@ -261,8 +277,7 @@ def _tensor_reader(path: str, mmap: bool = False) -> Callable[[str], np.ndarray]
     if file is None:
       raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
     if file not in handles:
-      handles[file] = (_mmap_tensors(os.path.join(path, file)) if mmap else
-                       safe_open(os.path.join(path, file), framework="flax"))
+      handles[file] = _open_safetensors(os.path.join(path, file), mmap)
     if name not in handles[file].keys():
       raise KeyError(f"checkpoint {path} is missing tensor {name!r}")
     return handles[file][name] if mmap else handles[file].get_tensor(name)
