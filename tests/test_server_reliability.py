@@ -159,3 +159,82 @@ def test_a_large_grammar_compiles_off_the_event_loop(server, http):
   assert answer.status_code in (200, 400), answer.text
   assert probe.answers > 5 and probe.worst_s < 1.0, (took, probe.answers, probe.worst_s)
 
+
+@pytest.fixture(scope="module")
+def greedy(model):
+  """Greedy completion text of prompt ids, from an offline Engine of the server's shapes."""
+  engine = kvjax.Engine(model, CONFIG)
+  return lambda ids, max_new: model.tokenizer.decode(engine.generate([ids], max_new).tokens[0])
+
+
+@pytest.mark.parametrize("endpoint, fields, param, words", [
+    ("completions", {"min_p": "x"}, "min_p", "must be a number"),
+    ("completions", {"min_p": -1}, "min_p", "[0, 1]"),
+    ("completions", {"min_p": 1.5}, "min_p", "[0, 1]"),
+    ("completions", {"best_of": 2}, "best_of", "must equal n (1)"),
+    ("completions", {"best_of": "1"}, "best_of", "must be an int"),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive"),
+    ("completions", {"truncate_prompt_tokens": -1}, "truncate_prompt_tokens", "positive"),
+    ("completions", {"temperature": 1e308}, "temperature", "float32"),
+    ("completions", {"repetition_penalty": 1e300}, "repetition_penalty", "float32"),
+    ("completions", {"repetition_penalty": 1e-300}, "repetition_penalty", "float32"),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template", "supported"),
+    ("chat/completions", {"add_generation_prompt": "yes"}, "add_generation_prompt",
+     "boolean"),
+    ("chat/completions", {"continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message", "cannot both"),
+])
+def test_vllm_fields_kvjax_cannot_honour_get_400(http, endpoint, fields, param, words):
+  body = ({"prompt": "x"} if endpoint == "completions"
+          else {"messages": [{"role": "user", "content": "hi"}]})
+  message = _error(http.post(f"/{endpoint}", json={"model": NAME, **body, **fields}), param)
+  assert words in message, message
+
+
+def test_min_p_1_keeps_only_the_likeliest_token(http, tok, greedy):
+  """min_p 1 drops every token less likely than the likeliest: sampling at any
+  temperature is greedy decoding (ties aside, which random logits do not have)."""
+  ids = tok.encode("def fibonacci(n):", add_special_tokens=True)
+  want = greedy(ids, 12)
+  for seed in range(3):
+    answer = http.post("/completions", json={
+        "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 1.5, "seed": seed,
+        "min_p": 1.0, "ignore_eos": True})
+    assert answer.json()["choices"][0]["text"] == want
+  plain = [http.post("/completions", json={
+      "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 1.5, "seed": seed,
+      "ignore_eos": True}).json()["choices"][0]["text"] for seed in range(3)]
+  assert any(text != want for text in plain)  # the comparison above can fail
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+  return model.tokenizer
+
+
+def test_best_of_equal_to_n_and_truncate_prompt_tokens(http, tok, greedy):
+  ids = list(range(1, 200))  # longer than max_model_len: only its last 10 tokens fit
+  answer = http.post("/completions", json={
+      "model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "n": 2, "best_of": 2,
+      "truncate_prompt_tokens": 10}).json()
+  assert answer["usage"]["prompt_tokens"] == 10
+  assert [c["text"] for c in answer["choices"]] == [greedy(ids[-10:], 6)] * 2
+
+
+def test_chat_continue_final_message_and_no_generation_prompt(http, tok, greedy):
+  messages = [{"role": "user", "content": "write f"}, {"role": "assistant", "content": "def f(x): "}]
+  # The byte model's template, written out by hand (kvjax/chat_template.py's docstring):
+  # continuing cuts after the last content, stripped; no generation prompt leaves the
+  # assistant line closed and opens none.
+  cases = [({"continue_final_message": True, "add_generation_prompt": False},
+            "<|user|>write f\n<|assistant|>def f(x):"),
+           ({"continue_final_message": True}, "<|user|>write f\n<|assistant|>def f(x):"),
+           ({"add_generation_prompt": False}, "<|user|>write f\n<|assistant|>def f(x): \n"),
+           ({}, "<|user|>write f\n<|assistant|>def f(x): \n<|assistant|>")]
+  for fields, text in cases:
+    ids = tok.encode(text, add_special_tokens=False)
+    answer = http.post("/chat/completions", json={
+        "model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0,
+        **fields}).json()
+    assert answer["usage"]["prompt_tokens"] == len(ids), fields
+    assert answer["choices"][0]["message"]["content"] == greedy(ids, 6), fields
