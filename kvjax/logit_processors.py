@@ -1,5 +1,5 @@
 """vLLM's per-request logit processing, on the device, per row: logit_bias, min_tokens,
-repetition / presence / frequency penalties.
+repetition / presence / frequency penalties, min_p.
 
 `LogitProcessing` rides in `SamplingParams.processing` (kvjax/sampling.py), which
 calls its `apply` on the logits before temperature, top-k/top-p and greedy choice,
@@ -8,6 +8,9 @@ ids, EOS included unless ignore_eos, get -inf while it has emitted fewer than
 min_tokens), then the penalties of vLLM's apply_penalties:
   repetition r, on ids in the prompt or the output: logit / r if logit > 0 else logit * r;
   frequency f and presence p, on output ids:       logit - f * count - p * (count > 0).
+min_p runs later, where vLLM runs it: on the temperature-scaled logits, before top-k and
+top-p (`min_p_filtered`, called by kvjax/sampling.py; greedy rows never need it, since it
+keeps the likeliest token).
 Reported logprobs stay the model's raw ones (vLLM's default, raw_logprobs).
 Every group the engine packs carries a LogitProcessing, so one step program
 serves rows with and without these fields (nothing compiles on a request's first
@@ -44,6 +47,7 @@ class LogitProcessing:
   repetition: jax.Array  # [B] f32 (1: off)
   presence: jax.Array  # [B] f32 (0: off)
   frequency: jax.Array  # [B] f32 (0: off)
+  min_p: jax.Array  # [B] f32 (0: off)
   active: jax.Array  # [] bool: some row asks (False: sampling skips `apply`)
 
   @classmethod
@@ -53,7 +57,7 @@ class LogitProcessing:
                min_left=np.zeros(b, np.int32), prompt_mask=np.zeros((b, vocab), bool),
                output_counts=np.zeros((b, vocab), np.int32), repetition=np.ones(b, np.float32),
                presence=np.zeros(b, np.float32), frequency=np.zeros(b, np.float32),
-               active=np.bool_(active))
+               min_p=np.zeros(b, np.float32), active=np.bool_(active))
 
   def apply(self, logits: jax.Array) -> jax.Array:
     """logits [B, V] f32 -> processed logits [B, V] f32."""
@@ -64,6 +68,13 @@ class LogitProcessing:
     logits = jnp.where(logits > 0, logits / r, logits * r)
     return (logits - self.frequency[:, None] * self.output_counts
             - self.presence[:, None] * (self.output_counts > 0))
+
+  def min_p_filtered(self, scaled: jax.Array) -> jax.Array:
+    """Temperature-scaled logits [B, V] with -inf where a token's probability is below
+    min_p x its row's largest: p / p_max = exp(logit - max), compared in log space, so no
+    softmax underflow decides it (min_p 0: log 0 = -inf keeps every token)."""
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(self.min_p)[:, None]
+    return jnp.where(scaled >= floor, scaled, -jnp.inf)
 
   def advance(self, emitted: jax.Array) -> "LogitProcessing":
     """Count a step's emitted ids [B, J+1] (-1: none) into the state."""
@@ -99,6 +110,7 @@ def pack_processing(requests: Sequence, b: int, vocab: int) -> LogitProcessing:
     np.add.at(p.output_counts[j], np.asarray(req.output_ids, np.int64), 1)
     p.repetition[j], p.presence[j], p.frequency[j] = (s.repetition_penalty, s.presence_penalty,
                                                       s.frequency_penalty)
+    p.min_p[j] = s.min_p
   return p
 
 

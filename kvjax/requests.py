@@ -34,12 +34,13 @@ class SamplingOptions:
   presence_penalty: float = 0.0  # 0: off
   frequency_penalty: float = 0.0  # 0: off
   logit_bias: tuple = ()  # ((token id, bias), ...), OpenAI's logit_bias
+  min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (0: off)
 
   @property
   def processed(self) -> bool:
     """Does a step need logit processing for this request (kvjax/logit_processors.py)?"""
     return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
-                or self.frequency_penalty or self.logit_bias)
+                or self.frequency_penalty or self.logit_bias or self.min_p)
 
 
 class RequestStatus(enum.Enum):

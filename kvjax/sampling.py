@@ -129,6 +129,9 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
   def draw(_):
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
+    if params.processing is not None:  # vLLM's order: temperature, min_p, top-k / top-p
+      scaled = jax.lax.cond(params.processing.active, params.processing.min_p_filtered,
+                            lambda x: x, scaled)
     if use_filter:
       scaled = filtered_if_asked(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(

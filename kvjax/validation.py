@@ -8,6 +8,8 @@ import math
 import numbers
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from kvjax.requests import SamplingOptions
 from kvjax.sampling import MAX_LOGPROBS
 
@@ -17,7 +19,11 @@ __all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEE
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
 # vLLM's request extensions sampling_options takes (kvjax/requests.py SamplingOptions).
 EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
-              "frequency_penalty", "logit_bias")
+              "frequency_penalty", "logit_bias", "min_p")
+# A logit divided or multiplied by a penalty in this range stays finite in float32 for any
+# logit a model writes (far below 1e30); vLLM allows any positive value.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -48,14 +54,18 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
   extensions: vLLM's fields (kvjax/requests.py SamplingOptions; None: the default):
   ignore_eos, min_tokens (<= max_tokens when given), repetition_penalty (> 0),
   presence_penalty and frequency_penalty (in [-2, 2]), logit_bias ({token id or its
-  decimal string: bias in [-100, 100]}).
+  decimal string: bias in [-100, 100]}), min_p (in [0, 1]).
+  Floats must survive the device's float32: temperature <= float32's largest (beyond, it
+  rounds to inf, and a masked logit's -inf / inf is NaN); repetition_penalty in
+  REPETITION_PENALTY_RANGE (1e300 rounds to inf and 1e-300 to 0, whose quotient is inf).
   """
   unknown = sorted(set(extensions) - set(EXTENSIONS))
   if unknown:
     raise ValueError(f"unknown request option(s) {unknown}; kvjax takes {list(EXTENSIONS)}")
   temperature = _check_real("temperature", temperature)
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+  if not 0 <= temperature <= _FLOAT32_MAX:
+    raise ValueError(f"temperature must be in [0, {_FLOAT32_MAX:.8g}] (0 = greedy; the "
+                     f"upper bound: float32's largest), got {temperature!r}")
   top_k = 0 if top_k is None else check_int("top_k", top_k, 0, vocab_size + 1)
   top_p = 1.0 if top_p is None else _check_real("top_p", top_p)
   if not 0 < top_p <= 1:
@@ -69,7 +79,7 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
 
 def _extensions(vocab_size: int, max_tokens, *, ignore_eos=None, min_tokens=None,
                 repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-                logit_bias=None) -> dict:
+                logit_bias=None, min_p=None) -> dict:
   """vLLM's request extensions, checked -> SamplingOptions keywords."""
   out = {}
   if ignore_eos is not None:
@@ -82,8 +92,14 @@ def _extensions(vocab_size: int, max_tokens, *, ignore_eos=None, min_tokens=None
       raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
   if repetition_penalty is not None:
     out["repetition_penalty"] = _check_real("repetition_penalty", repetition_penalty)
-    if out["repetition_penalty"] <= 0:
-      raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty!r}")
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= out["repetition_penalty"] <= high:
+      raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off; a "
+                       f"float32-safe range), got {repetition_penalty!r}")
+  if min_p is not None:
+    out["min_p"] = _check_real("min_p", min_p)
+    if not 0 <= out["min_p"] <= 1:
+      raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")
   for name, value in (("presence_penalty", presence_penalty),
                       ("frequency_penalty", frequency_penalty)):
     if value is not None:

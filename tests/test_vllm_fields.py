@@ -147,7 +147,11 @@ def test_ignore_eos_yields_exactly_max_tokens_and_min_tokens_bans_stops():
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in [1e-06, 1e+06]"),
+    ("repetition_penalty", 1e300, "repetition_penalty must be in [1e-06, 1e+06]"),
+    ("temperature", 1e308, "temperature must be in [0, 3.4028235e+38]"),
+    ("min_p", -1, "min_p must be in [0, 1]"),
+    ("min_p", "x", "min_p must be a number"),
     ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
     ("frequency_penalty", float("nan"), "frequency_penalty must be finite"),
     ("min_tokens", 9, "min_tokens (9) must be <= max_tokens (8)"),
@@ -175,3 +179,27 @@ def test_sampled_rows_are_processed_before_temperature_and_top_p(engine):
   rid = eng.add_request(_prompts()[0], 1, logit_bias={"7": 100}, logprobs=1)
   first = [o for o in eng.stream() if o.request_id == rid][-1]
   assert first.new_logprobs[0].logprob == pytest.approx(want, abs=1e-4)
+
+
+def test_min_p_samples_exactly_the_tokens_numpy_keeps():
+  """vLLM's min_p: after temperature, tokens whose probability is below min_p x the
+  largest are dropped.  Over 160 seeds the sampled first tokens are exactly the set a
+  float64 numpy filter keeps (min_p set midway between two probability ratios, so no
+  token sits near the bound; each kept token has >= 0.15 of the mass after renormalizing,
+  so all of them are drawn)."""
+  model, prompt, temperature = _model(), _prompts()[0], 1.0
+  logits = np.asarray(kvjax.forward(model, [prompt]), np.float64)[0, -1] / temperature
+  ratio = np.exp(logits - logits.max())  # p / p_max
+  order = np.sort(ratio)[::-1]
+  kept = 5
+  min_p = (order[kept - 1] + order[kept]) / 2
+  assert order[kept - 1] - order[kept] > 1e-3 and order[kept - 1] > 0.3, order[:5]
+  want = set(np.flatnonzero(ratio >= min_p).tolist())
+  eng = Engine(model, **ENGINE)
+  seeds = range(160)
+  sampled = {s: _run(eng, [prompt], 1, temperature=temperature, seed=s, min_p=min_p)[0]
+             .output_ids[0] for s in seeds}
+  assert set(sampled.values()) == want
+  plain = {_run(eng, [prompt], 1, temperature=temperature, seed=s)[0].output_ids[0]
+           for s in seeds}
+  assert not plain <= want  # the filter changes the draws, so the check above can fail

@@ -6,8 +6,10 @@ and SGLang's metadata routes, /server_info and /model_info (or /get_server_info 
 /get_model_info): they say the served name, the context length, the KV pool's tokens
 and the replica count.
 
-A generation handler parses and checks its body (kvjax/server/protocol.py),
-submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
+A generation handler parses and checks its body (kvjax/server/protocol.py) in a
+small thread pool, off the event loop: a huge prompt's JSON scan, its
+tokenization, a chat template and a large grammar's compilation take seconds,
+and /health and every stream keep being served meanwhile.  It then submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
 events on an asyncio queue that the engine thread fills through
 `call_soon_threadsafe`.  A stream whose client goes away (the stream is
 cancelled), a non-streamed request whose client goes away (polled while it
@@ -17,6 +19,7 @@ requests and frees their pages.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import importlib.metadata
 from typing import Any, Optional
@@ -36,6 +39,11 @@ __all__ = ["ServerState", "create_app"]
 
 _VERSION = importlib.metadata.version("kvjax")
 _DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is there
+_PARSE_THREADS = 4  # bodies parsed at once; more wait their turn (parsing is CPU work)
+
+
+def _parse_pool() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(_PARSE_THREADS, thread_name_prefix="kvjax-parse")
 
 
 @dataclasses.dataclass
@@ -49,6 +57,8 @@ class ServerState:
   created: int  # the served model's "created" timestamp
   ready: bool = False  # set once the server listens
   warm_up: Optional[BackgroundWarmUp] = None  # a background warm-up, running or done
+  parsing: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+      default_factory=_parse_pool)  # where request bodies are parsed and tokenized
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -112,9 +122,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _generate(state: ServerState, http_request: Request, parse):
-  request = parse(parse_json(await _body(http_request)), state.limits, state.tokenizer)
-  events: asyncio.Queue = asyncio.Queue()
   loop = asyncio.get_running_loop()
+  raw = await _body(http_request)
+  request = await loop.run_in_executor(
+      state.parsing, lambda: parse(parse_json(raw), state.limits, state.tokenizer))
+  events: asyncio.Queue = asyncio.Queue()
 
   def deliver(event) -> None:  # called by the engine thread
     try:

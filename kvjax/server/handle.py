@@ -77,6 +77,7 @@ class ServerHandle:
     self._loop.stop()
     self._server.should_exit = True
     self._thread.join(_START_TIMEOUT_S)
+    self.state.parsing.shutdown(wait=False, cancel_futures=True)
     for publisher in self.kv_events:
       publisher.close()
     self.kv_events = []

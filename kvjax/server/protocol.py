@@ -16,8 +16,11 @@ max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
 random seed when none is given), so n > 1 choices differ and a seeded request
 is reproducible offline.
 vLLM's request extensions are honoured: ignore_eos, min_tokens, stop_token_ids,
-include_stop_str_in_output, skip_special_tokens, repetition_penalty (and OpenAI's
-presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py).
+include_stop_str_in_output, skip_special_tokens, repetition_penalty, min_p (and OpenAI's
+presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py),
+truncate_prompt_tokens (the prompt's last k tokens), best_of equal to n, and for chat
+add_generation_prompt and continue_final_message (the reply continues the last
+message: the rendered text is cut right after its content, as transformers cuts it).
 Tool calling (tools, tool_choice, parallel_tool_calls) is kvjax/server/tools.py.
 Unknown fields policy: a field neither API defines is ignored, as OpenAI's own
 clients' extra_body and vLLM do; a field they define that kvjax cannot honour
@@ -45,15 +48,20 @@ __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_co
 MAX_N = 128
 MAX_BODY_BYTES = 16 << 20  # 16 MiB: far above a max_model_len prompt of ids
 MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content parts -> part)
-# A JSON string (escapes included); every byte but the brackets the depth scan counts.
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# Characters one token covers at most, on average over a prompt: generous (English text
+# averages about 4; the longest tokens of common vocabularies, runs of spaces or symbols,
+# are 16 to 128).  A text prompt longer than max_model_len of them cannot fit, so it gets
+# its 400 before it is tokenized (a 10 MB prompt took 38 s to tokenize and check).
+MAX_CHARS_PER_TOKEN = 128
+# The bytes json_depth reads: quotes, backslashes and brackets.
+_JSON_SYNTAX = np.isin(np.arange(256), np.frombuffer(b'"\\[]{}', np.uint8))
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
-                "bad_words", "functions", "function_call")  # the last two: use tools
+                "bad_words", "functions", "function_call",  # these two: use tools
+                "chat_template")
 # vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
 _ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "logit_bias")
+                      "frequency_penalty", "logit_bias", "min_p")
 # stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
 _STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
 
@@ -120,12 +128,30 @@ class GenerationRequest:
 def json_depth(raw: bytes) -> int:
   """The deepest nesting of arrays and objects in JSON text `raw`: a running sum over
   its brackets outside strings, no recursion (malformed text gets some depth;
-  json.loads refuses it afterwards)."""
-  brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
-  if brackets.size == 0:
+  json.loads refuses it afterwards).  Numpy passes over the bytes that matter (quotes,
+  backslashes, brackets), which release the GIL: 10 MB of text takes milliseconds, 16 MiB
+  of nothing but those bytes about a second, and no other thread stalls meanwhile (a regex
+  over the strings held the GIL for 6-11 s on 10 MB of text)."""
+  text = np.frombuffer(raw, np.uint8)
+  at = np.flatnonzero(_JSON_SYNTAX[text])  # positions of the bytes that matter
+  if at.size == 0:
     return 0
-  steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)  # [brackets]
-  return int(np.cumsum(steps).max())
+  byte = text[at]
+  backslash = byte == ord("\\")
+  follows = np.concatenate(([False], at[1:] == at[:-1] + 1))  # right after the one before
+  # The backslash run each backslash ends; a quote is escaped when an odd run ends
+  # right before it.
+  starts = backslash & ~(follows & np.concatenate(([False], backslash[:-1])))
+  index = np.arange(at.size, dtype=np.int32)
+  run_start = np.maximum.accumulate(np.where(starts, index, np.int32(-1)))
+  run = np.where(backslash, index - run_start + 1, 0)
+  run_before = np.where(follows, np.concatenate(([0], run[:-1])), 0)
+  quote = (byte == ord('"')) & (run_before % 2 == 0)
+  in_string = np.logical_xor.accumulate(quote)
+  opens = ((byte == ord("[")) | (byte == ord("{"))) & ~in_string
+  closes = ((byte == ord("]")) | (byte == ord("}"))) & ~in_string
+  steps = opens.astype(np.int8) - closes.astype(np.int8)
+  return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
 
 
 def parse_json(raw: bytes) -> dict:
@@ -154,7 +180,12 @@ def parse_completion(body: dict, limits: Limits, tokenizer) -> GenerationRequest
   for name in ("tools", "tool_choice"):
     if body.get(name) is not None:
       raise OpenAIError(f"{name} needs /v1/chat/completions", name)
-  prompts = [_prompt_item(p, limits, tokenizer) for p in _prompt_items(body["prompt"])]
+  items = _prompt_items(body["prompt"])
+  if limits.max_choices is not None and len(items) > limits.max_choices:
+    raise OpenAIError(f"{len(items)} prompts; this server takes at most "
+                      f"{limits.max_choices} sequences per request", "prompt")
+  keep = _truncation(body)
+  prompts = [_prompt_item(p, limits, tokenizer, keep) for p in items]
   return _request(body, limits, prompts, chat=False, param="prompt")
 
 
@@ -168,14 +199,23 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
     raise OpenAIError("this model has no tokenizer, so no chat template: use "
                       "/v1/completions with token ids", "messages")
   rendered = [_message(i, m) for i, m in enumerate(messages)]
+  _check_text_fits(sum(len(m["content"]) for m in rendered), limits, "messages")
+  continued = _flag(body, "continue_final_message", False)
+  generation_prompt = _flag(body, "add_generation_prompt", not continued)
+  if continued and generation_prompt:
+    raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
+                      "continue_final_message")
+  keep = _truncation(body)
   tool_use = parse_tools(body, OpenAIError, tokenizer.tool_format)
   try:
-    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=generation_prompt,
                                          tools=list(tool_use.tools) if tool_use else None)
   except Exception as error:  # the template is the checkpoint's data: its refusal is a 400
     raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
+  if continued:
+    text = _cut_after_final_message(text, rendered[-1]["content"])
   # Templates write their own BOS text (kvjax/tokenizer.py): no special tokens added.
-  ids = _token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
+  ids = _token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages", keep)
   return _request(body, limits, [ids], chat=True, param="messages", tool_use=tool_use)
 
 
@@ -224,18 +264,57 @@ def _prompt_items(prompt) -> list:
                     f"strings or token id lists, got {prompt!r:.200}", "prompt")
 
 
-def _prompt_item(item, limits: Limits, tokenizer) -> list[int]:
+def _truncation(body: dict) -> Optional[int]:
+  """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (None: all)."""
+  keep = body.get("truncate_prompt_tokens")
+  return None if keep is None else _checked("truncate_prompt_tokens", check_int,
+                                            "truncate_prompt_tokens", keep, 1)
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+  """The rendered chat up to the end of the last message's content (stripped), so the
+  reply continues it: transformers' and vLLM's continue_final_message."""
+  final = final.strip()
+  if final not in text:
+    raise OpenAIError("continue_final_message: the chat template does not write the last "
+                      "message's content", "continue_final_message")
+  return text[:text.rindex(final) + len(final)]
+
+
+def _prompt_item(item, limits: Limits, tokenizer, keep: Optional[int]) -> list[int]:
   if isinstance(item, str):
     if tokenizer is None:
       raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
+    _check_text_fits(len(item), limits, "prompt")
     item = tokenizer.encode(_text(item, "prompt", "the prompt"), add_special_tokens=True)  # BOS where the tokenizer has one
-  return _token_ids(item, limits, "prompt")
+  return _token_ids(item, limits, "prompt", keep)
 
 
-def _token_ids(ids, limits: Limits, param: str) -> list[int]:
-  """A non-empty list of ids in the model's vocabulary (a tokenizer's may be larger)."""
+def _check_text_fits(chars: int, limits: Limits, param: str) -> None:
+  """400 for a text of `chars` characters that max_model_len tokens cannot hold (decided
+  before it is tokenized; MAX_CHARS_PER_TOKEN)."""
+  bound = (limits.max_model_len - 1) * MAX_CHARS_PER_TOKEN
+  if chars > bound:
+    raise OpenAIError(f"the {param} is {chars} characters; a prompt shorter than "
+                      f"max_model_len {limits.max_model_len} tokens holds at most {bound} "
+                      f"({MAX_CHARS_PER_TOKEN} characters per token)", param)
+
+
+def _check_fits(num_tokens: int, limits: Limits, param: str) -> None:
+  """400 for a prompt that leaves no room for a token within max_model_len."""
+  if num_tokens >= limits.max_model_len:
+    raise OpenAIError(f"the prompt is {num_tokens} tokens but max_model_len is "
+                      f"{limits.max_model_len}", param)
+
+
+def _token_ids(ids, limits: Limits, param: str, keep: Optional[int] = None) -> list[int]:
+  """A non-empty list of ids in the model's vocabulary (a tokenizer's may be larger), its
+  last `keep` ones when given, short enough for max_model_len (its length checked before
+  its ids)."""
   if not ids:
     raise OpenAIError(f"the {param} must not be empty", param)
+  ids = ids if keep is None else ids[-keep:]
+  _check_fits(len(ids), limits, param)
   return [_checked(param, check_int, f"{param} token id", t, 0, limits.vocab_size)
           for t in ids]
 
@@ -283,9 +362,6 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   max_tokens = body.get(length_param)
   lengths = []
   for ids in prompts:
-    if len(ids) >= limits.max_model_len:
-      raise OpenAIError(f"the prompt is {len(ids)} tokens but max_model_len is "
-                        f"{limits.max_model_len}", param)
     if max_tokens is None:
       lengths.append(limits.max_model_len - len(ids) if chat else 16)
       continue
@@ -294,6 +370,10 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
   n = 1 if body.get("n") is None else _checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
+  best_of = body.get("best_of")  # vLLM: best_of == n samples n and returns them all
+  if best_of is not None and _checked("best_of", check_int, "best_of", best_of, 1) != n:
+    raise OpenAIError(f"best_of must equal n ({n}): kvjax does not rank extra choices, got "
+                      f"{best_of!r}", "best_of")
   if limits.max_choices is not None and n * len(prompts) > limits.max_choices:
     raise OpenAIError(f"n={n} choices for each of {len(prompts)} prompts is {n * len(prompts)} "
                       f"sequences; this server takes at most {limits.max_choices} per request",
