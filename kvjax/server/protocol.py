@@ -40,7 +40,7 @@ import numpy as np
 from kvjax.constraints import Constraint
 from kvjax.server.structured import parse_constraint
 from kvjax.server.tools import ToolUse, parse_tools, tool_message_fields
-from kvjax.validation import SEED_RANGE, check_int, sampling_options, stop_ids
+from kvjax.validation import EXTENSIONS, SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
            "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH"]
@@ -59,9 +59,6 @@ _JSON_SYNTAX = np.isin(np.arange(256), np.frombuffer(b'"\\[]{}', np.uint8))
 _UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
                 "bad_words", "functions", "function_call",  # these two: use tools
                 "chat_template")
-# vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
-_ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "logit_bias", "min_p")
 # stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
 _STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
 
@@ -221,8 +218,9 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
 
 def engine_error_param(message: str) -> Optional[str]:
   """The request field an Engine.add_request ValueError is about."""
-  for words, param in (("constraint", "response_format"), ("KV pages", "max_tokens"), ("spans", "max_tokens"),
-                       ("max_new_tokens", "max_tokens"), ("token id", "prompt"),
+  for words, param in (("constraint", "response_format"), ("KV pages", "max_tokens"),
+                       ("spans", "max_tokens"), ("max_new_tokens", "max_tokens"),
+                       ("token id", "prompt"),
                        ("prompt", "prompt"), ("stop", "stop")):
     if words in message:
       return param
@@ -286,7 +284,8 @@ def _prompt_item(item, limits: Limits, tokenizer, keep: Optional[int]) -> list[i
     if tokenizer is None:
       raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
     _check_text_fits(len(item), limits, "prompt")
-    item = tokenizer.encode(_text(item, "prompt", "the prompt"), add_special_tokens=True)  # BOS where the tokenizer has one
+    text = _text(item, "prompt", "the prompt")
+    item = tokenizer.encode(text, add_special_tokens=True)  # BOS where the tokenizer has one
   return _token_ids(item, limits, "prompt", keep)
 
 
@@ -388,7 +387,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   temperature = 1.0 if temperature is None else temperature
   top_k = body.get("top_k")
   top_k = None if type(top_k) is int and top_k == -1 else top_k  # vLLM's "off"
-  extensions = {name: body[name] for name in _ENGINE_EXTENSIONS if body.get(name) is not None}
+  extensions = {name: body[name] for name in EXTENSIONS if body.get(name) is not None}
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
                      top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs,
