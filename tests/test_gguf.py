@@ -68,7 +68,7 @@ def write_tiny_gguf(path: str, arch: str, type_name: str, seed: int = 0,
   def matrix(name: str, hf_rows: np.ndarray, heads: int | None = None) -> np.ndarray:
     """Store torch-layout [O, I] weights; -> what the stored bytes decode to, [O, I]."""
     qtype = GGMLQuantizationType[type_name]
-    if type_name in ("Q4_K", "Q6_K"):  # no quantizer in gguf: random blocks instead
+    if type_name.endswith("_K"):  # no quantizer in gguf: random blocks instead
       stored = gguf_bytes(type_name, *hf_rows.shape, seed=int(rng.integers(1 << 30)))
     else:
       stored = gguf.quants.quantize(np.asarray(hf_rows, np.float32), qtype)
@@ -132,7 +132,7 @@ def tiny_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("gguf")
 
 
-_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("type_name", _TYPES)
@@ -212,9 +212,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-  path = str(tmp_path / "q5.gguf")
-  write_tiny_gguf(path, "llama", "Q5_0")
-  with pytest.raises(ValueError, match=r"token_embd\.weight has type Q5_0.*supported types"):
+  path = str(tmp_path / "tq2.gguf")
+  write_tiny_gguf(path, "llama", "TQ2_0")
+  with pytest.raises(ValueError, match=r"token_embd\.weight has type TQ2_0.*supported types"):
     gguf_weights.load_gguf(path)
 
 
