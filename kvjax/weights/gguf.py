@@ -2,7 +2,8 @@
 
 Architectures: llama (Mistral too: llama.cpp writes it as llama, with
 `llama.attention.sliding_window` when it has one), qwen2 (qkv bias), qwen3 (q/k
-norm); tensor types as kvjax/weights/gguf_quants.py decodes them.  The file is
+norm), gemma3 (the text decoder; `_gemma3_fields`); tensor types as
+kvjax/weights/gguf_quants.py decodes them.  The file is
 read through gguf.GGUFReader's memory map, one tensor at a time.
 
 GGUF lists a tensor's shape fastest dimension first: a projection torch keeps as
@@ -36,7 +37,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
            "resolve_registry_name", "open_gguf", "config_from_gguf", "read_gguf_config",
            "load_gguf"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _ROPE_PERMUTED = ("llama",)  # architectures whose q/k rows convert_hf_to_gguf reorders
 _MISSING = object()
 
@@ -90,13 +91,17 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
     raise ValueError(f"GGUF file {reader.data.filename}: value or rope dims differ from "
                      f"the key head dim {head_dim}; kvjax needs them equal")
   window = get("attention.sliding_window", None)
-  if window is not None and arch != "llama":
+  if window is not None and arch not in ("llama", "gemma3"):
     raise ValueError(f"GGUF file {reader.data.filename}: {arch} with a sliding window is "
                      "unsupported (GGUF does not record which of its layers slide)")
+  num_layers = int(get("block_count"))
+  layers = {}
+  if arch == "gemma3":
+    layers, window = _gemma3_fields(reader, get, num_layers, int(window), hidden // num_heads), None
   tokenizer = lambda key: _field(reader, f"tokenizer.ggml.{key}", None)
   return ModelConfig(
       name=os.path.splitext(os.path.basename(reader.data.filename))[0], vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-      intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+      intermediate_size=int(get("feed_forward_length")), num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=int(get("attention.head_count_kv", num_heads)),
       head_dim=head_dim, max_position_embeddings=int(get("context_length")),
       rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -106,7 +111,27 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
       qk_norm="blk.0.attn_q_norm.weight" in tensors,
       sliding_window=None if window is None else int(window),
       bos_token_id=tokenizer("bos_token_id"), eos_token_id=tokenizer("eos_token_id"),
-      pad_token_id=tokenizer("padding_token_id"))
+      pad_token_id=tokenizer("padding_token_id"), **layers)
+
+
+def _gemma3_fields(reader: gguf.GGUFReader, get, num_layers: int, window: int,
+                   width_per_head: int) -> dict:
+  """Gemma 3's ModelConfig fields as llama.cpp builds the model from the file: every
+  `sliding_window_pattern`-th layer (6) global at rope base `rope.freq_base`, the rest
+  local (window, base `rope.freq_base_swa`: 10k); RMSNorm weights stored as 1 + w
+  (convert_hf_to_gguf adds the 1), so kvjax's plain RMSNorm multiplies by them; tanh-GELU
+  gate; embeddings times sqrt(width); q . k over sqrt(head_dim), or sqrt(width / heads)
+  for the 62-layer 27B (query_pre_attn_scalar, which GGUF does not record)."""
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if get(key, None) is not None:
+      raise ValueError(f"GGUF file {reader.data.filename}: gemma3.{key} is unsupported")
+  pattern = int(get("attention.sliding_window_pattern", 6))
+  is_global = [(i + 1) % pattern == 0 for i in range(num_layers)]
+  local_theta = float(get("rope.freq_base_swa", 10000.0))
+  return dict(layer_windows=tuple(None if g else window for g in is_global),
+              layer_rope_thetas=tuple(None if g else local_theta for g in is_global),
+              post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh",
+              query_pre_attn_scalar=float(width_per_head) if num_layers == 62 else None)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -195,9 +220,12 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
         bv=vector(pre + "attn_v.bias", (k, h)) if bias else None,
         q_norm=vector(pre + "attn_q_norm.weight", (h,)) if cfg.qk_norm else None,
         k_norm=vector(pre + "attn_k_norm.weight", (h,)) if cfg.qk_norm else None)
+    post = cfg.post_norms
     blocks.append(BlockParams(
         attn_norm=vector(pre + "attn_norm.weight", (d,)), attn=attn,
         mlp_norm=vector(pre + "ffn_norm.weight", (d,)),
+        post_attn_norm=vector(pre + "post_attention_norm.weight", (d,)) if post else None,
+        post_mlp_norm=vector(pre + "post_ffw_norm.weight", (d,)) if post else None,
         w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
         w_up=projection(pre + "ffn_up.weight", (d, f), 1),
         w_down=projection(pre + "ffn_down.weight", (f, d), 1)))
