@@ -3,7 +3,9 @@
 `ModelConfig` is static under `jax.jit` (it is hashable), so a step compiled for
 one config never silently serves another.  The same dataclass describes Llama 2/3
 (incl. Llama-3.1 rope scaling), Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm, free head_dim), DeepSeek-style MLA and hybrid models (the
+Qwen3 (q/k RMSNorm, free head_dim), Gemma 3 (local / global layers with their
+own rope bases, norms after each sublayer too, scaled embeddings, GeGLU),
+DeepSeek-style MLA and hybrid models (the
 ledger counts only full-attention layers), plus kvjax's own byte-level code model
 with MTP draft heads.
 
@@ -24,6 +26,7 @@ __all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "DTYPE_SHORT_NAMES",
 # ledger and error messages print.
 DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 LAYER_TYPES = ("full_attention", "linear_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, GeGLU (tanh GELU)
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -85,6 +88,14 @@ class ModelConfig:
   qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before rope.
   sliding_window: Optional[int] = None
   layer_windows: Optional[tuple] = None  # per-layer window (None entries = full).
+  layer_rope_thetas: Optional[tuple] = None  # per-layer rope base (None entries = rope_theta)
+  # Gemma 2/3: the attention and MLP outputs are RMS-normed too before the residual add
+  # (BlockParams.post_attn_norm / post_mlp_norm).
+  post_norms: bool = False
+  scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), at their dtype
+  mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS
+  # Gemma: q . k scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+  query_pre_attn_scalar: Optional[float] = None
   mtp_num_hidden_layers: int = 0  # DeepSeek-V3 style MTP draft modules.
   # Multi-head latent attention (DeepSeek-V2/V3); attention_type "mla".
   attention_type: str = "gqa"
@@ -149,8 +160,9 @@ class ModelConfig:
   def __post_init__(self):
     # A config read back from JSON holds lists; steps hash the config, so tuples.
     object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-    if self.layer_windows is not None:
-      object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+    for field in ("layer_windows", "layer_rope_thetas"):
+      if getattr(self, field) is not None:
+        object.__setattr__(self, field, tuple(getattr(self, field)))
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
       value = getattr(self, field)
@@ -161,9 +173,13 @@ class ModelConfig:
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.attention_type not in ("gqa", "mla"):
       raise ValueError(f"unknown attention_type {self.attention_type!r}; use 'gqa' or 'mla'")
-    if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
-      raise ValueError(
-          f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+    for field in ("layer_windows", "layer_rope_thetas"):
+      if getattr(self, field) is not None and len(getattr(self, field)) != self.num_layers:
+        raise ValueError(f"{field} has {len(getattr(self, field))} entries for "
+                         f"{self.num_layers} layers")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"unknown mlp_activation {self.mlp_activation!r}; use one of "
+                       f"{MLP_ACTIVATIONS}")
     if self.mtp_num_hidden_layers < 0:
       raise ValueError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
     if self.layer_types is not None:
@@ -275,6 +291,18 @@ class ModelConfig:
     if self.layer_windows is not None and layer < self.num_layers:
       return self.layer_windows[layer]
     return self.sliding_window
+
+  def rope_theta_of_layer(self, layer: int) -> float:
+    """Rope base of layer `layer` (MTP blocks use the global base)."""
+    if self.layer_rope_thetas is not None and layer < self.num_layers:
+      theta = self.layer_rope_thetas[layer]
+      return self.rope_theta if theta is None else theta
+    return self.rope_theta
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax scale of q . k."""
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   @property
   def kv_window(self) -> Optional[int]:

@@ -56,8 +56,9 @@ def _leaf_shapes(cfg: ModelConfig, kv_heads: int) -> list[tuple[str, tuple, int]
              ] if cfg.attention_bias else []
     attn += [("q_norm", (h,)), ("k_norm", (h,))] if cfg.qk_norm else []
   once = lambda leaves: [(name, shape, 0) for name, shape in leaves]
-  block = lambda layer: once(attn + [("attn_norm", (d,)), ("mlp_norm", (d,))]) + _mlp_leaves(
-      cfg, layer)
+  norms = [("attn_norm", (d,)), ("mlp_norm", (d,))]
+  norms += [("post_attn_norm", (d,)), ("post_mlp_norm", (d,))] if cfg.post_norms else []
+  block = lambda layer: once(attn + norms) + _mlp_leaves(cfg, layer)
   mtp = once([("embed_norm", (d,)), ("hidden_norm", (d,)), ("proj", (2 * d, d)),
               ("out_norm", (d,))])
   head = [] if cfg.tie_word_embeddings else [("lm_head", (d, cfg.vocab_size))]

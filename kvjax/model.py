@@ -14,6 +14,7 @@ only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,7 +32,7 @@ from kvjax.moe.block import moe_mlp
 from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params, gqa_init, \
     moe_init, swiglu_init
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "lm_logits",
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "embed_tokens", "lm_logits",
            "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend",
            "mla_attention", "gqa_attention", "swiglu", "LORA_NORM_EPS", "GQA", "MLA", "SWIGLU", "MOE"]
 
@@ -54,8 +55,12 @@ class Attend:
   linear: Optional[Callable[[Any, int, LinearInputs], tuple]] = None
 
 
-def _inv_freq(cfg: ModelConfig) -> jax.Array:
-  """[rotary_dim / 2] rope frequencies (partial rope rotates only the leading dims)."""
+def _inv_freq(cfg: ModelConfig, layer: int) -> jax.Array:
+  """[rotary_dim / 2] rope frequencies of `layer` at its own base (partial rope rotates
+  only the leading dims)."""
+  theta = cfg.rope_theta_of_layer(layer)
+  if theta != cfg.rope_theta:
+    cfg = cfg.replace(rope_theta=theta)
   if cfg.rotary_dim == cfg.head_dim:
     return rope_inv_freq(cfg)
   return rope_inv_freq(cfg.replace(head_dim=cfg.rotary_dim, partial_rotary_factor=1.0))
@@ -129,11 +134,15 @@ def mla_attention(cfg: ModelConfig, a: MLAParams, h: jax.Array, positions: jax.A
   return cache, jnp.einsum("btno,nod->btd", out, a.wo)
 
 
+_GATE_ACTIVATIONS = {"silu": jax.nn.silu,
+                     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 def swiglu(cfg: ModelConfig, p: BlockParams, h: jax.Array) -> jax.Array:
-  """The dense SwiGLU MLP: h [B, T, D] -> [B, T, D]."""
-  del cfg
-  gated = jax.nn.silu(dense("btd,df->btf", h, p.w_gate)) * dense("btd,df->btf", h, p.w_up)
-  return dense("btf,fd->btd", gated, p.w_down)
+  """The dense gated MLP: h [B, T, D] -> [B, T, D]; SwiGLU, or GeGLU with
+  cfg.mlp_activation 'gelu_tanh' (Gemma)."""
+  gate = _GATE_ACTIVATIONS[cfg.mlp_activation](dense("btd,df->btf", h, p.w_gate))
+  return dense("btf,fd->btd", gate * dense("btd,df->btf", h, p.w_up), p.w_down)
 
 
 GQA = register_layer_kind(LayerKind(
@@ -152,24 +161,38 @@ register_selector(lambda cfg, layer: "moe" if cfg.is_moe_layer(layer) else None,
 
 def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
            inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
-  """One pre-norm decoder block; x [B, T, D] -> (cache, x)."""
+  """One pre-norm decoder block (its sublayer outputs normed too where it has post
+  norms); x [B, T, D] -> (cache, x)."""
   h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
   cache, out = layer_kind(cfg, layer).step(cfg, p.attn, h, positions, inv_freq, cache, layer,
                                            attend)
+  if p.post_attn_norm is not None:
+    out = rms_norm(out, p.post_attn_norm, cfg.rms_norm_eps)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-  return cache, x + mlp_kind(cfg, layer).apply(cfg, p, h)
+  out = mlp_kind(cfg, layer).apply(cfg, p, h)
+  if p.post_mlp_norm is not None:
+    out = rms_norm(out, p.post_mlp_norm, cfg.rms_norm_eps)
+  return cache, x + out
 
 
 def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: Any, attend: Attend):
   """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm."""
-  x = params.embed[tokens]
-  inv_freq = _inv_freq(cfg)
+  x = embed_tokens(params, cfg, tokens)
   with matmul_precision(params.embed.dtype):
     for layer, block in enumerate(params.blocks):
-      cache, x = _block(cfg, block, x, positions, inv_freq, cache, layer, attend)
+      cache, x = _block(cfg, block, x, positions, _inv_freq(cfg, layer), cache, layer, attend)
   return cache, x
+
+
+def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+  """tokens [...] -> embeddings [..., D] (Gemma's times sqrt(D), rounded to their dtype
+  first as transformers does)."""
+  x = params.embed[tokens]
+  if cfg.scale_embeddings:
+    x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+  return x
 
 
 def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array,
@@ -188,11 +211,11 @@ def mtp_block(params: Params, cfg: ModelConfig, depth: int, prev_hidden: jax.Arr
   Its attention uses cache layer `num_layers + depth`.
   """
   m: MTPParams = params.mtp[depth]
-  e = rms_norm(params.embed[next_tokens], m.embed_norm, cfg.rms_norm_eps)
+  e = rms_norm(embed_tokens(params, cfg, next_tokens), m.embed_norm, cfg.rms_norm_eps)
   h = rms_norm(prev_hidden, m.hidden_norm, cfg.rms_norm_eps)
   with matmul_precision(params.embed.dtype):
     x = jnp.concatenate([e, h], axis=-1) @ m.proj
-    return _block(cfg, m.block, x, positions, _inv_freq(cfg), cache,
+    return _block(cfg, m.block, x, positions, _inv_freq(cfg, cfg.num_layers + depth), cache,
                   cfg.num_layers + depth, attend)
 
 
@@ -203,7 +226,8 @@ def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
 
   def attention(cache, layer, q, k, v, sinks=None):
     visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
-    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.head_dim ** -0.5, sinks=sinks)
+    return cache, masked_attention(q, k, v, visible, sm_scale=cfg.attention_scale,
+                                           sinks=sinks)
 
   return Attend(attention=attention, linear=lambda cache, index, inputs: (
       cache, stateless_mix(inputs)))

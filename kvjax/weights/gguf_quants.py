@@ -7,13 +7,25 @@ Every supported block type decodes to integer codes q with one float scale
   Q8_0  32 elements, 34 B: f16 d, 32 int8 q                   w = q d
   Q4_0  32 elements, 18 B: f16 d, 16 B of nibbles, q - 8       w = (q - 8) d
   Q4_1  32 elements, 20 B: f16 d, f16 m, 16 B of nibbles       w = q d + m
+  Q5_0  32 elements, 22 B: f16 d, 32 high bits, 16 B nibbles  w = (q - 16) d
+  Q5_1  32 elements, 24 B: f16 d, f16 m, high bits, nibbles   w = q d + m
+  Q2_K  256 elements, 84 B: 16 B of 4-bit scale / min pairs for 16 groups of 16,
+        64 B of 2-bit codes, f16 d, f16 dmin                  w = q (d sc) - dmin mn
+  Q3_K  256 elements, 110 B: 32 B high-bit mask, 64 B of 2-bit codes, 12 B of
+        16 6-bit scales (- 32), f16 d                         w = (q - 4 [bit off]) (d sc)
   Q4_K  256 elements, 144 B: f16 d, f16 dmin, 12 B of 6-bit scale / min pairs
         for 8 groups of 32, 128 B of nibbles                  w = q (d sc) - dmin mn
+  Q5_K  256 elements, 176 B: Q4_K's fields, then 32 B of high bits before the
+        nibbles                                               w = q (d sc) - dmin mn
   Q6_K  256 elements, 210 B: 128 B low nibbles, 64 B high 2-bit pairs, 16 int8
         scales for groups of 16, f16 d                        w = (q - 32) (d sc)
 (in a 32-element nibble block byte j holds element j low and j + 16 high; Q4_K's
 128 nibble bytes are 4 runs of 32 holding groups 2c and 2c + 1; Q6_K's 256
-elements are two halves of 128 built from 64 low and 32 high bytes each).
+elements are two halves of 128 built from 64 low and 32 high bytes each; a 5-bit
+code's high bit for element j of a 32-group is bit j of Q5_0 / Q5_1's little-endian
+word, bit g of Q5_K's byte j for group g; Q2_K / Q3_K's 2-bit codes fill 128
+elements from 32 bytes, bits 2s..2s+1 of byte j holding element 32s + j, and
+Q3_K's mask bit g of byte j belongs to element 32g + j).
 F32, F16 and BF16 are plain floats.  `dequantize` computes each product in the
 order llama.cpp's reference does, so it equals gguf.quants.dequantize bitwise.
 
@@ -44,7 +56,9 @@ __all__ = ["SUPPORTED_TYPES", "Blocks", "check_type", "decode_blocks", "dequanti
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Block type -> (elements per scale, lowest code, highest code) of its decoded q.
 _CODES = {"Q8_0": (32, -128, 127), "Q4_0": (32, -8, 7), "Q4_1": (32, 0, 15),
-          "Q4_K": (32, 0, 15), "Q6_K": (16, -32, 31)}
+          "Q5_0": (32, -16, 15), "Q5_1": (32, 0, 31), "Q2_K": (16, 0, 3),
+          "Q3_K": (16, -4, 3), "Q4_K": (32, 0, 15), "Q5_K": (32, 0, 31),
+          "Q6_K": (16, -32, 31)}
 SUPPORTED_TYPES = FLOAT_TYPES + tuple(_CODES)
 
 
@@ -84,15 +98,71 @@ def _q4_1(b: np.ndarray):
   return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
 
 
-def _q4_k(b: np.ndarray):
+def _word_bits(b: np.ndarray, start: int) -> np.ndarray:
+  """[n, 32] bit j of the little-endian 32-bit word at byte `start` of each block."""
+  word = np.ascontiguousarray(b[:, start:start + 4]).view(np.uint32)  # [n, 1]
+  return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_0(b: np.ndarray):
+  return (_nibbles(b[:, 6:]) | (_word_bits(b, 2) << 4)).astype(np.int16) - 16, _f16(b, 0), None
+
+
+def _q5_1(b: np.ndarray):
+  return _nibbles(b[:, 8:]) | (_word_bits(b, 4) << 4), _f16(b, 0), _f16(b, 2)
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+  """2-bit codes: bytes [n, 32 r] -> [n, 128 r], element 32 s + j of each 128 from bits
+  2s..2s+1 of its run's byte j."""
+  n = packed.shape[0]
+  shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+  return ((packed.reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, -1)
+
+
+def _mask_bits(mask: np.ndarray) -> np.ndarray:
+  """Bytes [n, 32] -> [n, 256]: element 32 g + j is bit g of byte j."""
+  n = mask.shape[0]
+  shifts = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+  return ((mask.reshape(n, 1, 32) >> shifts) & 1).reshape(n, 256)
+
+
+def _q2_k(b: np.ndarray):
+  scales = b[:, :16]  # group g: scale in the low nibble, min in the high one
+  scale = _f16(b, 80) * (scales & 0x0F).astype(np.float32)
+  return _crumbs(b[:, 16:80]), scale, -(_f16(b, 82) * (scales >> 4).astype(np.float32))
+
+
+def _q3_k(b: np.ndarray):
   n = b.shape[0]
+  packed = b[:, 96:108]  # 16 6-bit scales: low nibbles in 0-7, high pairs in 8-11
+  low = _nibbles(packed[:, :8])
+  high = (packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8)
+          .reshape(1, 4, 1)).reshape(n, 16) & 0x03
+  sc = (low | (high << 4)).astype(np.int16) - 32
+  q = _crumbs(b[:, 32:96]).astype(np.int16) - 4 * (1 - _mask_bits(b[:, :32]).astype(np.int16))
+  return q, _f16(b, 108) * sc.astype(np.float32), None
+
+
+def _k_scales(b: np.ndarray):
+  """Q4_K / Q5_K: (d sc [n, 8], -(dmin mn) [n, 8]) from the 12 bytes at 4..15."""
   packed = b[:, 4:16]  # 8 6-bit scales and 8 6-bit mins
   lo, mid, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
   sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
   mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+  return _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * mn.astype(np.float32))
+
+
+def _q4_k(b: np.ndarray):
+  n = b.shape[0]
   q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 256)
-  scale = _f16(b, 0) * sc.astype(np.float32)
-  return q, scale, -(_f16(b, 2) * mn.astype(np.float32))
+  return (q, *_k_scales(b))
+
+
+def _q5_k(b: np.ndarray):
+  n = b.shape[0]
+  q = _nibbles(b[:, 48:].reshape(n, 4, 32)).reshape(n, 256) | (_mask_bits(b[:, 16:48]) << 4)
+  return (q, *_k_scales(b))
 
 
 def _q6_k(b: np.ndarray):
@@ -105,7 +175,8 @@ def _q6_k(b: np.ndarray):
   return q, scale, None
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+             "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def decode_blocks(raw: np.ndarray, type_name: str) -> Blocks:

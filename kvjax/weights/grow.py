@@ -41,7 +41,8 @@ def _check(cfg: ModelConfig, hidden_size, intermediate_size, num_kv_heads, num_l
   unsupported = {"attention_type": cfg.attention_type != "gqa", "qk_norm": cfg.qk_norm,
                  "layer_types": cfg.layer_types is not None,
                  "layer_windows": cfg.layer_windows is not None,
-                 "num_experts": cfg.num_experts > 0, "attn_output_gate": cfg.attn_output_gate}
+                 "num_experts": cfg.num_experts > 0, "attn_output_gate": cfg.attn_output_gate,
+                 "post_norms": cfg.post_norms}
   bad = [name for name, is_bad in unsupported.items() if is_bad]
   if bad:
     raise ValueError(f"grow supports plain GQA decoders; {cfg.name} has "
