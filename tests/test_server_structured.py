@@ -17,6 +17,7 @@ import pytest
 import kvjax
 from kvjax.server import serve_in_thread
 from tests.server_helpers import CONFIG, NAME, scrape, value
+from tests.test_constraint_limits import ref_chain, rule_chain
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
@@ -120,6 +121,14 @@ def test_vllm_structured_outputs(server, field, check):
     ({"response_format": {"type": "xml"}}, "response_format", "xml"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one"),
+    # Issue 53: llguidance segfaulted on this chain and took the server down with it.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                                 ref_chain(1000)}}},
+     "response_format", "nests 3000 levels deep"),
+    ({"guided_grammar": rule_chain(3000)}, "guided_grammar", "bracketed groups"),
+    ({"guided_choice": [str(i) for i in range(2001)]}, "guided_choice", "2001 items"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ref_chain(1000)}}],
+      "tool_choice": "required"}, "tools", "levels deep"),
 ])
 def test_unsupported_features_are_400s_naming_them(server, client, body, param, words):
   reply = httpx.post(f"{server.url}/chat/completions", timeout=60,
@@ -129,3 +138,4 @@ def test_unsupported_features_are_400s_naming_them(server, client, body, param, 
   assert error["param"] == param and words in error["message"], error
   ok = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
   assert ok.choices[0].finish_reason in ("stop", "length")
+  assert httpx.get(f"{server.root}/health", timeout=5).status_code == 200

@@ -6,7 +6,9 @@ grammar (llguidance's Lark dialect, which also takes `%json` schemas inline).
 `grammar()` is the llguidance grammar text; `check(vocabulary)` compiles it
 against a model's vocabulary and raises ValueError naming the problem (a bad
 regex, an unknown rule, a schema keyword llguidance does not implement, such
-as `contains`), so an unsupported feature is refused, never ignored.
+as `contains`), so an unsupported feature is refused, never ignored.  Its size
+and depth are bounded first (kvjax/constraints/limits.py): llguidance's
+compiler recurses, and a deep enough schema or grammar crashes the process.
 
 JSON is compact: no whitespace between tokens (llguidance's default lets a
 model write any amount, which a weak model fills its budget with).
@@ -18,6 +20,8 @@ import json
 from typing import Any, Optional
 
 import llguidance
+
+from kvjax.constraints import limits
 
 __all__ = ["Constraint", "KINDS"]
 
@@ -41,11 +45,18 @@ class Constraint:
           or not all(isinstance(c, str) and c for c in self.value)):
         raise ValueError(f"choice constraint needs a non-empty list of non-empty strings, "
                          f"got {self.value!r}")
+      limits.check_choices(self.value)
     elif self.kind in ("regex", "grammar") and not (isinstance(self.value, str) and self.value):
       raise ValueError(f"{self.kind} constraint needs a non-empty string, got {self.value!r}")
     elif self.kind == "json_schema" and not isinstance(self.value, (dict, str, bool)):
       raise ValueError(f"json_schema constraint needs a schema (dict or JSON text), got "
                        f"{type(self.value).__name__}")
+    elif self.kind == "json_schema":
+      limits.check_schema(self.value)
+    elif self.kind == "grammar":
+      limits.check_grammar(self.value)
+    elif self.kind == "regex":
+      limits.check_text("regex", self.value)
 
   def grammar(self) -> str:
     """The llguidance grammar (its JSON form) this constraint compiles to."""

@@ -33,14 +33,13 @@ def parse_constraint(body: dict, error) -> Optional[Constraint]:
   value = body[name]
   if name in _GUIDED:
     value = {_GUIDED[name]: value}
-  if name == "response_format":
-    constraint = _response_format(value, error)
-  else:
-    constraint = _structured_outputs(value, name, error)
-  if constraint is None:
-    return None
-  try:
-    constraint.check(None)
+  try:  # a Constraint checks its value's type and bounds, check() compiles it
+    if name == "response_format":
+      constraint = _response_format(value, error)
+    else:
+      constraint = _structured_outputs(value, name, error)
+    if constraint is not None:
+      constraint.check(None)
   except ValueError as problem:
     raise error(f"{name}: {problem}", name) from None
   return constraint
@@ -68,8 +67,4 @@ def _structured_outputs(value, name: str, error) -> Constraint:
   if len(given) != 1:
     raise error(f"{name} must set exactly one of {', '.join(_VLLM_KINDS)}, got "
                 f"{value!r:.200}", name)
-  kind = _VLLM_KINDS[given[0]]
-  try:
-    return Constraint(kind, value[given[0]])
-  except ValueError as problem:
-    raise error(f"{name}: {problem}", name) from None
+  return Constraint(_VLLM_KINDS[given[0]], value[given[0]])
