@@ -139,3 +139,15 @@ def test_unsupported_features_are_400s_naming_them(server, client, body, param, 
   ok = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
   assert ok.choices[0].finish_reason in ("stop", "length")
   assert httpx.get(f"{server.root}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("bad", [True, 5, 1.5, -1, 1e30, {"yes": 1}, "yes"])
+@pytest.mark.parametrize("field", ["guided_choice", "structured_outputs"])
+def test_a_choice_that_is_no_list_of_strings_is_a_400_naming_the_field(server, field, bad):
+  # Issue 53: numbers and booleans were a TypeError in Constraint, a 500.
+  value = bad if field == "guided_choice" else {"choice": bad}
+  reply = httpx.post(f"{server.url}/completions", timeout=60,
+                     json={"model": NAME, "prompt": "x", "max_tokens": 2, field: value})
+  assert reply.status_code == 400, reply.text
+  error = reply.json()["error"]
+  assert error["param"] == field and "non-empty list of non-empty strings" in error["message"]

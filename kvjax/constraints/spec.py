@@ -41,13 +41,14 @@ class Constraint:
     if self.kind not in KINDS:
       raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
     if self.kind == "choice":
-      if (isinstance(self.value, str) or not self.value
+      if (not isinstance(self.value, (list, tuple)) or not self.value
           or not all(isinstance(c, str) and c for c in self.value)):
         raise ValueError(f"choice constraint needs a non-empty list of non-empty strings, "
-                         f"got {self.value!r}")
+                         f"got {self.value!r:.200}")
       limits.check_choices(self.value)
     elif self.kind in ("regex", "grammar") and not (isinstance(self.value, str) and self.value):
-      raise ValueError(f"{self.kind} constraint needs a non-empty string, got {self.value!r}")
+      raise ValueError(f"{self.kind} constraint needs a non-empty string, got "
+                       f"{self.value!r:.200}")
     elif self.kind == "json_schema" and not isinstance(self.value, (dict, str, bool)):
       raise ValueError(f"json_schema constraint needs a schema (dict or JSON text), got "
                        f"{type(self.value).__name__}")
