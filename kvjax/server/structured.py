@@ -10,7 +10,7 @@ a 400 naming the field and the problem before anything is queued.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from kvjax.constraints import Constraint
 
@@ -21,14 +21,15 @@ _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 _GUIDED = {f"guided_{key}": key for key in _VLLM_KINDS}
 
 
-def parse_constraint(body: dict, error) -> Optional[Constraint]:
-  """The request's Constraint or None; error(message, param) builds the 400."""
+def parse_constraint(body: dict, error) -> Tuple[Optional[str], Optional[Constraint]]:
+  """(the field that sets it, the request's Constraint) or (None, None);
+  error(message, param) builds the 400."""
   fields = [name for name in ("response_format", "structured_outputs", *_GUIDED)
             if body.get(name) is not None]
   if len(fields) > 1:
     raise error(f"set one of {', '.join(fields)}, not several", fields[1])
   if not fields:
-    return None
+    return None, None
   name = fields[0]
   value = body[name]
   if name in _GUIDED:
@@ -42,7 +43,7 @@ def parse_constraint(body: dict, error) -> Optional[Constraint]:
       constraint.check(None)
   except ValueError as problem:
     raise error(f"{name}: {problem}", name) from None
-  return constraint
+  return (None, None) if constraint is None else (name, constraint)
 
 
 def _response_format(value, error) -> Optional[Constraint]:
