@@ -24,7 +24,8 @@ A request for which the model gives non-finite logits (NaN or inf weights or
 activations) at any position it feeds, its drafts included, finishes with
 finish_reason "error" after the tokens it emitted before; the pages only it
 held are cleared and leave the prefix cache, so the other requests, now and
-later, are unaffected.
+later, are unaffected.  So does a constrained request whose grammar matcher
+fails (RequestOutput.error says why; kvjax/constraints/book.py).
 
 Threading: an Engine is safe to share between threads.  One re-entrant lock
 covers `add_request`, `abort`, `step` and `generate` (which holds it for its
@@ -294,7 +295,7 @@ class Engine(EngineWarmUp, EngineGenerate):
           self.metrics[row.request_id].prefix_hit_tokens = row.request.num_cached_tokens
         self._fresh_drafts[row.request_id] = (
             (k if row.is_decode else k_prefill) if row.sample else 0)
-      result.read(rows, emitted, drafted, steps_run)
+      result.read(rows, emitted, drafted, steps_run, self.constraints.failed)
     before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in result.new_ids}
     sampled = {rid: self.scheduler.requests[rid] for rid in result.new_ids}
     for req, good in result.broken:

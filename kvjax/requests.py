@@ -200,9 +200,10 @@ class RequestOutput:
   new_token_ids: list  # ids appended this step
   output_ids: list  # every id generated so far
   finished: bool
-  finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
+  finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" once finished
   metrics: Any = None  # the request's RequestMetrics (kvjax/metrics.py), once finished
   new_logprobs: Optional[list] = None  # a TokenLogprob per new id, if the request asked
+  error: Optional[str] = None  # finish_reason "error" from a failed constraint: why
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,8 @@ SCHEMAS = [
                       "required": ["x"], "additionalProperties": False}},
      "type": "array", "items": {"$ref": "#/$defs/pt"}, "minItems": 1, "maxItems": 3},
 ]
+REF_LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            "$ref": "#/$defs/a"}
 REGEXES = [r"[a-c]{2,5}-[0-9]{1,3}", r"(yes|no|maybe)!"]
 CHOICES = ["alpha", "beta", "gamma delta"]
 
@@ -145,12 +147,36 @@ def test_unconstrained_requests_alongside_are_unchanged():
     (Constraint("grammar", "start: foo"), 'unknown name: "foo"'),
     (Constraint("json_schema", {"type": "array", "contains": {"type": "integer"}}),
      "contains"),
+    # Issue 53: these answered "" with finish_reason "stop".
+    (Constraint("json_schema", {"$ref": "#"}), "accepts no output"),
+    (Constraint("json_schema", REF_LOOP), "accepts no output"),
+    (Constraint("grammar", "start: a\na: a"), "accepts no output"),
+    (Constraint("grammar", "start: "), "accepts only the empty output"),
 ])
 def test_bad_grammars_are_value_errors_and_change_nothing(constraint, message):
   eng = plain_engine()
   with pytest.raises(ValueError, match=re.escape(message)):
     eng.add_request([1, 2, 3], 4, constraint=constraint)
   assert not eng.has_unfinished and not eng.constraints
+
+
+# llguidance allows a rule 2,000 alternatives (LLParserLimits.max_items_in_row): past them
+# its matcher fails at the first token and then allows only EOS, which ended as "stop".
+WIDE = "start: " + " | ".join(f'"item{i}"' for i in range(2500))
+
+
+def test_a_matcher_that_fails_while_decoding_finishes_its_request_with_error():
+  eng = plain_engine()
+  prompt = list(range(40, 46))
+  alone = eng.generate([prompt], 12).tokens[0]
+  rid = eng.add_request(prompt, 12)
+  failing = eng.add_request([7, 8, 9], MAX_NEW, constraint=Constraint("grammar", WIDE))
+  done, _ = run_until_finished(eng.step, [rid, failing])
+  out = done[failing]
+  assert out.finish_reason == "error" and "max is 2000" in out.error, out
+  assert out.output_ids and "item".startswith(bytes(out.output_ids).decode())  # no EOS
+  assert done[rid].output_ids == alone and done[rid].error is None
+  assert not eng.constraints.matchers and not eng.constraints.failed
 
 
 def test_a_constraint_without_a_vocabulary_is_refused():

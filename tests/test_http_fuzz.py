@@ -5,12 +5,16 @@ Oracles: the HTTP status set a correct server may answer (200, 400, 404, 422, 50
 never 500), a probe request answered identically before and after, kvjax.generate's
 greedy tokens, exact counts of the sequences sent, and gc's census of live objects.
 One server for the module (max_waiting 2 beside 8 running: a 10-sequence capacity).
+The structured-output fuzzer (issue 53) sends schemas ($ref chains past the depth that
+crashed llguidance among them), Lark grammars, regexes, choices and tools while a
+thread times /health: it must never take over 1 s.
 """
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import threading
 import time
 
 import httpx
@@ -23,6 +27,7 @@ from kvjax.requests import RequestOutput
 from kvjax.server import serve_in_thread
 from kvjax.server.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from tests.server_helpers import CONFIG, NAME, PROMPTS, ids_of, scrape, value
+from tests.test_constraint_limits import ref_chain, rule_chain
 
 MAX_WAITING = 2
 CAPACITY = CONFIG.max_num_seqs + MAX_WAITING
@@ -226,6 +231,107 @@ def test_fuzzed_requests_never_get_a_500_and_the_probe_is_unchanged(server, http
 
   fuzz()
   assert 400 in seen and 404 in seen
+  _wait_idle(server)
+  assert _choices(_post(http, "/completions", PROBE)) == before
+  assert server.state.loop.alive
+
+
+# -- structured outputs and tools -----------------------------------------------------
+
+KEYWORDS = ["type", "properties", "items", "required", "enum", "const", "anyOf", "allOf",
+            "oneOf", "not", "$ref", "$defs", "$anchor", "$id", "minimum", "maximum",
+            "minLength", "maxLength", "minItems", "maxItems", "pattern", "format",
+            "additionalProperties", "contains", "prefixItems"]
+TYPES = st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null"])
+REFS = st.sampled_from(["#", "#/$defs/a", "#/$defs/b", "#/properties/x", "#a", "urn:x",
+                        "#/nope", "https://example.com/s.json", "#/$defs/a/properties/x"])
+SCHEMA = st.recursive(
+    st.booleans() | st.fixed_dictionaries({"type": TYPES}) | REFS.map(lambda r: {"$ref": r}),
+    lambda inner: st.dictionaries(
+        st.sampled_from(KEYWORDS),
+        inner | JSON | TYPES | REFS | st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["a", "b", "x"]), inner, max_size=3), max_size=4),
+    max_leaves=10)
+SCHEMAS = SCHEMA | st.integers(1, 1200).map(ref_chain) | JSON
+LARK = (st.lists(st.sampled_from([
+    "start:", " a", " b", "\na:", "\nb:", ' "x"', " /[a-z]+/", " |", " (", " )", "*", "+", "?",
+    " [", " ]", ' %json {"type": "integer"}', ' %json {"$ref": "#"}', "\n", "~2", ' "\\"',
+    " %ignore", " //", "\nA:", " A"]), max_size=24).map("".join)
+        | st.integers(1, 3000).map(rule_chain) | TEXT)
+REGEX = st.lists(st.sampled_from(["a", "b", "(", ")", "[a-z]", "*", "+", "?", "{2,5}",
+                                  "{1000}", "|", ".", "\\", "^", "$", "\\d"]),
+                 max_size=20).map("".join) | TEXT
+CHOICES = (st.lists(TEXT, max_size=5) | JSON
+           | st.integers(0, 2500).map(lambda n: [f"c{i}" for i in range(n)]))
+STRUCTURED = st.one_of(
+    SCHEMAS.map(lambda s: {"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": s}}}),
+    (st.sampled_from([{"type": "json_object"}, {"type": "text"}]) | JSON).map(
+        lambda v: {"response_format": v}),
+    st.one_of(SCHEMAS.map(lambda v: {"json": v}), LARK.map(lambda v: {"grammar": v}),
+              REGEX.map(lambda v: {"regex": v}), CHOICES.map(lambda v: {"choice": v}),
+              JSON).map(lambda v: {"structured_outputs": v}),
+    SCHEMAS.map(lambda v: {"guided_json": v}), LARK.map(lambda v: {"guided_grammar": v}),
+    REGEX.map(lambda v: {"guided_regex": v}), CHOICES.map(lambda v: {"guided_choice": v}))
+TOOL = st.fixed_dictionaries(
+    {"type": st.just("function") | JSON,
+     "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]) | TEXT},
+                                       optional={"parameters": SCHEMAS,
+                                                 "description": TEXT | JSON}) | JSON}) | JSON
+TOOL_CHOICES = st.sampled_from(["none", "auto", "required",
+                                {"type": "function", "function": {"name": "f"}}]) | JSON
+TOOLS = st.fixed_dictionaries({"tools": st.lists(TOOL, max_size=3) | JSON},
+                              optional={"tool_choice": TOOL_CHOICES,
+                                        "parallel_tool_calls": st.booleans() | JSON})
+
+
+class HealthWatch(threading.Thread):
+  """Times GET /health back to back until stopped: the slowest answer, and any non-200."""
+
+  def __init__(self, url: str):
+    super().__init__(daemon=True)
+    self.url, self.slowest, self.statuses = url, 0.0, set()
+    self.stopped = threading.Event()
+
+  def run(self):
+    with httpx.Client(timeout=10) as client:
+      while not self.stopped.wait(0.02):
+        start = time.perf_counter()
+        self.statuses.add(client.get(self.url).status_code)
+        self.slowest = max(self.slowest, time.perf_counter() - start)
+
+
+def test_fuzzed_structured_outputs_and_tools_never_get_a_500_nor_stall_health(server, http):
+  before = _choices(_post(http, "/completions", PROBE))
+  deadline = time.monotonic() + 25
+  seen = set()
+  watch = HealthWatch(f"{server.root}/health")
+  watch.start()
+
+  @settings(max_examples=150, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck))
+  @given(st.sampled_from(sorted(BASES)), STRUCTURED | st.none(), TOOLS | st.none(),
+         st.booleans())
+  def fuzz(path, structured, tools, stream):
+    if time.monotonic() > deadline:
+      return
+    body = {**BASES[path], "temperature": 0, "max_tokens": 3, "stream": stream,
+            **(structured or {}), **(tools or {})}
+    raw = json.dumps(body).encode()
+    with http.stream("POST", path, content=raw) as response:
+      status = response.status_code
+      text = response.read()
+    seen.add(status)
+    assert status in ALLOWED, (status, path, raw[:300], text[:300])
+    assert not (stream and status == 200 and b'"server_error"' in text), text[:300]
+
+  try:
+    fuzz()
+  finally:
+    watch.stopped.set()
+    watch.join()
+  assert {200, 400} <= seen
+  assert watch.statuses == {200} and watch.slowest < 1.0, (watch.statuses, watch.slowest)
   _wait_idle(server)
   assert _choices(_post(http, "/completions", PROBE)) == before
   assert server.state.loop.alive

@@ -17,6 +17,8 @@ import pytest
 import kvjax
 from kvjax.server import serve_in_thread
 from tests.server_helpers import CONFIG, NAME, scrape, value
+from tests.test_constraint_limits import ref_chain, rule_chain
+from tests.test_constraints import REF_LOOP, WIDE
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
@@ -120,6 +122,22 @@ def test_vllm_structured_outputs(server, field, check):
     ({"response_format": {"type": "xml"}}, "response_format", "xml"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one"),
+    # Issue 53: llguidance segfaulted on this chain and took the server down with it.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                                 ref_chain(1000)}}},
+     "response_format", "nests 3000 levels deep"),
+    ({"guided_grammar": rule_chain(3000)}, "guided_grammar", "bracketed groups"),
+    ({"guided_choice": [str(i) for i in range(2001)]}, "guided_choice", "2001 items"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": ref_chain(1000)}}],
+      "tool_choice": "required"}, "tools", "levels deep"),
+    # Issue 53: these answered "" with finish_reason "stop".
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#"}}}}, "response_format", "accepts no output"),
+    ({"guided_json": REF_LOOP}, "guided_json", "accepts no output"),
+    ({"structured_outputs": {"grammar": "start: a\na: a"}}, "structured_outputs",
+     "accepts no output"),
+    ({"guided_grammar": "start: "}, "guided_grammar", "accepts only the empty output"),
 ])
 def test_unsupported_features_are_400s_naming_them(server, client, body, param, words):
   reply = httpx.post(f"{server.url}/chat/completions", timeout=60,
@@ -129,3 +147,37 @@ def test_unsupported_features_are_400s_naming_them(server, client, body, param, 
   assert error["param"] == param and words in error["message"], error
   ok = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
   assert ok.choices[0].finish_reason in ("stop", "length")
+  assert httpx.get(f"{server.root}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("bad", [True, 5, 1.5, -1, 1e30, {"yes": 1}, "yes"])
+@pytest.mark.parametrize("field", ["guided_choice", "structured_outputs"])
+def test_a_choice_that_is_no_list_of_strings_is_a_400_naming_the_field(server, field, bad):
+  # Issue 53: numbers and booleans were a TypeError in Constraint, a 500.
+  value = bad if field == "guided_choice" else {"choice": bad}
+  reply = httpx.post(f"{server.url}/completions", timeout=60,
+                     json={"model": NAME, "prompt": "x", "max_tokens": 2, field: value})
+  assert reply.status_code == 400, reply.text
+  error = reply.json()["error"]
+  assert error["param"] == field and "non-empty list of non-empty strings" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_fails_while_decoding_is_an_error_not_a_stop(server, stream):
+  # The matcher fails at run time (WIDE: past llguidance's 2,000 alternatives); the
+  # reply was finish_reason "stop" with a prefix of an alternative as its text.
+  body = {"model": NAME, "prompt": "x = ", "max_tokens": 20, "temperature": 0,
+          "stream": stream, "structured_outputs": {"grammar": WIDE}}
+  if not stream:
+    reply = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+  else:
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as reply:
+      assert reply.status_code == 200
+      events = [json.loads(line[len("data: "):]) for line in reply.iter_lines()
+                if line.startswith("data: {")]
+    assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"]), events
+    error = events[-1]["error"]
+  assert error["param"] == "structured_outputs" and "max is 2000" in error["message"], error
+  assert httpx.get(f"{server.root}/health", timeout=5).status_code == 200

@@ -14,9 +14,13 @@ all ones; a group with no constrained row gets None, the engine's unmasked
 program, so unconstrained traffic pays nothing.  Ids past the vocabulary's
 (a model's padded embedding rows) are never allowed.
 
-Once a grammar is complete (or its matcher failed), llguidance allows only
-the end-of-sequence token, so the vocabulary's EOS must be the model's: then
-a finished grammar ends its request.  Shapes: docs/DIMENSIONS.md.
+Once a grammar is complete, llguidance allows only the end-of-sequence
+token, so the vocabulary's EOS must be the model's: then a finished grammar
+ends its request.  A matcher that fails (llguidance's error state: a rule
+past 2,000 alternatives, a grammar that leads nowhere) also allows only EOS,
+which would end its request as if the output were complete: `masks` lists
+it in `failed` with llguidance's reason, and the engine finishes its request
+with "error" (kvjax/output_processor.py).  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from kvjax.constraints.spec import Constraint
+from kvjax.constraints.spec import Constraint, error_summary
 
 __all__ = ["ConstraintBook", "allowed"]
 
@@ -46,6 +50,7 @@ class ConstraintBook:
     """vocabulary None: an engine's book before a vocabulary is given (refuses constraints)."""
     self.vocabulary = vocabulary
     self.matchers: dict[str, llguidance.LLMatcher] = {}
+    self.failed: dict[str, str] = {}  # request id -> why its matcher failed
     self.mask_s = 0.0  # host seconds spent filling masks
     self.masks_filled = 0  # (row, position) masks filled
     if vocabulary is None:
@@ -79,6 +84,7 @@ class ConstraintBook:
 
   def forget(self, request_id: str) -> None:
     self.matchers.pop(request_id, None)
+    self.failed.pop(request_id, None)
 
   def __contains__(self, request_id: str) -> bool:
     return request_id in self.matchers
@@ -137,6 +143,9 @@ class ConstraintBook:
         llg_numpy.fill_next_token_bitmask(matcher, mask[b, :, :self._own_words], j + 1)
         filled += 1
       matcher.rollback(consumed)
+    for b, matcher in constrained:  # its mask allows only EOS: the row's sample is void
+      if matcher.is_error():
+        self.failed[rows[b].request_id] = error_summary(matcher)
     self.mask_s += time.perf_counter() - start
     self.masks_filled += filled
     return mask, drafts

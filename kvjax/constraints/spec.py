@@ -6,7 +6,12 @@ grammar (llguidance's Lark dialect, which also takes `%json` schemas inline).
 `grammar()` is the llguidance grammar text; `check(vocabulary)` compiles it
 against a model's vocabulary and raises ValueError naming the problem (a bad
 regex, an unknown rule, a schema keyword llguidance does not implement, such
-as `contains`), so an unsupported feature is refused, never ignored.
+as `contains`), so an unsupported feature is refused, never ignored; so is a
+grammar that accepts no output (`{"$ref": "#"}`, `start: a\na: a`) or only the
+empty one (`start: `), found by a matcher's first step over a byte vocabulary
+(what a grammar accepts does not depend on the tokenizer).  Its size
+and depth are bounded first (kvjax/constraints/limits.py): llguidance's
+compiler recurses, and a deep enough schema or grammar crashes the process.
 
 JSON is compact: no whitespace between tokens (llguidance's default lets a
 model write any amount, which a weak model fills its budget with).
@@ -14,12 +19,16 @@ model write any amount, which a weak model fills its budget with).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Optional
 
 import llguidance
+import numpy as np
 
-__all__ = ["Constraint", "KINDS"]
+from kvjax.constraints import limits
+
+__all__ = ["Constraint", "KINDS", "error_summary"]
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -37,15 +46,23 @@ class Constraint:
     if self.kind not in KINDS:
       raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
     if self.kind == "choice":
-      if (isinstance(self.value, str) or not self.value
+      if (not isinstance(self.value, (list, tuple)) or not self.value
           or not all(isinstance(c, str) and c for c in self.value)):
         raise ValueError(f"choice constraint needs a non-empty list of non-empty strings, "
-                         f"got {self.value!r}")
+                         f"got {self.value!r:.200}")
+      limits.check_choices(self.value)
     elif self.kind in ("regex", "grammar") and not (isinstance(self.value, str) and self.value):
-      raise ValueError(f"{self.kind} constraint needs a non-empty string, got {self.value!r}")
+      raise ValueError(f"{self.kind} constraint needs a non-empty string, got "
+                       f"{self.value!r:.200}")
     elif self.kind == "json_schema" and not isinstance(self.value, (dict, str, bool)):
       raise ValueError(f"json_schema constraint needs a schema (dict or JSON text), got "
                        f"{type(self.value).__name__}")
+    elif self.kind == "json_schema":
+      limits.check_schema(self.value)
+    elif self.kind == "grammar":
+      limits.check_grammar(self.value)
+    elif self.kind == "regex":
+      limits.check_text("regex", self.value)
 
   def grammar(self) -> str:
     """The llguidance grammar (its JSON form) this constraint compiles to."""
@@ -64,9 +81,53 @@ class Constraint:
 
   def check(self, vocabulary: Optional[llguidance.LLTokenizer]) -> str:
     """Compile against `vocabulary` (None: the grammar alone, e.g. a server checking a
-    request) -> the grammar; ValueError naming what is wrong."""
+    request, over a byte vocabulary) -> the grammar; ValueError naming what is wrong."""
     grammar = self.grammar()
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
-    if is_error:
-      raise ValueError(f"{self.kind} constraint: {messages[0].strip()}")
+    if vocabulary is None:
+      is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+      if is_error:
+        raise ValueError(f"{self.kind} constraint: {messages[0].strip()}")
+    problem = _first_step_problem(grammar, vocabulary)
+    if problem is not None:
+      raise ValueError(f"{self.kind} constraint: {problem}")
     return grammar
+
+
+class _Bytes:
+  """llguidance's TokenizerWrapper contract: one token per byte, then an EOS."""
+
+  tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+  eos_token_id = 256
+  bos_token_id = None
+  special_token_ids = [256]
+
+  def __call__(self, text: bytes) -> list[int]:
+    return list(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_vocabulary() -> llguidance.LLTokenizer:
+  return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+def _first_step_problem(grammar: str, vocabulary: Optional[llguidance.LLTokenizer]
+                        ) -> Optional[str]:
+  """Why `grammar` cannot constrain an output over `vocabulary` (None: bytes): it does not
+  compile, accepts nothing, or only the empty output; or None."""
+  tokens = vocabulary or _byte_vocabulary()
+  matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
+  if matcher.is_error():  # it does not compile
+    if vocabulary is None:  # it names token ids only the model's vocabulary has
+      return None
+    return matcher.get_error().strip()
+  allowed = np.frombuffer(matcher.compute_bitmask(), np.uint32).copy()  # bit t%32 of word t//32
+  if matcher.is_error():  # e.g. a rule that only refers to itself
+    return f"the grammar accepts no output ({error_summary(matcher)})"
+  for eos in tokens.eos_tokens:
+    allowed[eos // 32] &= ~np.uint32(1 << (eos % 32))
+  if not allowed.any():
+    return "the grammar accepts only the empty output"
+  return None
+def error_summary(matcher: llguidance.LLMatcher) -> str:
+  """The first line of a failed matcher's error (the rest dumps its parser state)."""
+  return matcher.get_error().strip().split("\n", 1)[0]

@@ -4,7 +4,8 @@ HTTP handlers never touch the Engine.  They `submit` a GenerationRequest with
 a thread-safe `deliver` callback and receive, in order:
   Accepted            every choice is queued in the engine, or
   Failed(error)       nothing is (or no more is) coming: a bad request the Engine refused
-                      (400), an engine failure or a shutdown;
+                      (400), a choice whose constraint failed while decoding (400:
+                      its text is no answer), an engine failure or a shutdown;
   Delta(...)          one choice's new text; its last carries the finish reason.
 `cancel(submission)` (a client that went away) aborts its unfinished choices,
 which frees their pages.  Detokenization and stop strings run here
@@ -75,7 +76,8 @@ class _Choice:
   arrival_s: float
   queue_s: Optional[float] = None  # arrival to first scheduled
   started: bool = False  # its prompt tokens are counted
-  ended_by: Optional[str] = None  # why this loop aborted it: "stop" (a stop string), "abort"
+  # Why this loop ended it: "stop" (a stop string), "abort", "error" (its constraint failed).
+  ended_by: Optional[str] = None
 
 
 class EngineLoop:
@@ -227,6 +229,12 @@ class EngineLoop:
       choice = self._choices.get(out.request_id)
       if choice is None:
         continue  # aborted by a rejected submission
+      running = choice.ended_by is None and choice.text.finish_reason is None
+      if out.error is not None and running:  # its text is no answer
+        choice.ended_by = "error"
+        field = choice.submission.request.constraint_field
+        choice.submission.deliver(Failed(OpenAIError(
+            f"{field}: the constraint failed while decoding: {out.error}", field)))
       if choice.ended_by is None and choice.text.finish_reason is None:
         if not choice.started and out.new_token_ids:
           choice.started = True

@@ -115,6 +115,7 @@ class GenerationRequest:
   skip_special_tokens: bool = True  # special tokens add no text
   min_tokens: int = 0  # no stop string counts before this many tokens (vLLM)
   constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
+  constraint_field: Optional[str] = None  # the field that set it: what its errors name
   tools: Optional[ToolUse] = None  # tool calls to parse from chat output (server/tools.py)
 
   @property
@@ -421,19 +422,22 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
       skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
           tool_use and tool_use.format.keep_special),
-      constraint=_constraint(body, tool_use), tools=tool_use)
+      tools=tool_use, **_constraint(body, tool_use))
 
 
-def _constraint(body: dict, tool_use: Optional[ToolUse]) -> Optional[Constraint]:
-  """The structured-output constraint, or the grammar tool_choice required / named
-  enforces (the two cannot be combined)."""
-  constraint = parse_constraint(body, OpenAIError)
+def _constraint(body: dict, tool_use: Optional[ToolUse]) -> dict:
+  """GenerationRequest's constraint and constraint_field: the structured-output
+  constraint, or the grammar tool_choice required / named enforces (the two cannot be
+  combined)."""
+  field, constraint = parse_constraint(body, OpenAIError)
   enforced = tool_use.constraint() if tool_use else None
   if enforced is not None and constraint is not None:
     raise OpenAIError(f"tool_choice {body['tool_choice']!r:.100} enforces the tool call "
                       "grammar and cannot be combined with response_format or "
                       "structured_outputs", "tool_choice")
-  return enforced or constraint
+  if enforced is not None:
+    return {"constraint": enforced, "constraint_field": "tool_choice"}
+  return {"constraint": constraint, "constraint_field": field}
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -10,7 +10,7 @@ a 400 naming the field and the problem before anything is queued.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from kvjax.constraints import Constraint
 
@@ -21,29 +21,29 @@ _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 _GUIDED = {f"guided_{key}": key for key in _VLLM_KINDS}
 
 
-def parse_constraint(body: dict, error) -> Optional[Constraint]:
-  """The request's Constraint or None; error(message, param) builds the 400."""
+def parse_constraint(body: dict, error) -> Tuple[Optional[str], Optional[Constraint]]:
+  """(the field that sets it, the request's Constraint) or (None, None);
+  error(message, param) builds the 400."""
   fields = [name for name in ("response_format", "structured_outputs", *_GUIDED)
             if body.get(name) is not None]
   if len(fields) > 1:
     raise error(f"set one of {', '.join(fields)}, not several", fields[1])
   if not fields:
-    return None
+    return None, None
   name = fields[0]
   value = body[name]
   if name in _GUIDED:
     value = {_GUIDED[name]: value}
-  if name == "response_format":
-    constraint = _response_format(value, error)
-  else:
-    constraint = _structured_outputs(value, name, error)
-  if constraint is None:
-    return None
-  try:
-    constraint.check(None)
+  try:  # a Constraint checks its value's type and bounds, check() compiles it
+    if name == "response_format":
+      constraint = _response_format(value, error)
+    else:
+      constraint = _structured_outputs(value, name, error)
+    if constraint is not None:
+      constraint.check(None)
   except ValueError as problem:
     raise error(f"{name}: {problem}", name) from None
-  return constraint
+  return (None, None) if constraint is None else (name, constraint)
 
 
 def _response_format(value, error) -> Optional[Constraint]:
@@ -68,8 +68,4 @@ def _structured_outputs(value, name: str, error) -> Constraint:
   if len(given) != 1:
     raise error(f"{name} must set exactly one of {', '.join(_VLLM_KINDS)}, got "
                 f"{value!r:.200}", name)
-  kind = _VLLM_KINDS[given[0]]
-  try:
-    return Constraint(kind, value[given[0]])
-  except ValueError as problem:
-    raise error(f"{name}: {problem}", name) from None
+  return Constraint(_VLLM_KINDS[given[0]], value[given[0]])

@@ -90,13 +90,13 @@ def parse_tools(body: dict, error, tool_format: ToolFormat) -> Optional[ToolUse]
     raise error(f"tool_choice must be none, auto, required or a named function, got "
                 f"{choice!r:.200}", "tool_choice")
   use = ToolUse(checked, choice, tool_format, name, True if parallel is None else parallel)
-  constraint = use.constraint()
-  if constraint is not None:
-    try:
+  try:  # e.g. a parameters keyword llguidance does not implement, or a schema too deep
+    constraint = use.constraint()
+    if constraint is not None:
       constraint.check(None)
-    except ValueError as problem:  # e.g. a parameters keyword llguidance does not implement
-      raise error(f"tools: the parameters schemas cannot be enforced: {problem}",
-                  "tools") from None
+  except ValueError as problem:
+    raise error(f"tools: the parameters schemas cannot be enforced: {problem}",
+                "tools") from None
   return use
 
 
