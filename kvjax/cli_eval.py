@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import tempfile
 
 from kvjax.engine_config import add_engine_flags, engine_config_from_flags
+from kvjax.validation import check_int
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "check_args", "run"]
 
 TASKS = ("perplexity", "humaneval", "needle")
 
@@ -79,6 +82,50 @@ def device_label() -> str:
   return f"{device.platform} {device.device_kind}"
 
 
+# Flags that are counts: (name, least value); None (unset) is allowed for the optional ones.
+_COUNTS = (("context", 1), ("chunk", 1), ("decode_tokens", 0), ("batch_size", 1),
+           ("max_new_tokens", 1), ("page_size", 1), ("max_num_seqs", 1),
+           ("max_num_batched_tokens", 1), ("num_scheduler_steps", 1))
+_OPTIONAL_COUNTS = (("max_tokens", 1), ("limit", 1), ("sliding_window", 1),
+                    ("max_model_len", 1), ("num_pages", 2))
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """ValueError naming the first bad flag and its value, before any model loads: a bad
+  --context or --timeout, or an unwritable --out-dir, would otherwise surface only after
+  the model loaded and the task ran for minutes."""
+  for name, low in _COUNTS:
+    check_int(_flag(name), getattr(args, name), low)
+  for name, low in _OPTIONAL_COUNTS:
+    if getattr(args, name) is not None:
+      check_int(_flag(name), getattr(args, name), low)
+  if args.decode_tokens > args.context:
+    raise ValueError(f"--decode-tokens must be in [0, --context={args.context}], got "
+                     f"{args.decode_tokens}")
+  if not (math.isfinite(args.timeout) and args.timeout > 0):
+    raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
+  for n in args.lengths:
+    check_int("--lengths", n, 1)
+  for depth in args.depths:
+    if not 0 <= depth <= 1:
+      raise ValueError(f"--depths must each be in [0, 1], got {depth!r}")
+  _check_writable(args.out_dir)
+
+
+def _check_writable(out_dir: str) -> None:
+  """--out-dir created if missing and a file written in it (then removed), or ValueError."""
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+      pass
+  except OSError as error:
+    raise ValueError(f"--out-dir {out_dir!r} is not a writable directory: {error}") from None
+
+
 def _engine(args, model, max_model_len: int):
   from kvjax.engine import Engine
 
@@ -90,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
   import kvjax
   from kvjax.eval import humaneval, needle, perplexity, text_set, variant
 
+  check_args(args)
+  problems = humaneval.load_problems(args.limit) if args.task == "humaneval" else None
   model = kvjax.load_checkpoint(args.checkpoint, args.dtype, weight_dtype=args.weight_dtype)
   if model.tokenizer is None:
     raise ValueError(f"--checkpoint {args.checkpoint}: the model has no tokenizer; every eval "
@@ -105,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
                f"{result.get('bits_per_byte', float('nan')):.4f} bits/byte, "
                f"{result['tokens']} tokens")
   elif args.task == "humaneval":
-    problems = humaneval.load_problems(args.limit)
     longest = max(len(humaneval.prompt_ids(model.tokenizer, p, args.prompt_mode))
                   for p in problems)
     engine = _engine(args, windowed, longest + args.max_new_tokens)

@@ -33,7 +33,11 @@ would fail every compile), and with none elsewhere (GPU).
 compiled program in jax's persistent compilation cache, so a restart of the same
 configuration loads its programs instead of compiling them: every program, however
 fast it compiled (a server's step programs take 0.1-10 s each on a CPU, and the
-small ones add up).  `xla_compile_counts()` counts, from jax's monitoring events,
+small ones add up).  Its entries are kept by `ReplacingFileCache`, one file per
+program as jax's own cache keeps them, but written whole and replaced on recompile: jax
+recompiles a program whose entry it cannot read (a torn or corrupt file) and puts the
+fresh one, which jax's own cache drops while the corrupt file stays, so every later
+start warned and recompiled again.  `xla_compile_counts()` counts, from jax's monitoring events,
 what XLA compiled and what came from that cache.
 """
 from __future__ import annotations
@@ -41,13 +45,17 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pathlib
+import tempfile
 import threading
+import warnings
 from typing import Callable, Optional
 
 import jax
 
 __all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS", "add_compile_cache_flag",
-           "default_compile_cache", "use_compile_cache", "xla_compile_counts"]
+           "default_compile_cache", "use_compile_cache", "xla_compile_counts",
+           "ReplacingFileCache"]
 
 # Per program kind (numbers in the module doc): decode and verify steps (a few columns
 # per row: YNNPACK for each dot alone) and prefill chunks (XLA's own dots).
@@ -131,6 +139,67 @@ def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s)")
 
 
+class ReplacingFileCache:
+  """jax's persistent-cache interface (get, put) over one file per entry, named
+  `<key>-cache` as jax's own LRUCache names them.  put writes a temp file and renames it
+  over the entry: a killed process leaves no torn entry, and an entry jax could not read
+  (jax puts a key only after its read missed or failed) is replaced."""
+
+  _SUFFIX = "-cache"
+
+  def __init__(self, path: str):
+    self._path = pathlib.Path(path)  # the attribute jax's cache interface declares
+    self._path.mkdir(parents=True, exist_ok=True)
+
+  def _entry(self, key: str) -> pathlib.Path:
+    if not key:
+      raise ValueError("key cannot be empty")
+    return self._path / f"{key}{self._SUFFIX}"
+
+  def get(self, key: str) -> Optional[bytes]:
+    try:
+      return self._entry(key).read_bytes()
+    except FileNotFoundError:
+      return None
+
+  def put(self, key: str, value: bytes) -> None:
+    entry = self._entry(key)
+    fd, temp = tempfile.mkstemp(dir=self._path, prefix=f".{entry.name}.")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(value)
+      os.replace(temp, entry)
+    except BaseException:
+      os.unlink(temp)
+      raise
+
+
+def _keep_entries_replacing() -> bool:
+  """Have jax open its persistent cache as a ReplacingFileCache (on a local directory, with
+  no size bound or content check, which need jax's own) -> whether it will.  jax opens the
+  cache through jax._src.compilation_cache.get_file_cache, an internal: where this jax has
+  none, jax's own cache stays (corrupt entries then recompile at every start)."""
+  try:
+    from jax._src import compilation_cache as jax_cache
+    open_own = jax_cache.get_file_cache
+  except (ImportError, AttributeError):
+    warnings.warn("this jax has no jax._src.compilation_cache.get_file_cache: a corrupt "
+                  "--compile-cache entry will recompile at every start")
+    return False
+  if getattr(open_own, "kvjax_replacing", False):
+    return True
+
+  def open_cache(path: str):
+    if ("://" in path or getattr(jax.config, "jax_compilation_cache_max_size", -1) != -1
+        or getattr(jax.config, "jax_compilation_cache_check_contents", False)):
+      return open_own(path)
+    return ReplacingFileCache(path), path
+
+  open_cache.kvjax_replacing = True
+  jax_cache.get_file_cache = open_cache
+  return True
+
+
 def use_compile_cache(directory: str) -> Optional[str]:
   """Turn jax's persistent compilation cache on in `directory` (created if missing), for
   every program; "none" turns it off.  -> the directory, or None.  Call it before the
@@ -144,6 +213,7 @@ def use_compile_cache(directory: str) -> Optional[str]:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  _keep_entries_replacing()
   return path
 
 

@@ -33,3 +33,50 @@ def test_eval_needs_a_tokenizer(tmp_path, capsys):
   code = cli.main(["eval", "perplexity", "--checkpoint", "tiny", "--out-dir", str(tmp_path)])
   assert code == 2
   assert "has no tokenizer" in capsys.readouterr().err
+
+
+_BAD_ARGS = [  # (flags, what the error names)
+    (["--context", "0"], "--context"), (["--chunk", "0"], "--chunk"),
+    (["--decode-tokens", "-1"], "--decode-tokens"),
+    (["--context", "64", "--decode-tokens", "65"], "--decode-tokens"),
+    (["--batch-size", "0"], "--batch-size"), (["--max-tokens", "0"], "--max-tokens"),
+    (["--limit", "0"], "--limit"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--timeout", "-1"], "--timeout"), (["--timeout", "nan"], "--timeout"),
+    (["--timeout", "inf"], "--timeout"), (["--lengths", "512,0"], "--lengths"),
+    (["--depths", "0,1.5"], "--depths"), (["--sliding-window", "0"], "--sliding-window"),
+    (["--page-size", "0"], "--page-size"), (["--num-pages", "1"], "--num-pages"),
+    (["--max-model-len", "0"], "--max-model-len"),
+]
+
+
+@pytest.mark.parametrize("task", ["perplexity", "humaneval", "needle"])
+@pytest.mark.parametrize("flags,named", _BAD_ARGS)
+def test_a_bad_argument_fails_before_any_model_loads(task, flags, named, tmp_path,
+                                                     monkeypatch, capsys):
+  import kvjax
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("a model was loaded before the arguments were checked")
+
+  monkeypatch.setattr(kvjax, "load_checkpoint", no_load)
+  code = cli.main(["eval", task, "--checkpoint", "tiny-code", "--out-dir", str(tmp_path),
+                   *flags])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert named in err and flags[-1].split(",")[-1] in err
+
+
+def test_an_unwritable_out_dir_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
+  import kvjax
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("a model was loaded before --out-dir was checked")
+
+  monkeypatch.setattr(kvjax, "load_checkpoint", no_load)
+  blocker = tmp_path / "a-file"
+  blocker.write_text("not a directory")
+  out_dir = str(blocker / "results")
+  code = cli.main(["eval", "perplexity", "--out-dir", out_dir])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert "--out-dir" in err and out_dir in err

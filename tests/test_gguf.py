@@ -239,7 +239,8 @@ def test_truncated_file_names_it(tmp_path):
     cut = str(tmp_path / f"cut-{keep}.gguf")
     with open(cut, "wb") as f:
       f.write(data[:keep])
-    with pytest.raises(ValueError, match=f"{cut} is not a complete GGUF file"):
+    with pytest.raises(ValueError,
+                       match=f"GGUF file {cut}: .* (past the end|bytes left) of the file"):
       kvjax.load_checkpoint(cut)
 
 

@@ -30,6 +30,7 @@ from kvjax.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import quantize_weight
 from kvjax.weights.config_checks import (MAX_CONTEXT, MAX_LAYERS, count_field,
                                           positive_real_field)
+from kvjax.weights.gguf_header import check_gguf_header
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
 from kvjax.weights.gguf_registry import REGISTRY, gguf_path, is_gguf, resolve_registry_name
 from kvjax.weights.load_checks import raise_first_nonfinite
@@ -45,9 +46,11 @@ _MISSING = object()
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-  """gguf.GGUFReader over `path`; a truncated or corrupt file is a ValueError naming it."""
+  """gguf.GGUFReader over `path`; a truncated or corrupt file is a ValueError naming it
+  and (kvjax/weights/gguf_header.py) the field."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no GGUF file at {path}")
+  check_gguf_header(path)
   try:
     return gguf.GGUFReader(path)
   except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
@@ -77,8 +80,8 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
   architectures or rope schemes raise naming them."""
   arch = _field(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
-    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(f"unsupported GGUF architecture {arch!r:.200} (general.architecture); "
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
   tensors = {t.name: t for t in reader.tensors}
   where = f"GGUF file {reader.data.filename}"
   get = lambda key, default=_MISSING: _field(reader, f"{arch}.{key}", default)
@@ -88,15 +91,16 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
                                                            get(key, default))
   scaling = get("rope.scaling.type", "none")
   if scaling != "none" or "rope_freqs.weight" in tensors:
-    raise ValueError(f"{where}: rope scaling "
-                     f"{scaling if scaling != 'none' else 'rope_freqs (llama3)'} is "
-                     "unsupported; kvjax loads GGUF models with plain rope")
+    scheme = (f"{arch}.rope.scaling.type {scaling!r:.200}" if scaling != "none" else
+              "rope_freqs (llama3)")
+    raise ValueError(f"{where}: rope scaling {scheme} is unsupported; kvjax loads GGUF "
+                     "models with plain rope")
   num_heads, hidden = count("attention.head_count"), count("embedding_length")
   head_dim = count("attention.key_length", hidden // num_heads or 1)
-  if count("attention.value_length", head_dim) != head_dim or \
-      count("rope.dimension_count", head_dim) != head_dim:
-    raise ValueError(f"{where}: value or rope dims differ from "
-                     f"the key head dim {head_dim}; kvjax needs them equal")
+  for key in ("attention.value_length", "rope.dimension_count"):
+    if count(key, head_dim) != head_dim:
+      raise ValueError(f"{where}: {arch}.{key} = {get(key)} differs from the key head dim "
+                       f"{head_dim} ({arch}.attention.key_length); kvjax needs them equal")
   window = get("attention.sliding_window", None)
   if window is not None and arch not in ("llama", "gemma3"):
     raise ValueError(f"{where}: {arch} with a sliding window is "
@@ -110,13 +114,22 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
   if arch == "gemma3":
     layers = _gemma3_fields(reader, get, num_layers, window, hidden // num_heads)
     window = None
+  num_kv_heads, intermediate = count("attention.head_count_kv", num_heads), \
+      count("feed_forward_length")
+  _check_sizes_match_tensors(where, tensors, {
+      "token_embd.weight": (0, hidden, f"{arch}.embedding_length"),
+      "blk.0.ffn_up.weight": (1, intermediate, f"{arch}.feed_forward_length"),
+      "blk.0.attn_q.weight": (1, num_heads * head_dim,
+                              f"{arch}.attention.head_count x key_length"),
+      "blk.0.attn_k.weight": (1, num_kv_heads * head_dim,
+                              f"{arch}.attention.head_count_kv x key_length")})
   tokenizer = lambda key: _field(reader, f"tokenizer.ggml.{key}", None)
   return ModelConfig(
       name=os.path.splitext(os.path.basename(reader.data.filename))[0],
       vocab_size=count_field(where, "token_embd.weight ne[1]", int(embedding.shape[1])),
-      hidden_size=hidden, intermediate_size=count("feed_forward_length"),
+      hidden_size=hidden, intermediate_size=intermediate,
       num_layers=num_layers, num_heads=num_heads,
-      num_kv_heads=count("attention.head_count_kv", num_heads), head_dim=head_dim,
+      num_kv_heads=num_kv_heads, head_dim=head_dim,
       max_position_embeddings=count("context_length", high=MAX_CONTEXT),
       rope_theta=real("rope.freq_base", 10000.0),
       rms_norm_eps=real("attention.layer_norm_rms_epsilon"),
@@ -146,6 +159,18 @@ def _gemma3_fields(reader: gguf.GGUFReader, get, num_layers: int, window: int,
               layer_rope_thetas=tuple(None if g else local_theta for g in is_global),
               post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh",
               query_pre_attn_scalar=float(width_per_head) if num_layers == 62 else None)
+
+
+def _check_sizes_match_tensors(where: str, tensors: dict, sizes: dict) -> None:
+  """Each metadata size against the tensor it shapes, {tensor: (ne axis, size, field)},
+  where the tensor is there (a missing one is named as the weights load): a size no
+  tensor has would otherwise reach the memory fit check (2^31 feed_forward_length: "needs
+  12288 GiB") before the loader that would name it."""
+  for name, (axis, size, field) in sizes.items():
+    t = tensors.get(name)
+    if t is not None and len(t.shape) > axis and int(t.shape[axis]) != size:
+      raise ValueError(f"{where}: {field} = {size} disagrees with tensor {name}, whose ne "
+                       f"is {[int(x) for x in t.shape]} (ne[{axis}] should be {size})")
 
 
 def read_gguf_config(path: str) -> ModelConfig:
