@@ -19,6 +19,11 @@ vLLM's request extensions are honoured: ignore_eos, min_tokens, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens, repetition_penalty (and OpenAI's
 presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py).
 Tool calling (tools, tool_choice, parallel_tool_calls) is kvjax/server/tools.py.
+Scoring text (completions only): `echo` returns the prompt before the completion, and with
+`logprobs` n its tokens' logprobs too (the first None, as OpenAI's legacy completions and
+lm-evaluation-harness's local-completions read them); `max_tokens` may then be 0 (the prompt
+alone).  vLLM's `prompt_logprobs` k adds each choice's prompt logprobs in vLLM's form.  Both
+come from the engine's prompt logprobs (Engine.add_request(prompt_logprobs=k)).
 Unknown fields policy: a field neither API defines is ignored, as OpenAI's own
 clients' extra_body and vLLM do; a field they define that kvjax cannot honour
 (_UNSUPPORTED) is a 400 naming it, so a request never silently means less than it says.
@@ -49,7 +54,7 @@ MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content pa
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
-_UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
+_UNSUPPORTED = ("suffix", "use_beam_search", "allowed_token_ids",
                 "bad_words", "functions", "function_call")  # the last two: use tools
 # vLLM's fields that go to Engine.add_request as keywords (kvjax/validation.py checks them).
 _ENGINE_EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
@@ -111,10 +116,20 @@ class GenerationRequest:
   min_tokens: int = 0  # no stop string counts before this many tokens (vLLM)
   constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
   tools: Optional[ToolUse] = None  # tool calls to parse from chat output (server/tools.py)
+  echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+  prompt_logprobs: Optional[int] = None  # vLLM's field: alternatives per prompt position
 
   @property
   def num_choices(self) -> int:
     return len(self.prompts) * self.n
+
+  @property
+  def scored_prompt(self) -> Optional[int]:
+    """The engine's prompt_logprobs: the most alternatives echo's logprobs or vLLM's
+    prompt_logprobs ask for (None: the prompt is not scored)."""
+    asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+             if k is not None]
+    return max(asked, default=None)
 
 
 def json_depth(raw: bytes) -> int:
@@ -274,6 +289,11 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     raise OpenAIError(f"The model {model!r} does not exist; this server serves "
                       f"{limits.model_name!r}", "model", status=404, code="model_not_found")
   logprobs, logprobs_param = _logprobs(body, chat)
+  echo = _flag(body, "echo", False)
+  prompt_logprobs = body.get("prompt_logprobs")
+  for name, value in (("echo", echo), ("prompt_logprobs", prompt_logprobs)):
+    if chat and value not in (None, False):
+      raise OpenAIError(f"{name} needs /v1/completions", name)
   for name in _UNSUPPORTED:
     if body.get(name) not in (None, False, 0, "", [], {}):
       raise OpenAIError(f"{name} is not supported", name)
@@ -289,7 +309,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     if max_tokens is None:
       lengths.append(limits.max_model_len - len(ids) if chat else 16)
       continue
-    lengths.append(_checked(length_param, check_int, length_param, max_tokens, 1))
+    # 0 (the prompt alone) only where the prompt comes back.
+    lengths.append(_checked(length_param, check_int, length_param, max_tokens, 0 if echo else 1))
     if len(ids) + lengths[-1] > limits.max_model_len:
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
@@ -312,7 +333,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
                      top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs,
-                     max_tokens=min(lengths), **extensions)
+                     prompt_logprobs=prompt_logprobs, max_tokens=min(lengths), **extensions)
   except ValueError as error:  # its messages start with the field's name
     message, param = str(error), re.match(r"\w+", str(error)).group()
     if param == "logprobs":  # chat's number of alternatives is top_logprobs
@@ -342,7 +363,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
       skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
           tool_use and tool_use.format.keep_special),
-      constraint=_constraint(body, tool_use), tools=tool_use)
+      constraint=_constraint(body, tool_use), tools=tool_use, echo=echo,
+      prompt_logprobs=prompt_logprobs)
 
 
 def _constraint(body: dict, tool_use: Optional[ToolUse]) -> Optional[Constraint]:
