@@ -15,7 +15,7 @@ What a user runs, end to end:
      (kvjax/eval/choice.py through an Engine in this process): the largest difference.
 Prints the command and both accuracies; writes <out>/lm_eval_run.json.
 
-  python experiments/lm_eval_run.py --checkpoint smollm2-135m-instruct
+  python -m experiments.lm_eval_run --checkpoint smollm2-135m-instruct
 """
 from __future__ import annotations
 
