@@ -152,11 +152,12 @@ class Engine(EngineWarmUp, EngineGenerate):
     carries each new id's log-probability and its n likeliest alternatives
     (kvjax/requests.py TokenLogprob).  `prompt_logprobs` k (0..20): its first RequestOutput
     carries vLLM's prompt_logprobs, [None, then a TokenLogprob with k alternatives per prompt
-    position after the first], scored in the prefill chunks it runs anyway.  `arrival_s`: when the request arrived
-    (time.perf_counter; default now), e.g. a server's receipt time, so TTFT and
-    queue time include the wait before this call.  `constraint`: outputs follow its grammar
-    (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's ignore_eos,
-    min_tokens, repetition/presence/frequency_penalty, logit_bias (kvjax/validation.py).
+    position after the first], scored in the prefill chunks it runs anyway.  `arrival_s`:
+    when the request arrived (time.perf_counter; default now), e.g. a server's receipt time,
+    so TTFT and queue time include the wait before this call.  `constraint`: outputs follow
+    its grammar (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's
+    ignore_eos, min_tokens, repetition/presence/frequency_penalty, logit_bias
+    (kvjax/validation.py).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,

@@ -13,7 +13,10 @@ arguments.  A program serves every sampling option: top-k / top-p filtering
 runs only when a row asks for it (a cond in kvjax/sampling.py) and logprobs
 only when `want_logprobs` (a traced flag) says a row does, so a server compiles
 one program per packed shape (and burst stop-id width), not one per
-combination of options (kvjax/warm_up.py).  Shapes: docs/DIMENSIONS.md.
+combination of options (kvjax/warm_up.py).  Prompt logprobs are the exception: a
+prefill group with a row that asks for them runs the shape's `score_prompt`
+program (a static flag, so no other program computes them), which scores every
+column a row at a time.  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 

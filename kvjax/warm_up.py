@@ -94,7 +94,8 @@ class WarmUpPlan:
     self.num_shapes = len(shapes)
     runs = [(shape, width, False) for shape in shapes
             for width in (stop_widths if shape.kind == "burst" else (1,))]
-    runs += [(shape, 1, True) for shape in shapes if prompt_logprobs and shape.kind == "prefill"]
+    runs += [(shape, 1, True) for shape in shapes
+             if prompt_logprobs and shape.kind == "prefill"]
     # Stable: shapes keep their order, every E = 1 program before the wider bursts, the
     # prompt-scoring programs last.
     self.runs = sorted(runs, key=lambda run: (run[2], run[1] > 1))

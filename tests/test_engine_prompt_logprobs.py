@@ -56,11 +56,12 @@ def test_prompt_logprobs_equal_a_float64_forward(options):
   _check(other, b.prompt_logprobs, 1)
   assert m.prompt_logprobs is None and m.new_logprobs is not None
   # `long` is cached now: a plain request takes its 32-token hit, a scored one recomputes.
-  (hit, hit_final), (scored, scored_final) = _run(eng, [(long[:40] + [7, 8], {}),
-                                                       (long[:36] + [9], dict(prompt_logprobs=0))])
+  scored_prompt = long[:36] + [9]
+  (hit, hit_final), (scored, scored_final) = _run(
+      eng, [(long[:40] + [7, 8], {}), (scored_prompt, dict(prompt_logprobs=0))])
   assert hit_final.metrics.prefix_hit_tokens == 32
   assert scored_final.metrics.prefix_hit_tokens == 0
-  _check(long[:36] + [9], scored.prompt_logprobs, 0)
+  _check(scored_prompt, scored.prompt_logprobs, 0)
   assert hit.prompt_logprobs is None
 
 

@@ -310,7 +310,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       lengths.append(limits.max_model_len - len(ids) if chat else 16)
       continue
     # 0 (the prompt alone) only where the prompt comes back.
-    lengths.append(_checked(length_param, check_int, length_param, max_tokens, 0 if echo else 1))
+    lengths.append(_checked(length_param, check_int, length_param, max_tokens,
+                            0 if echo else 1))
     if len(ids) + lengths[-1] > limits.max_model_len:
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
