@@ -2,7 +2,7 @@
 
 What a user runs, end to end:
   1. lm-eval in a venv of its own (--venv; made here with `python -m venv
-     --system-site-packages` + `pip install lm-eval` when it has no lm_eval yet: the
+     --system-site-packages` + `pip install "lm-eval[api]"` when it has none yet: the
      system site reuses this machine's torch, lm-eval is never a kvjax dependency);
   2. the HF tokenizer lm-eval encodes with (its `tokenizer=` argument): an HF checkpoint's
      own directory, or, for a GGUF model, one transformers writes from the GGUF file
@@ -65,13 +65,14 @@ metric_list:
 
 
 def _lm_eval(venv: str) -> str:
-  """The venv's lm_eval command, the venv made and lm-eval installed if need be."""
-  command = os.path.join(venv, "bin", "lm_eval")
-  if not os.path.exists(command):
-    if not os.path.exists(os.path.join(venv, "bin", "python")):
-      subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
-    subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "lm-eval"], check=True)
-  return command
+  """The venv's lm_eval command, the venv made and lm-eval[api] (its API models need the
+  extra) installed if need be."""
+  python = os.path.join(venv, "bin", "python")
+  if not os.path.exists(python):
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+  if subprocess.run([python, "-c", "import lm_eval, tenacity, aiohttp"]).returncode:
+    subprocess.run([python, "-m", "pip", "install", "-q", "lm-eval[api]"], check=True)
+  return os.path.join(venv, "bin", "lm_eval")
 
 
 def _hf_tokenizer(checkpoint: str, out_dir: str) -> str:
