@@ -60,7 +60,9 @@ generation_kwargs:
   do_sample: false
 metric_list:
   - metric: exact_match
-    ignore_whitespace: true
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
 """
 
 
