@@ -1,4 +1,5 @@
-"""`python -m kvjax eval perplexity | humaneval | needle`: what a variant costs in quality.
+"""`python -m kvjax eval perplexity | humaneval | needle | choice`: what a variant costs in
+quality (choice: multiple choice by loglikelihood, as lm-evaluation-harness scores it).
 
 The variant is the checkpoint with --weight-dtype, --sliding-window and any
 engine option (--kv-dtype, --page-size, --backend, ...; kvjax/engine_config.py).
@@ -20,7 +21,7 @@ from kvjax.validation import check_int
 
 __all__ = ["add_parser", "check_args", "run"]
 
-TASKS = ("perplexity", "humaneval", "needle")
+TASKS = ("perplexity", "humaneval", "needle", "choice")
 
 
 def _ints(text: str) -> list[int]:
@@ -38,7 +39,8 @@ def _floats(text: str) -> list[float]:
 
 
 def add_parser(subparsers) -> None:
-  p = subparsers.add_parser("eval", help="quality of a variant: perplexity, HumanEval, needle")
+  p = subparsers.add_parser("eval", help="quality of a variant: perplexity, HumanEval, needle, "
+                                         "multiple choice")
   p.add_argument("task", choices=TASKS)
   p.add_argument("--checkpoint", default="smollm2-135m-instruct",
                  help="preset, GGUF file or model name, HF or kvjax checkpoint dir")
@@ -58,7 +60,8 @@ def add_parser(subparsers) -> None:
   ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many")
   ppl.add_argument("--batch-size", type=int, default=4, help="segments per step")
   he = p.add_argument_group("humaneval")
-  he.add_argument("--limit", type=int, default=None, help="the first N problems (default 164)")
+  he.add_argument("--limit", type=int, default=None,
+                  help="the first N problems (default 164) or choice questions (default all)")
   he.add_argument("--max-new-tokens", type=int, default=256,
                   help="tokens per answer (default 256)")
   he.add_argument("--prompt-mode", choices=("completion", "chat"), default="chat",
@@ -69,6 +72,9 @@ def add_parser(subparsers) -> None:
   nd = p.add_argument_group("needle")
   nd.add_argument("--lengths", type=_ints, default=[512, 1024], help="context lengths")
   nd.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+  mc = p.add_argument_group("choice (multiple choice by loglikelihood, kvjax/eval/choice.py)")
+  mc.add_argument("--task-file", default=None,
+                  help="JSON lines {context, choices, answer} (default: a tiny bundled task)")
   p.set_defaults(func=run)
 
 
@@ -135,7 +141,7 @@ def _engine(args, model, max_model_len: int):
 
 def run(args: argparse.Namespace) -> int:
   import kvjax
-  from kvjax.eval import humaneval, needle, perplexity, text_set, variant
+  from kvjax.eval import choice, humaneval, needle, perplexity, text_set, variant
 
   check_args(args)
   problems = humaneval.load_problems(args.limit) if args.task == "humaneval" else None
@@ -161,6 +167,13 @@ def run(args: argparse.Namespace) -> int:
                                 max_new_tokens=args.max_new_tokens, timeout_s=args.timeout,
                                 mode=args.prompt_mode)
     summary = f"pass@1 {result['pass_at_1']:.3f} ({result['passed']}/{result['count']})"
+  elif args.task == "choice":
+    questions = choice.load_questions(args.task_file, args.limit)
+    longest = max(len(choice.encode_pair(model.tokenizer, q["context"], c)[0])
+                  for q in questions for c in q["choices"])
+    engine = _engine(args, windowed, longest + 1)
+    result = choice.evaluate(engine, model.tokenizer, questions)
+    summary = f"acc {result['acc']:.3f}, acc_norm {result['acc_norm']:.3f} ({result['count']})"
   else:
     engine = _engine(args, windowed, max(args.lengths) + 16)
     result = needle.needle_accuracy(engine, model.tokenizer, args.lengths, args.depths)
@@ -191,6 +204,10 @@ def _plot(task: str, result: dict, path: str, title: str) -> None:
     rows = result["problems"]
     ax.bar(range(len(rows)), [int(r["passed"]) for r in rows])
     ax.set(xlabel="problem (task-id order)", ylabel="passed", ylim=(0, 1.1))
+  elif task == "choice":
+    rows = result["rows"]
+    ax.bar(range(len(rows)), [int(r["pick"] == r["answer"]) for r in rows])
+    ax.set(xlabel="question (file order)", ylabel="likeliest choice right", ylim=(0, 1.1))
   else:
     lengths = sorted({r["context"] for r in result["rows"]})
     for n in lengths:

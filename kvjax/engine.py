@@ -58,7 +58,7 @@ from kvjax.engine_warm_up import EngineWarmUp
 from kvjax.logit_processors import with_processing
 from kvjax.metrics import RequestMetrics, StepLog
 from kvjax.ngram import NgramDrafter, with_drafts
-from kvjax.output_processor import StepResult, request_outputs
+from kvjax.output_processor import StepResult, record_prompt_logprobs, request_outputs
 from kvjax.prefix_cache import PrefixCache
 from kvjax.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
@@ -131,6 +131,8 @@ class Engine(EngineWarmUp, EngineGenerate):
     self._ids = itertools.count()
     self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
     self._pending: list[RequestOutput] = []  # returned by the next step()
+    # Prompt logprobs of requests that asked, filled chunk by chunk until their first output.
+    self._prompt_scores: dict[str, list] = {}
     self.steps = StepLog()
     self._lock = threading.RLock()
     self.constraints = ConstraintBook()  # with a vocabulary: kvjax/constraints/vocabulary.py
@@ -142,7 +144,7 @@ class Engine(EngineWarmUp, EngineGenerate):
                   top_p: Optional[float] = None, seed: Optional[int] = None,
                   stop: Union[None, int, Sequence[int]] = None,
                   cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
-                  arrival_s: Optional[float] = None,
+                  prompt_logprobs: Optional[int] = None, arrival_s: Optional[float] = None,
                   constraint: Optional[Constraint] = None, **extensions) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
@@ -150,28 +152,32 @@ class Engine(EngineWarmUp, EngineGenerate):
     addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
     blocks from everyone else's.  `logprobs` n (0..20): every RequestOutput
     carries each new id's log-probability and its n likeliest alternatives
-    (kvjax/requests.py TokenLogprob).  `arrival_s`: when the request arrived
-    (time.perf_counter; default now), e.g. a server's receipt time, so TTFT and
-    queue time include the wait before this call.  `constraint`: outputs follow its grammar
-    (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's ignore_eos,
-    min_tokens, repetition/presence/frequency_penalty, logit_bias (kvjax/validation.py).
+    (kvjax/requests.py TokenLogprob).  `prompt_logprobs` k (0..20): its first RequestOutput
+    carries vLLM's prompt_logprobs, [None, then a TokenLogprob with k alternatives per prompt
+    position after the first], scored in the prefill chunks it runs anyway.  `arrival_s`:
+    when the request arrived (time.perf_counter; default now), e.g. a server's receipt time,
+    so TTFT and queue time include the wait before this call.  `constraint`: outputs follow
+    its grammar (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's
+    ignore_eos, min_tokens, repetition/presence/frequency_penalty, logit_bias
+    (kvjax/validation.py).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
-                               logprobs=logprobs, arrival_s=arrival_s, constraint=constraint,
-                               **extensions)
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               arrival_s=arrival_s, constraint=constraint, **extensions)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt, logprobs=None, arrival_s=None, constraint=None,
-                   **extensions) -> str:
+                   cache_salt, logprobs=None, prompt_logprobs=None, arrival_s=None,
+                   constraint=None, **extensions) -> str:
     request_id = str(next(self._ids))
     try:  # every argument checked before anything is queued
       ids = self._prompt_ids(prompt)
       max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
       sampling = sampling_options(self.model_config.vocab_size, temperature=temperature,
                                   top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs,
-                                  max_tokens=max_new_tokens, **extensions)
+                                  max_tokens=max_new_tokens, prompt_logprobs=prompt_logprobs,
+                                  **extensions)
       stops = stop_ids(stop, self.model_config.vocab_size)
       cache_salt = check_cache_salt(cache_salt)
       arrival_s = check_arrival(arrival_s)
@@ -181,9 +187,15 @@ class Engine(EngineWarmUp, EngineGenerate):
       matcher = None if constraint is None else self.constraints.compile(constraint)
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
+    scored = sampling.prompt_logprobs is not None
+    # A prefix hit's positions are never computed, so they could not be scored: a request
+    # asking for prompt logprobs takes none and computes its whole prompt.
     self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
                                stop_token_ids=list(stops), cache_salt=cache_salt,
-                               sampling=sampling, ignore_eos=sampling.ignore_eos)
+                               sampling=sampling, ignore_eos=sampling.ignore_eos,
+                               takes_prefix_hits=not scored)
+    if scored:
+      self._prompt_scores[request_id] = [None] * int(ids.size)
     self.constraints.attach(request_id, matcher)
     now = time.perf_counter()
     arrival = now if arrival_s is None else min(arrival_s, now)
@@ -223,6 +235,7 @@ class Engine(EngineWarmUp, EngineGenerate):
     metrics.finish_s = time.perf_counter()
     self._fresh_drafts.pop(request_id, None)
     self.constraints.forget(request_id)
+    self._prompt_scores.pop(request_id, None)
     self._pending.append(RequestOutput(request_id, [], list(req.output_ids), True,
                                        req.status.value, metrics))
     return True
@@ -290,6 +303,8 @@ class Engine(EngineWarmUp, EngineGenerate):
       # device_get is the step's host sync.
       emitted, drafted, steps_run = jax.device_get((emitted, drafted, steps))
       rows = [plan.rows[i] for i in group]
+      if emitted.prompt is not None:
+        record_prompt_logprobs(rows, emitted.prompt, self._prompt_scores)
       for row in rows:
         if row.start == row.request.num_cached_tokens and not row.is_decode:
           self.metrics[row.request_id].prefix_hit_tokens = row.request.num_cached_tokens
@@ -307,7 +322,8 @@ class Engine(EngineWarmUp, EngineGenerate):
     for rid, num_draft, num_accepted in result.verified:
       self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
       self.draft_policy.observe_verify(num_draft, num_accepted)
-    produced = request_outputs(result, sampled, before, self.metrics, self.constraints, now)
+    produced = request_outputs(result, sampled, before, self.metrics, self.constraints, now,
+                               self._prompt_scores)
     for out in produced:
       if out.finished:
         self._fresh_drafts.pop(out.request_id, None)
@@ -370,18 +386,21 @@ class Engine(EngineWarmUp, EngineGenerate):
       batch = with_drafts(batch, drafts)
     batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
     logprobs = any(r.request.sampling.logprobs is not None for r in rows)
+    score_prompt = any(not r.is_decode and r.request_id in self._prompt_scores for r in rows)
     burst = None if plan.num_steps == 1 else (
         *burst_limits(rows, batch.tokens.shape[0]), plan.num_steps)
-    emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask)
+    emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask, score_prompt)
     if self.ngram is not None and burst is None:
       drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
     return batch.tokens.shape, emitted, drafted, steps
 
-  def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None):
+  def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
+           score_prompt: bool = False):
     """Dispatch serve_step (token mask [rows, J+1, Vb], or None: all ones), or serve_burst
     when burst = (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B],
     steps run); logprobs: a row asks for them (else the Emitted leaves them out: no host
-    copy)."""
+    copy).  score_prompt: a prefill row is owed prompt logprobs (serve_step's program that
+    scores its columns; a burst runs decode rows only)."""
     draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
     static = dict(config=self.model_config, draft_config=draft and draft.config,
                   backend=self.config.backend, num_draft=num_draft,
@@ -392,7 +411,7 @@ class Engine(EngineWarmUp, EngineGenerate):
                                       self.model_config.vocab_size)  # one program either way
       self.state, emitted = serve_step(
           self.model.params, draft and draft.params, self.state, batch, token_mask=mask,
-          want_logprobs=want_logprobs, **static)
+          want_logprobs=want_logprobs, score_prompt=score_prompt, **static)
       emitted, drafted, steps = jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
     else:
       left, stop_ids, num_steps = burst

@@ -30,8 +30,8 @@ class EngineWarmUp:
     (Packing.shapes), per draft count its policy may pick and per burst stop width, on
     padding-only batches, and the page copy / clear programs on the null page, so
     no request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's
-    stop_widths (the bursts of requests with stop ids) and map_budget.  progress: a
-    progress bar's label.
+    stop_widths (the bursts of requests with stop ids), map_budget and prompt_logprobs (the
+    prefill programs that score prompts).  progress: a progress bar's label.
     """
     with self._lock:
       return warm_up(self.warm_up_plan(**variants), progress)
@@ -52,9 +52,10 @@ class EngineWarmUp:
         self._copy_pages([])
       self._clear([], self.config.max_num_seqs)  # the scratch slot
 
-  def _run_padding(self, shape: StepShape, stop_width: int = 1) -> None:
+  def _run_padding(self, shape: StepShape, stop_width: int = 1,
+                   score_prompt: bool = False) -> None:
     """One step program of `shape` on padding rows (a burst's: none runs a step), its
-    stop-id array `stop_width` wide."""
+    stop-id array `stop_width` wide (score_prompt: the prefill program scoring prompts)."""
     with self._lock:
       batch = with_processing(self.packing.padding(shape, snapshots=self.snapshots is not None),
                               [], self.model_config.vocab_size)  # neutral, as every group's
@@ -62,4 +63,4 @@ class EngineWarmUp:
       if shape.kind == "burst":
         left, _ = burst_limits([], shape.rows)
         burst = (left, np.full((shape.rows, stop_width), -1, np.int32), 1)
-      self._run(batch, shape.num_draft, False, burst)
+      self._run(batch, shape.num_draft, False, burst, score_prompt=score_prompt)

@@ -17,7 +17,7 @@ from typing import Container, Optional
 from kvjax.constraints import ConstraintBook
 from kvjax.requests import Request, RequestOutput, ScheduledRow, TokenLogprob
 
-__all__ = ["StepResult", "request_outputs"]
+__all__ = ["StepResult", "request_outputs", "record_prompt_logprobs"]
 
 
 def _logprobs(emitted, row: int, counts, num_top: Optional[int]) -> Optional[list]:
@@ -60,11 +60,33 @@ class StepResult:
                           for s in range(steps_run) if drafted[s, j]]
 
 
+def record_prompt_logprobs(rows: list[ScheduledRow], prompt, scores: dict) -> None:
+  """Add one group's prompt scores to `scores` (id -> [None, TokenLogprob | None, ...],
+  one entry per prompt position, for the requests still owed theirs).  prompt: a host copy
+  of a score_prompt program's Emitted.prompt ([1, B, T] ..., kvjax/serve_steps.py), whose
+  column t of row j scores position rows[j].start + t + 1; positions past the prompt (a
+  preempted request's recomputed outputs, the sampled column) are not prompt positions."""
+  chosen, top_ids, top_logprobs = (x[0] for x in prompt)
+  for j, row in enumerate(rows):
+    owed = scores.get(row.request_id)
+    if owed is None or row.is_decode:
+      continue
+    num_top = row.request.sampling.prompt_logprobs
+    for t in range(len(row.token_ids)):
+      position = row.start + t + 1
+      if position < len(owed):
+        owed[position] = TokenLogprob(float(chosen[j, t]),
+                                      tuple(zip(top_ids[j, t, :num_top].tolist(),
+                                                top_logprobs[j, t, :num_top].tolist())))
+
+
 def request_outputs(result: StepResult, sampled: dict[str, Request], before: dict[str, int],
-                    metrics: dict, constraints: ConstraintBook, now: float) -> list:
+                    metrics: dict, constraints: ConstraintBook, now: float,
+                    prompt_scores: dict) -> list:
   """RequestOutputs of the failed, then the sampled requests, after the scheduler applied
   `result` (before: each sampled request's output count until then).  Finished requests
-  leave `metrics` and `constraints`."""
+  leave `metrics` and `constraints`; a sampled request's first output takes its complete
+  prompt logprobs out of `prompt_scores` (a failed request's incomplete ones are dropped)."""
   outputs = []
   for req, good in result.broken:
     record = metrics.pop(req.request_id)
@@ -72,6 +94,7 @@ def request_outputs(result: StepResult, sampled: dict[str, Request], before: dic
     record.finish_s = now
     error = constraints.failed.get(req.request_id)
     constraints.forget(req.request_id)
+    prompt_scores.pop(req.request_id, None)
     outputs.append(RequestOutput(req.request_id, good, list(req.output_ids), True,
                                  req.status.value, record, result.new_logprobs[req.request_id],
                                  error=error))
@@ -89,5 +112,6 @@ def request_outputs(result: StepResult, sampled: dict[str, Request], before: dic
     outputs.append(RequestOutput(rid, new, list(req.output_ids), finished,
                                  req.status.value if finished else None,
                                  record if finished else None,
-                                 None if logprobs is None else logprobs[:len(new)]))
+                                 None if logprobs is None else logprobs[:len(new)],
+                                 prompt_scores.pop(rid, None)))
   return outputs

@@ -27,6 +27,7 @@ class SamplingOptions:
   top_p: float = 1.0  # 1: off
   seed: int = 0  # folded with each position (kvjax/sampling.py)
   logprobs: Optional[int] = None  # report each token's log p and this many alternatives
+  prompt_logprobs: Optional[int] = None  # the same for each prompt position after the first
   # vLLM's extensions (kvjax/logit_processors.py applies all but ignore_eos on the device):
   ignore_eos: bool = False  # EOS does not end the request (max_new_tokens or a stop id does)
   min_tokens: int = 0  # no stop id (EOS included) before this many tokens
@@ -75,6 +76,9 @@ class Request:
   num_cached_tokens: int = 0  # prefix-hit tokens at the last admission
   num_preemptions: int = 0
   is_decoding: bool = False  # last row sampled: the next row may verify drafts
+  # False: admission looks up no prefix hit, so every prompt position is computed (and
+  # scored: prompt logprobs); its blocks still enter the cache for others.
+  takes_prefix_hits: bool = True
   block_hashes: list[bytes] = dataclasses.field(default_factory=list)
   num_cached_blocks: int = 0  # leading blocks already offered to the cache
 
@@ -204,6 +208,9 @@ class RequestOutput:
   metrics: Any = None  # the request's RequestMetrics (kvjax/metrics.py), once finished
   new_logprobs: Optional[list] = None  # a TokenLogprob per new id, if the request asked
   error: Optional[str] = None  # finish_reason "error" from a failed constraint: why
+  # vLLM's prompt_logprobs, on a request's first output if it asked: None for the first
+  # prompt position, then a TokenLogprob of each prompt id given the ids before it.
+  prompt_logprobs: Optional[list] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,8 +116,10 @@ class Scheduler:
   def add_request(self, request_id: str, prompt_ids: Sequence[int],
                   max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
                   cache_salt: Optional[str] = None,
-                  sampling: Any = None, ignore_eos: bool = False) -> Request:
-    """Queues a request (ignore_eos: EOS does not stop it); ValueError if it can never run."""
+                  sampling: Any = None, ignore_eos: bool = False,
+                  takes_prefix_hits: bool = True) -> Request:
+    """Queues a request (ignore_eos: EOS does not stop it; takes_prefix_hits False: it
+    computes its whole prompt); ValueError if it can never run."""
     prompt = tuple(int(t) for t in prompt_ids)
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} is already in use")
@@ -133,7 +135,7 @@ class Scheduler:
     if self.eos_token_id is not None and not ignore_eos:
       stops.add(self.eos_token_id)
     req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
-                  cache_salt, sampling)
+                  cache_salt, sampling, takes_prefix_hits=takes_prefix_hits)
     self.requests[request_id] = req
     self.waiting.append(req)
     return req
@@ -214,7 +216,8 @@ class Scheduler:
            and len(self.running) < self.max_num_seqs):
       req = self.waiting[0]
       hit = (self.prefix_cache.lookup(req.token_ids, req.cache_salt)
-             if self.prefix_cache else PrefixHit(num_queried=req.num_tokens))
+             if self.prefix_cache and req.takes_prefix_hits
+             else PrefixHit(num_queried=req.num_tokens))
       fit = self._admission(req, hit, budget)
       if fit is None and hit.copy_tokens:
         # Pinning the copy source may be what does not fit (in an exact-fit pool

@@ -13,7 +13,10 @@ arguments.  A program serves every sampling option: top-k / top-p filtering
 runs only when a row asks for it (a cond in kvjax/sampling.py) and logprobs
 only when `want_logprobs` (a traced flag) says a row does, so a server compiles
 one program per packed shape (and burst stop-id width), not one per
-combination of options (kvjax/warm_up.py).  Shapes: docs/DIMENSIONS.md.
+combination of options (kvjax/warm_up.py).  Prompt logprobs are the exception: a
+prefill group with a row that asks for them runs the shape's `score_prompt`
+program (a static flag, so no other program computes them), which scores every
+column a row at a time.  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -50,9 +53,34 @@ class Emitted:
   logprobs: Optional[jax.Array] = None  # [B, J+1] f32 log p of each emitted id
   top_ids: Optional[jax.Array] = None  # [B, J+1, A] int32 the likeliest ids there
   top_logprobs: Optional[jax.Array] = None  # [B, J+1, A] f32 their log p
+  # Prompt logprobs (a score_prompt program only, else None): token_logprobs of each
+  # column's following known id ([B, T], [B, T, A], [B, T, A]; see _prompt_scores).
+  prompt: Optional[tuple] = None
 
 
-def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array) -> Emitted:
+def _prompt_scores(params: Params, config: ModelConfig, hidden: jax.Array,
+                   batch: StepBatch) -> tuple:
+  """hidden [B, T, D] -> token_logprobs of the id following each column: column t scores
+  the token at position start + t + 1, the row's next fed id or, after its last known
+  id, batch.next_tokens (-1, read as id 0, where the row samples: the host keeps only
+  prompt positions).  One row at a time, so no more than one chunk's [T, V] logits
+  are ever live."""
+  t = batch.tokens.shape[1]
+  col = jnp.arange(t)[None, :]
+  known = (batch.q_lens - batch.num_draft)[:, None]  # fed ids that are not drafts
+  shifted = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)
+  following = jnp.where(col + 1 < known, shifted, batch.next_tokens[:, None])  # [B, T]
+
+  def one_row(row):
+    h, ids = row
+    return token_logprobs(lm_logits(params, config, h)[None], ids[None])
+
+  chosen, top_ids, top_logprobs = jax.lax.map(one_row, (hidden, following))
+  return chosen[:, 0], top_ids[:, 0], top_logprobs[:, 0]
+
+
+def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array,
+             prompt: Optional[tuple] = None) -> Emitted:
   """tokens [B, J+1], logits [B, J+1, V] -> Emitted; a failed row emits nothing."""
   counts = jnp.where(failed, 0, counts)
   b, r, v = logits.shape
@@ -62,7 +90,7 @@ def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array) -> Emitte
   chosen, top_ids, top_logprobs = jax.lax.cond(
       want_logprobs, lambda: token_logprobs(logits, tokens), lambda: none)
   return Emitted(tokens=tokens, counts=counts, failed=failed, logprobs=chosen, top_ids=top_ids,
-                 top_logprobs=top_logprobs)
+                 top_logprobs=top_logprobs, prompt=prompt)
 
 
 @struct.dataclass
@@ -77,7 +105,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
                 batch: StepBatch, token_mask: Optional[jax.Array] = None,
                 want_logprobs: jax.Array = False, *, config: ModelConfig,
                 draft_config: Optional[ModelConfig], backend, num_draft: int,
-                host_drafts: bool = False):
+                host_drafts: bool = False, score_prompt: bool = False):
   """Run one row group -> (state, Emitted).
 
   num_draft = 0: plain decoding, one token per row sampled as kvjax.generate does.
@@ -95,6 +123,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   packed tokens each row may sample at each position, applied before sampling and
   verification, so a draft the grammar forbids is rejected as the target would;
   None (no constrained row) is the unmasked program.  Logprobs stay the raw model's.
+  score_prompt (static: a prefill group where a row asked for prompt logprobs): Emitted.prompt
+  scores every column's following id (_prompt_scores); other programs compute nothing.
   """
   base = jnp.maximum(batch.q_lens - 1 - batch.num_draft, 0)  # column of the last known token
   if host_drafts:
@@ -105,6 +135,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
       batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, pending, batch.num_draft))
   cache, hidden = model_step(params, state.cache, batch, config=config,
                              backend=backend)  # hidden [B, T, D]
+  prompt = _prompt_scores(params, config, hidden, batch) if score_prompt else None
   first = batch.starts + base + 1  # sequence index of the first emitted token
   if not num_draft:
     logits = lm_logits(params, config, spec.gather_rows(hidden, base, 1)[:, 0])
@@ -112,7 +143,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     new = sample(masked, batch.sampling, first, use_filter=True)  # [B]
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
     return state.replace(cache=cache), _emitted(new[:, None], jnp.ones_like(new), failed,
-                                                logits[:, None], want_logprobs)
+                                                logits[:, None], want_logprobs, prompt)
 
   raw = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
@@ -125,7 +156,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   cache = cache.keep_accepted(batch, accepted)  # a recurrent state forgets rejected drafts
   if host_drafts:
     return state.replace(cache=cache), _emitted(emitted, accepted + 1, failed, raw,
-                                                want_logprobs)
+                                                want_logprobs, prompt)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
@@ -143,11 +174,11 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids, :num_draft].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids, :num_draft].set(probs))
-  return state, _emitted(emitted, accepted + 1, failed, raw, want_logprobs)
+  return state, _emitted(emitted, accepted + 1, failed, raw, want_logprobs, prompt)
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "host_drafts")
-serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC,
+serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC + ("score_prompt",),
                       donate_argnames=("state",))
 
 

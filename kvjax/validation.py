@@ -47,9 +47,11 @@ def _check_real(name: str, value) -> float:
 
 
 def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None,
-                     seed=None, logprobs=None, max_tokens=None, **extensions) -> SamplingOptions:
+                     seed=None, logprobs=None, max_tokens=None, prompt_logprobs=None,
+                     **extensions) -> SamplingOptions:
   """Validated SamplingOptions (top_k None/0: off; top_p None: 1; seed None: 0;
-  logprobs None: off, n: each token's log p and its n likeliest alternatives).
+  logprobs None: off, n: each token's log p and its n likeliest alternatives;
+  prompt_logprobs the same for each prompt position after the first).
 
   extensions: vLLM's fields (kvjax/requests.py SamplingOptions; None: the default):
   ignore_eos, min_tokens (<= max_tokens when given), repetition_penalty (> 0),
@@ -71,9 +73,12 @@ def sampling_options(vocab_size: int, *, temperature=0.0, top_k=None, top_p=None
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
   seed = 0 if seed is None else check_int("seed", seed, *SEED_RANGE)
-  if logprobs is not None:
-    logprobs = check_int("logprobs", logprobs, 0, min(MAX_LOGPROBS, vocab_size) + 1)
+  most = min(MAX_LOGPROBS, vocab_size) + 1
+  logprobs = None if logprobs is None else check_int("logprobs", logprobs, 0, most)
+  if prompt_logprobs is not None:
+    prompt_logprobs = check_int("prompt_logprobs", prompt_logprobs, 0, most)
   return SamplingOptions(temperature, top_k, top_p, seed, logprobs,
+                         prompt_logprobs=prompt_logprobs,
                          **_extensions(vocab_size, max_tokens, **extensions))
 
 

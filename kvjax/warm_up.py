@@ -20,6 +20,11 @@ opt-in, bucketed: a request with EOS alone or no stop id runs E = 1, one with 1
 stop id beyond EOS E = 2, 2-3 beyond E = 4).  A server asks for all three (one
 with more stop ids than its widest E still compiles under its first burst).
 
+A prefill shape has a second program that also scores every column (prompt logprobs,
+kvjax/serve_steps.py score_prompt: at most one more program per prefill shape), compiled
+under the first request that asks for them, or here with `prompt_logprobs=True` (opt-in,
+after every other run: a server that scores prompts, e.g. for lm-evaluation-harness).
+
 `WarmUpPlan` runs the programs one at a time (`step()`), so a server's
 warm-up thread can run them between requests and report its progress;
 `warm_up` runs a whole plan at once.  A plan runs every shape's E = 1 program
@@ -78,17 +83,22 @@ def draft_counts(policy, num_draft: int) -> tuple[int, ...]:
 
 
 class WarmUpPlan:
-  """Every run of a warm-up, one per `step()`: run(shape, stop_width) for every shape (a
-  burst per stop width); `prepare()` before the first, `finish()` after the last."""
+  """Every run of a warm-up, one per `step()`: run(shape, stop_width, score_prompt) for
+  every shape (a burst per stop width; a prefill shape also scoring its prompt columns with
+  prompt_logprobs); `prepare()` before the first, `finish()` after the last."""
 
   def __init__(self, shapes: Sequence[StepShape], run: Callable[..., None], *,
                stop_widths: Sequence[int] = (1,), prepare: Callable[[], None] = lambda: None,
-               finish: Callable[[], None] = lambda: None, map_budget: Optional[float] = None):
+               finish: Callable[[], None] = lambda: None, map_budget: Optional[float] = None,
+               prompt_logprobs: bool = False):
     self.num_shapes = len(shapes)
-    runs = [(shape, width) for shape in shapes
+    runs = [(shape, width, False) for shape in shapes
             for width in (stop_widths if shape.kind == "burst" else (1,))]
-    # Stable: shapes keep their order, every E = 1 program before the wider bursts.
-    self.runs = sorted(runs, key=lambda run: run[1] > 1)
+    runs += [(shape, 1, True) for shape in shapes
+             if prompt_logprobs and shape.kind == "prefill"]
+    # Stable: shapes keep their order, every E = 1 program before the wider bursts, the
+    # prompt-scoring programs last.
+    self.runs = sorted(runs, key=lambda run: (run[2], run[1] > 1))
     self._run, self._prepare, self._finish = run, prepare, finish
     self._map_budget = map_budget
     self.stopped_early = False  # the map budget ran out before every run

@@ -223,6 +223,19 @@ def test_after_warm_up_generate_compiles_nothing_and_equals_an_unwarmed_engine(w
   assert cold.generate(prompts[:3], 10, temperature=0.9, seed=[4, 5, 6]).tokens == sampled
 
 
+def test_prompt_logprobs_warm_up_compiles_the_scoring_prefill_programs(warmed):
+  """prompt_logprobs=True adds one program per prefill shape (two here), after which a
+  request scoring its prompt compiles nothing."""
+  engine, _, _ = warmed
+  done = engine.warm_up(prompt_logprobs=True)
+  assert done.runs == 4 + 2 and done.programs == 2
+  before = num_compiled()
+  ids = [engine.add_request(p, 4, prompt_logprobs=2) for p in _prompts(7, 3)]
+  outputs = [out for out in engine.stream() if out.prompt_logprobs is not None]
+  assert sorted(out.request_id for out in outputs) == sorted(ids)
+  assert num_compiled() == before
+
+
 def _run_to_end(engine, requests) -> list[list[int]]:
   """Add (prompt, options) requests of 8 tokens, step until done -> their output ids."""
   ids = [engine.add_request(prompt, 8, **options) for prompt, options in requests]

@@ -7,5 +7,6 @@ One module per task, each over any kvjax.Model and the engine options it serves 
   humaneval.py   HumanEval pass@1 (greedy): Engine completions, sandboxed checks
   sandbox.py     runs an untrusted Python program contained (bubblewrap, rlimits)
   needle.py      needle retrieval (claim C16): accuracy by context length and depth
+  choice.py      multiple choice by loglikelihood (lm-eval's multiple_choice): acc, acc_norm
 `python -m kvjax eval` (kvjax/cli_eval.py) runs them and writes JSON + PNG.
 """

@@ -176,6 +176,7 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
   k = submission.request.num_choices
   texts, reasons, counts = [""] * k, [None] * k, [0] * k
   ids, logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
+  prompt_logprobs = [None] * k  # the engine's, from each choice's first delta
   done = 0
   loop_time = asyncio.get_running_loop().time
   next_check = loop_time() + _DISCONNECT_POLL_S
@@ -196,6 +197,8 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
       texts[event.index] += event.text
       ids[event.index] += event.token_ids
       logprobs[event.index] += event.logprobs or []
+      if event.prompt_logprobs is not None:
+        prompt_logprobs[event.index] = event.prompt_logprobs
       counts[event.index] = event.num_tokens
       if event.finish_reason is not None:
         reasons[event.index] = event.finish_reason
@@ -203,7 +206,7 @@ async def _collect(engine_loop: EngineLoop, submission: Submission, events: asyn
   finally:
     if done < k:
       engine_loop.cancel(submission)
-  return responses.response(texts, ids, reasons, counts, logprobs)
+  return responses.response(texts, ids, reasons, counts, logprobs, prompt_logprobs)
 
 
 async def _stream(engine_loop: EngineLoop, submission: Submission, events: asyncio.Queue,
@@ -222,7 +225,7 @@ async def _stream(engine_loop: EngineLoop, submission: Submission, events: async
         return
       done += event.finish_reason is not None
       yield sse(responses.chunk(event.index, event.text, event.token_ids, event.finish_reason,
-                                event.logprobs, event.num_tokens))
+                                event.logprobs, event.num_tokens, event.prompt_logprobs))
     if request.include_usage:
       yield sse(responses.usage_chunk())
     yield sse("[DONE]")

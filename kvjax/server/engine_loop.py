@@ -56,6 +56,7 @@ class Delta:
   num_tokens: int  # completion tokens of the choice so far
   finish_reason: Optional[str]  # None until the choice's last delta
   logprobs: Optional[list] = None  # a kvjax.requests.TokenLogprob per id, if asked
+  prompt_logprobs: Optional[list] = None  # the engine's, on a choice's first delta, if asked
 
 
 class Submission:
@@ -181,11 +182,14 @@ class EngineLoop:
     try:
       for i in range(request.num_choices):
         prompt = i // request.n
+        # max_tokens 0 (echo: the prompt alone) samples one token, never shown: the engine
+        # samples at the end of the prompt's last chunk anyway.
         ids.append(self.engine.add_request(
-            request.prompts[prompt], request.max_tokens[prompt],
+            request.prompts[prompt], max(1, request.max_tokens[prompt]),
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
-            logprobs=request.logprobs, arrival_s=submission.received_s,
+            logprobs=request.logprobs, prompt_logprobs=request.scored_prompt,
+            arrival_s=submission.received_s,
             constraint=request.constraint, **dict(request.extensions)))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
@@ -241,8 +245,11 @@ class EngineLoop:
           self.metrics.prompt_tokens.inc(len(choice.submission.request.prompts[
               choice.index // choice.submission.request.n]))
         before = choice.text.num_tokens
-        text, reason = choice.text.push(out.new_token_ids,
-                                        out.finish_reason if out.finished else None)
+        request = choice.submission.request
+        prompt_only = request.max_tokens[choice.index // request.n] == 0
+        text, reason = choice.text.push(
+            [] if prompt_only else out.new_token_ids,
+            ("length" if prompt_only else out.finish_reason) if out.finished else None)
         kept = out.new_token_ids[:choice.text.num_tokens - before]
         self.metrics.generation_tokens.inc(len(kept))
         if reason == "stop" and not out.finished:  # a stop string: no need to go on
@@ -251,7 +258,7 @@ class EngineLoop:
         logprobs = None if out.new_logprobs is None else out.new_logprobs[:len(kept)]
         if text or kept or reason:
           choice.submission.deliver(Delta(choice.index, text, kept, choice.text.num_tokens,
-                                          reason, logprobs))
+                                          reason, logprobs, out.prompt_logprobs))
       if out.finished:
         with self._lock:
           self._unfinished -= 1

@@ -22,6 +22,11 @@ truncate_prompt_tokens (the prompt's last k tokens), best_of equal to n, and for
 add_generation_prompt and continue_final_message (the reply continues the last
 message: the rendered text is cut right after its content, as transformers cuts it).
 Tool calling (tools, tool_choice, parallel_tool_calls) is kvjax/server/tools.py.
+Scoring text (completions only): `echo` returns the prompt before the completion, and with
+`logprobs` n its tokens' logprobs too (the first None, as OpenAI's legacy completions and
+lm-evaluation-harness's local-completions read them); `max_tokens` may then be 0 (the prompt
+alone).  vLLM's `prompt_logprobs` k adds each choice's prompt logprobs in vLLM's form.  Both
+come from the engine's prompt logprobs (Engine.add_request(prompt_logprobs=k)).
 Unknown fields policy: a field neither API defines is ignored, as OpenAI's own
 clients' extra_body and vLLM do; a field they define that kvjax cannot honour
 (_UNSUPPORTED) is a 400 naming it, so a request never silently means less than it says.
@@ -56,8 +61,8 @@ MAX_CHARS_PER_TOKEN = 128
 # The bytes json_depth reads: quotes, backslashes and brackets.
 _JSON_SYNTAX = np.isin(np.arange(256), np.frombuffer(b'"\\[]{}', np.uint8))
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
-_UNSUPPORTED = ("echo", "suffix", "use_beam_search", "prompt_logprobs", "allowed_token_ids",
-                "bad_words", "functions", "function_call",  # these two: use tools
+_UNSUPPORTED = ("suffix", "use_beam_search", "allowed_token_ids", "bad_words",
+                "functions", "function_call",  # these two: use tools
                 "chat_template")
 # stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
 _STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
@@ -117,10 +122,20 @@ class GenerationRequest:
   constraint: Optional[Constraint] = None  # structured output (kvjax/server/structured.py)
   constraint_field: Optional[str] = None  # the field that set it: what its errors name
   tools: Optional[ToolUse] = None  # tool calls to parse from chat output (server/tools.py)
+  echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+  prompt_logprobs: Optional[int] = None  # vLLM's field: alternatives per prompt position
 
   @property
   def num_choices(self) -> int:
     return len(self.prompts) * self.n
+
+  @property
+  def scored_prompt(self) -> Optional[int]:
+    """The engine's prompt_logprobs: the most alternatives echo's logprobs or vLLM's
+    prompt_logprobs ask for (None: the prompt is not scored)."""
+    asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+             if k is not None]
+    return max(asked, default=None)
 
 
 def json_depth(raw: bytes) -> int:
@@ -353,6 +368,11 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     raise OpenAIError(f"The model {model!r} does not exist; this server serves "
                       f"{limits.model_name!r}", "model", status=404, code="model_not_found")
   logprobs, logprobs_param = _logprobs(body, chat)
+  echo = _flag(body, "echo", False)
+  prompt_logprobs = body.get("prompt_logprobs")
+  for name, value in (("echo", echo), ("prompt_logprobs", prompt_logprobs)):
+    if chat and value not in (None, False):
+      raise OpenAIError(f"{name} needs /v1/completions", name)
   for name in _UNSUPPORTED:
     if body.get(name) not in (None, False, 0, "", [], {}):
       raise OpenAIError(f"{name} is not supported", name)
@@ -365,7 +385,9 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     if max_tokens is None:
       lengths.append(limits.max_model_len - len(ids) if chat else 16)
       continue
-    lengths.append(_checked(length_param, check_int, length_param, max_tokens, 1))
+    # 0 (the prompt alone) only where the prompt comes back.
+    lengths.append(_checked(length_param, check_int, length_param, max_tokens,
+                            0 if echo else 1))
     if len(ids) + lengths[-1] > limits.max_model_len:
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
@@ -392,7 +414,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
                      top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs,
-                     max_tokens=min(lengths), **extensions)
+                     prompt_logprobs=prompt_logprobs, max_tokens=min(lengths), **extensions)
   except ValueError as error:  # its messages start with the field's name
     message, param = str(error), re.match(r"\w+", str(error)).group()
     if param == "logprobs":  # chat's number of alternatives is top_logprobs
@@ -422,7 +444,8 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
       skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
           tool_use and tool_use.format.keep_special),
-      tools=tool_use, **_constraint(body, tool_use))
+      tools=tool_use, echo=echo, prompt_logprobs=prompt_logprobs,
+      **_constraint(body, tool_use))
 
 
 def _constraint(body: dict, tool_use: Optional[ToolUse]) -> dict:

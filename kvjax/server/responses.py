@@ -8,7 +8,12 @@ role.  `usage` counts each prompt once and every choice's completion tokens
 tokenizer has no text: its choices carry `token_ids` instead.  Logprobs take
 OpenAI's two shapes: completions' parallel lists (tokens, token_logprobs,
 top_logprobs, text_offset) and chat's `content` list of {token, logprob,
-bytes, top_logprobs}; a token's text is its id decoded alone.  A request with
+bytes, top_logprobs}; a token's text is its id decoded alone, and text_offset counts those
+texts' characters (as vLLM does).  `echo` puts the prompt (decoded) before a completion's text
+and, with logprobs, its tokens before the completion's (token_logprobs and top_logprobs None at
+the first, which nothing predicts); vLLM's prompt_logprobs comes as the choice's
+`prompt_logprobs`: None, then {id: {logprob, rank, decoded_token}} per prompt position (rank
+where the id is among the likeliest asked for).  A request with
 tools (kvjax/server/tools.py) has its tool calls parsed out of each choice's text
 (in the model's format: kvjax/tool_formats.py) into `message.tool_calls`
 (streamed: `delta.tool_calls`, one complete call per entry), the rest is the
@@ -17,6 +22,7 @@ calls finishes with "tool_calls".
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -31,6 +37,13 @@ def _with_calls(finish_reason: str) -> str:
   """A choice that ended on its own (not at a length limit) after calling finished to
   let the tools run."""
   return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _joined(first: Optional[dict], then: Optional[dict]) -> Optional[dict]:
+  """Two completions logprobs objects (parallel lists) one after the other."""
+  if first is None or then is None:
+    return then if first is None else first
+  return {key: first[key] + then[key] for key in first}
 
 
 def sse(payload) -> str:
@@ -55,6 +68,7 @@ class Responses:
                           range(request.num_choices if request.tools else 0)]
     self._calls_sent = [0] * request.num_choices
     self._streamed_tokens = [0] * request.num_choices  # per choice, in the chunks so far
+    self._echoed = [False] * request.num_choices  # echo: its prompt went out
 
   def usage(self, completion_tokens: Sequence[int]) -> dict:
     prompt = sum(map(len, self.request.prompts))
@@ -64,12 +78,15 @@ class Responses:
 
   def response(self, texts: Sequence[str], token_ids: Sequence[list],
                finish_reasons: Sequence[str], completion_tokens: Sequence[int],
-               logprobs: Sequence[list]) -> dict:
-    """The whole (non-streamed) answer."""
+               logprobs: Sequence[list], prompt_logprobs: Sequence[Optional[list]]) -> dict:
+    """The whole (non-streamed) answer; prompt_logprobs: the engine's, per choice."""
     choices = []
     for index, (text, reason) in enumerate(zip(texts, finish_reasons)):
+      echo_text, echo_ids, echo_logprobs = self._echo(index, prompt_logprobs[index])
+      text = echo_text + text
       choice = {"index": index, "finish_reason": reason,
-                "logprobs": self.logprobs(index, token_ids[index], logprobs[index])}
+                "logprobs": _joined(echo_logprobs, self.logprobs(index, token_ids[index],
+                                                                 logprobs[index]))}
       if self.chat and self.request.tools:
         content, calls = self.request.tools.format.parse(text, self.request.tools.names)
         choice["message"] = {"role": "assistant", "content": (content or None) if calls
@@ -82,7 +99,8 @@ class Responses:
       else:
         choice["text"] = text
       if self.with_token_ids:
-        choice["token_ids"] = token_ids[index]
+        choice["token_ids"] = echo_ids + token_ids[index]
+      self._add_prompt_logprobs(choice, prompt_logprobs[index])
       choices.append(choice)
     return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model_name, "choices": choices,
@@ -94,11 +112,15 @@ class Responses:
                          "logprobs": None, "finish_reason": None}])
 
   def chunk(self, index: int, text: str, token_ids: list, finish_reason: Optional[str],
-            logprobs: Optional[list], num_tokens: int) -> dict:
-    """A stream chunk of choice `index`: its new text, `num_tokens` generated so far."""
+            logprobs: Optional[list], num_tokens: int,
+            prompt_logprobs: Optional[list] = None) -> dict:
+    """A stream chunk of choice `index`: its new text, `num_tokens` generated so far (the
+    first: the echo and the engine's prompt_logprobs)."""
     self._streamed_tokens[index] = num_tokens
-    choice = {"index": index, "logprobs": self.logprobs(index, token_ids, logprobs),
-              "finish_reason": finish_reason}
+    echo_text, echo_ids, echo_logprobs = self._echo(index, prompt_logprobs)
+    choice = {"index": index, "finish_reason": finish_reason,
+              "logprobs": _joined(echo_logprobs, self.logprobs(index, token_ids, logprobs))}
+    text, token_ids = echo_text + text, echo_ids + token_ids
     if self.chat and self.request.tools:
       choice["delta"] = self._tool_delta(index, text, finish_reason is not None)
       if finish_reason is not None and self._calls_sent[index]:
@@ -109,7 +131,50 @@ class Responses:
       choice["text"] = text
     if self.with_token_ids:
       choice["token_ids"] = token_ids
+    if prompt_logprobs is not None:
+      self._add_prompt_logprobs(choice, prompt_logprobs)
     return self._chunk([choice])
+
+  def _echo(self, index: int, scores: Optional[list]) -> tuple:
+    """echo, once per choice -> (prompt text, prompt ids, its logprobs object or None);
+    ("", [], None) otherwise.  scores: the engine's prompt logprobs (with logprobs)."""
+    if not self.request.echo or self._echoed[index]:
+      return "", [], None
+    self._echoed[index] = True
+    ids = list(self.request.prompts[index // self.request.n])
+    text = "" if self.tokenizer is None else self.tokenizer.decode(
+        ids, skip_special_tokens=self.request.skip_special_tokens)
+    num_top = self.request.logprobs
+    if num_top is None or scores is None:  # none asked, or the request failed unscored
+      return text, ids, None
+    texts = [self._text(t) for t in ids]
+    offsets = list(itertools.accumulate(map(len, texts), initial=self._text_offset[index]))
+    self._text_offset[index] = offsets.pop()
+    return text, ids, {
+        "tokens": texts, "token_logprobs": [None] + [s.logprob for s in scores[1:]],
+        "top_logprobs": [None] + [{self._text(i): p for i, p in s.top[:num_top]}
+                                  for s in scores[1:]],
+        "text_offset": offsets}
+
+  def _add_prompt_logprobs(self, choice: dict, scores: Optional[list]) -> None:
+    """vLLM's prompt_logprobs on a completions choice, if the request asked."""
+    num_top = self.request.prompt_logprobs
+    if num_top is None:
+      return
+    if scores is None:  # the request failed before its prompt was scored
+      choice["prompt_logprobs"] = None
+      return
+    ids = self.request.prompts[choice["index"] // self.request.n]
+    entries = [None]
+    for token, score in zip(ids[1:], scores[1:]):
+      top = score.top[:num_top]
+      ranks = {i: rank for rank, (i, _) in enumerate(top, 1)}
+      entry = {token: {"logprob": score.logprob, "rank": ranks.get(token),
+                       "decoded_token": self._text(token)}}
+      entry.update({i: {"logprob": p, "rank": ranks[i], "decoded_token": self._text(i)}
+                    for i, p in top if i != token})
+      entries.append(entry)
+    choice["prompt_logprobs"] = entries
 
   def _tool_delta(self, index: int, text: str, last: bool) -> dict:
     """A chat delta of a request with tools: content outside calls, whole calls."""
