@@ -14,7 +14,9 @@ import kvjax
 from kvjax.layers import dense
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.weights import gguf_quants
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
+from tests.test_gguf_quants import gguf_bytes, reference as gguf_reference
 
 
 
@@ -76,9 +78,11 @@ def numpy_quantize_activations(x: np.ndarray, blocks: list):
 
 # (bits, group, offsets, AWQ in_scale): int8 per channel, GGUF's Q4_1 / Q8_0 blocks as
 # int8 and int4 (offsets), int4-g32 / -g128 (a ragged last group at I = 192), int8 in
-# groups of 40 (blocks of 32 and 8 rows: the 4-row units' ragged tails).
+# groups of 40 (blocks of 32 and 8 rows: the 4-row units' ragged tails), int8 in
+# groups of 16 with offsets (Q6_K's blocks).
 CASES = [(8, None, False, False), (8, 32, True, False), (4, 32, False, False),
-         (4, 32, True, False), (4, 128, False, True), (8, 40, False, False)]
+         (4, 32, True, False), (4, 128, False, True), (8, 40, False, False),
+         (8, 16, True, False)]
 
 
 def _case(bits, group, offsets, awq, rows):
@@ -144,6 +148,30 @@ def test_every_kernel_gives_the_same_bits(bits, group, offsets, awq):
   assert "generic" in outputs and len(outputs) >= 2, outputs.keys()  # this CI has AVX2
   for isa, y in outputs.items():
     np.testing.assert_array_equal(y, outputs["generic"], err_msg=isa)
+
+
+GGUF_KEPT = [(t, scheme) for t in gguf_quants.SUPPORTED_TYPES for scheme in ("int8", "int4-g32")
+             if gguf_quants.maps_blocks(t, scheme)]
+
+
+@pytest.mark.parametrize("type_name,scheme", GGUF_KEPT)
+def test_qmatmul_on_every_gguf_block_type_kvjax_keeps(type_name, scheme):
+  """Each GGUF block type the loader keeps quantized (Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K,
+  as int8 or int4-g32), through every kernel this CPU runs, against gguf's own
+  dequantization (llama.cpp's reference) in float64: within x's int8 rounding."""
+  assert GGUF_KEPT and qmatmul.available()
+  i, o = 512, 200  # 2 super-blocks of 256 inputs; 3 blocks of 64 outputs and a ragged one
+  raw = gguf_bytes(type_name, o, i, seed=5)
+  q = gguf_quants.blocks_qweight(raw, type_name, scheme, (i, o), 1)
+  w = gguf_reference(raw, type_name).T.astype(np.float64)  # [I, O]
+  x = np.random.default_rng(1).standard_normal((3, i)).astype(np.float32)
+  _, scales = numpy_quantize_activations(x, numpy_activation_blocks(i, q.group_size))
+  rounding = (scales.astype(np.float64) / 2) @ np.abs(numpy_codes(q) *
+                                                     numpy_group_rows(q, "scales"))
+  for isa in qmatmul.supported_isas():
+    got = jax.jit(functools.partial(qmatmul.qmatmul, isa=isa))(jnp.asarray(x), q)
+    error = np.abs(np.asarray(got, np.float64) - x.astype(np.float64) @ w)
+    assert np.all(error <= rounding * (1 + 1e-5) + f32_tolerance(x, w)), (isa, error.max())
 
 
 def test_non_finite_activations_give_nan_rows_and_a_bad_isa_is_named():
