@@ -138,7 +138,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("kvjax_qmatmul: isa " + std::to_string(isa) +
                                        " is not one this CPU runs (or not built)");
   }
-  const int64_t per_group = (group + kBlock - 1) / kBlock;
+  const int64_t per_group = (std::min(group, in) + kBlock - 1) / kBlock;  // blocks a group
   const Activations a = Quantize(x.typed_data(), rows, in, group, groups, per_group,
                                  has_offsets);
   auto shared = std::make_shared<Shared>();
