@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="Functional pure-state paged-KV LLM inference in JAX/Pallas",
     packages=find_packages(include=["kvjax", "kvjax.*", "pallas_kernels", "pallas_kernels.*"]),
-    package_data={"kvjax": ["assets/**/*", "quant/qmatmul.cc"]},  # built at first use
+    package_data={"kvjax": ["assets/**/*", "quant/qmatmul*.cc", "quant/qmatmul*.h"]},  # built at first use
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

@@ -108,14 +108,34 @@ def median_seconds(fn: Callable[[], Any], repeats: int, **kwargs) -> float:
 
 
 def describe_device() -> dict:
-  """The machine a result comes from: platform, device kind and count, host CPUs, OS, jax."""
+  """The machine a result comes from: platform, device kind and count, host CPUs (model,
+  speed-relevant flags), the 1 / 5 / 15-minute load average as the run ends (other jobs
+  on a shared machine), OS, jax."""
   import jax  # pylint: disable=g-import-not-at-top
 
   device = jax.devices()[0]
   return dict(platform=device.platform, device_kind=getattr(device, "device_kind", ""),
               num_devices=jax.device_count(), cpu_count=os.cpu_count(),
-              machine=platform.machine(), cpu_model=cpu_model(), os=platform.platform(),
+              machine=platform.machine(), cpu_model=cpu_model(), cpu_flags=cpu_flags(),
+              load_average=list(os.getloadavg()), os=platform.platform(),
               jax=jax.__version__)
+
+
+# The CPU features a speed result depends on (kvjax/quant/qmatmul.cc picks its kernel by
+# them; XLA:CPU's dots too): an AVX2-only CPU and an AVX-512 one differ by 3x on int4.
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_flags() -> dict:
+  """SPEED_FLAGS -> whether the host CPU has it (`lscpu`'s / /proc/cpuinfo's flags;
+  empty where the OS does not say)."""
+  try:
+    with open("/proc/cpuinfo") as cpuinfo:
+      flags = next((line.split(":", 1)[1].split() for line in cpuinfo
+                    if line.startswith("flags")), None)
+  except OSError:
+    flags = None
+  return {} if flags is None else {flag: flag in flags for flag in SPEED_FLAGS}
 
 
 def cpu_model() -> str:

@@ -13,6 +13,7 @@ int8 codes (kvjax/weights/quantize.py tied_head).
 Writes results/<name>.json and .png; says which CPU ran it (the machine is shared).
 """
 import functools
+import os
 import time
 
 from absl import app
@@ -60,6 +61,11 @@ def _tokens_per_s(model, prompts, new_tokens):
   return len(prompts) / stats["tpot_s"]
 
 
+def _isas() -> tuple:
+  """The qmatmul kernels this CPU runs (the call picks the last)."""
+  return qmatmul.supported_isas() if qmatmul.available() else ()
+
+
 def _plot(rows, batches, path):
   with common.figure(path, 1, len(batches), figsize=(5 * len(batches), 4),
                      squeeze=False) as (_, axes):
@@ -72,7 +78,7 @@ def _plot(rows, batches, path):
 
 def main(_):
   cfg = _CONFIG.value
-  start = time.perf_counter()
+  start, load_at_start = time.perf_counter(), list(os.getloadavg())
   models = {d: kvjax.load_checkpoint(cfg.checkpoint,
                                      weight_dtype=None if d == "float32" else d)
             for d in cfg.weight_dtypes}
@@ -111,7 +117,9 @@ def main(_):
   common.print_claims(claims, "{claim:5s} {what:44s} {seed:>5s} {ours:>7s}", "{:.3f}")
   result = dict(config=cfg.to_dict(), device=common.device_label(),
                 device_info=common.describe_device(), shared_machine=True,
-                qmatmul_available=qmatmul.available(), seconds=time.perf_counter() - start, rows=rows, claims=claims)
+                load_average_at_start=load_at_start,
+                qmatmul_available=qmatmul.available(), qmatmul_isas=_isas(),
+                seconds=time.perf_counter() - start, rows=rows, claims=claims)
   common.write_results(cfg.out_dir, cfg.name, result,
                        plot=functools.partial(_plot, rows, cfg.batches))
 

@@ -20,6 +20,7 @@ microseconds per matmul, GB/s of its own weight bytes (codes, scales, offsets), 
 its speedup over float32 (the claim rows: every batch, decode options).
 """
 import functools
+import os
 import time
 
 from absl import app
@@ -132,7 +133,7 @@ def _plot(rows, cfg, path):
 
 def main(_):
   cfg = _CONFIG.value
-  start = time.perf_counter()
+  start, load_at_start = time.perf_counter(), list(os.getloadavg())
   rng = np.random.default_rng(0)
   rows, claims = [], []
   for d, f in cfg.shapes:
@@ -168,7 +169,10 @@ def main(_):
   common.print_claims(claims, "{claim:5s} {what:62s} {seed:>4s} {ours:>6s}", "{:.2f}")
   result = dict(config=cfg.to_dict(), device=common.device_label(),
                 device_info=common.describe_device(), shared_machine=True,
-                qmatmul_available=qmatmul.available(), seconds=time.perf_counter() - start,
+                load_average_at_start=load_at_start,
+                qmatmul_available=qmatmul.available(),
+                qmatmul_isas=qmatmul.supported_isas() if qmatmul.available() else (),
+                seconds=time.perf_counter() - start,
                 rows=rows, claims=claims)
   common.write_results(cfg.out_dir, cfg.name, result, plot=functools.partial(_plot, rows, cfg))
 

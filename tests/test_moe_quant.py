@@ -42,7 +42,13 @@ def _quantized(model, scheme):
     ("deepseek_v3", "int8", False), ("gpt_oss", "int4-g32", False),
     ("qwen3_moe", "int4-g32", True)])  # the engine's paged steps once (compiles dominate)
 def test_quantized_experts_equal_their_dequantized_twin(moe_pair, family, scheme,
-                                                        through_engine):
+                                                        through_engine, monkeypatch):
+  # To f32 rounding, so through the dequantizing matmul: qmatmul rounds each matmul's
+  # input to int8 per 32 values (test_qmatmul bounds that), and on these random tiny
+  # MoE models such a change flips router choices (deepseek_v3's first prompt: logits
+  # 100% off on a token where the int8 weight rounding alone moves them as much).
+  monkeypatch.setattr(qmatmul, "available", lambda: False)
+  jax.clear_caches()  # no step traced with qmatmul on is reused
   _, model = moe_pair(family)
   quantized = _quantized(model, scheme)
   layers = [b.moe for b in quantized.params.blocks if b.moe is not None]
