@@ -149,7 +149,9 @@ def test_many_prompts_are_refused_before_any_is_tokenized(server, http):
 
 
 def test_a_large_grammar_compiles_off_the_event_loop(server, http):
-  choices = [f"option number {i} with some words" for i in range(60_000)]
+  # The largest choice list the bounds take (kvjax/constraints/limits.py: 2,000 items,
+  # 128 KiB of text), ~0.5 s of grammar compilation.
+  choices = [f"option number {i:04d} with some words, " + "x" * 20 for i in range(2_000)]
   body = {"model": NAME, "prompt": "pick: ", "max_tokens": 1, "temperature": 0,
           "structured_outputs": {"choice": choices}}
   with HealthProbe(server.root) as probe:
@@ -157,7 +159,7 @@ def test_a_large_grammar_compiles_off_the_event_loop(server, http):
     answer = http.post("/completions", json=body)
     took = time.perf_counter() - start
   assert answer.status_code in (200, 400), answer.text
-  assert probe.answers > 5 and probe.worst_s < 1.0, (took, probe.answers, probe.worst_s)
+  assert probe.answers >= 2 and probe.worst_s < 1.0, (took, probe.answers, probe.worst_s)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,8 @@ Text fields (prompt strings, chat roles and content, stop strings) must be
 encodable UTF-8 (no lone surrogates such as "\\ud800", which JSON can spell)
 and hold no NUL character (the NUL policy: tokenizers and templates treat it
 as a terminator or drop it, so a prompt with one would not mean what it
-says).  A body is refused before it is parsed when it exceeds MAX_BODY_BYTES
-or nests deeper than MAX_JSON_DEPTH: the depth is measured by an iterative
-scan, so no parser ever recurses on hostile input.
+says).  A body is bounded before it is parsed (kvjax/server/request_body.py) and
+errors are OpenAIError (kvjax/server/openai_error.py), both re-exported here.
 Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and "up to
 max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
 random seed when none is given), so n > 1 choices differ and a seeded request
@@ -34,15 +33,14 @@ clients' extra_body and vLLM do; a field they define that kvjax cannot honour
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 import re
 import secrets
 from typing import Optional
 
-import numpy as np
-
 from kvjax.constraints import Constraint
+from kvjax.server.openai_error import OpenAIError
+from kvjax.server.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, parse_json
 from kvjax.server.structured import parse_constraint
 from kvjax.server.tools import ToolUse, parse_tools, tool_message_fields
 from kvjax.validation import EXTENSIONS, SEED_RANGE, check_int, sampling_options, stop_ids
@@ -51,37 +49,17 @@ __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_co
            "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH"]
 
 MAX_N = 128
-MAX_BODY_BYTES = 16 << 20  # 16 MiB: far above a max_model_len prompt of ids
-MAX_JSON_DEPTH = 32  # a request body needs 4 (messages -> message -> content parts -> part)
 # Characters one token covers at most, on average over a prompt: generous (English text
 # averages about 4; the longest tokens of common vocabularies, runs of spaces or symbols,
 # are 16 to 128).  A text prompt longer than max_model_len of them cannot fit, so it gets
 # its 400 before it is tokenized (a 10 MB prompt took 38 s to tokenize and check).
 MAX_CHARS_PER_TOKEN = 128
-# The bytes json_depth reads: quotes, backslashes and brackets.
-_JSON_SYNTAX = np.isin(np.arange(256), np.frombuffer(b'"\\[]{}', np.uint8))
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("suffix", "use_beam_search", "allowed_token_ids", "bad_words",
                 "functions", "function_call",  # these two: use tools
                 "chat_template")
 # stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
 _STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
-
-
-class OpenAIError(Exception):
-  """An error answer: HTTP status and OpenAI's error object."""
-
-  def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
-               kind: str = "invalid_request_error", code: Optional[str] = None):
-    # Echoed client text must not break the UTF-8 answer (a lone surrogate is escaped).
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    super().__init__(message)
-    self.message, self.param, self.status, self.kind, self.code = (message, param, status,
-                                                                  kind, code)
-
-  def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                      "code": self.code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,54 +114,6 @@ class GenerationRequest:
     asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
              if k is not None]
     return max(asked, default=None)
-
-
-def json_depth(raw: bytes) -> int:
-  """The deepest nesting of arrays and objects in JSON text `raw`: a running sum over
-  its brackets outside strings, no recursion (malformed text gets some depth;
-  json.loads refuses it afterwards).  Numpy passes over the bytes that matter (quotes,
-  backslashes, brackets), which release the GIL: 10 MB of text takes milliseconds, 16 MiB
-  of nothing but those bytes about a second, and no other thread stalls meanwhile (a regex
-  over the strings held the GIL for 6-11 s on 10 MB of text)."""
-  text = np.frombuffer(raw, np.uint8)
-  at = np.flatnonzero(_JSON_SYNTAX[text])  # positions of the bytes that matter
-  if at.size == 0:
-    return 0
-  byte = text[at]
-  backslash = byte == ord("\\")
-  follows = np.concatenate(([False], at[1:] == at[:-1] + 1))  # right after the one before
-  # The backslash run each backslash ends; a quote is escaped when an odd run ends
-  # right before it.
-  starts = backslash & ~(follows & np.concatenate(([False], backslash[:-1])))
-  index = np.arange(at.size, dtype=np.int32)
-  run_start = np.maximum.accumulate(np.where(starts, index, np.int32(-1)))
-  run = np.where(backslash, index - run_start + 1, 0)
-  run_before = np.where(follows, np.concatenate(([0], run[:-1])), 0)
-  quote = (byte == ord('"')) & (run_before % 2 == 0)
-  in_string = np.logical_xor.accumulate(quote)
-  opens = ((byte == ord("[")) | (byte == ord("{"))) & ~in_string
-  closes = ((byte == ord("]")) | (byte == ord("}"))) & ~in_string
-  steps = opens.astype(np.int8) - closes.astype(np.int8)
-  return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
-
-
-def parse_json(raw: bytes) -> dict:
-  """The request body as a JSON object; too large or too deep -> 400 before parsing."""
-  if len(raw) > MAX_BODY_BYTES:
-    raise OpenAIError(f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
-                      code="body_too_large")
-  depth = json_depth(raw)
-  if depth > MAX_JSON_DEPTH:
-    raise OpenAIError(f"the request body nests {depth} levels deep; the limit is "
-                      f"{MAX_JSON_DEPTH}", code="invalid_json")
-  try:
-    body = json.loads(raw)
-  except (ValueError, UnicodeDecodeError) as error:
-    raise OpenAIError(f"the request body is not valid JSON: {error}", code="invalid_json")
-  if not isinstance(body, dict):
-    raise OpenAIError(f"the request body must be a JSON object, got {type(body).__name__}",
-                      code="invalid_json")
-  return body
 
 
 def parse_completion(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
