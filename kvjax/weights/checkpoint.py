@@ -35,7 +35,8 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
-  out = dataclasses.asdict(cfg)
+  out = dataclasses.asdict(cfg.replace(attention_variant=None))  # a variant is code
+  del out["attention_variant"]
   if cfg.layer_windows is not None:
     out["layer_windows"] = list(cfg.layer_windows)
   return out
