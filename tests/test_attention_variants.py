@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.attention.variants import sinks_window, soft_cap
+from kvjax.attention.paged import paged_attention
+from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
+from tests.test_blocked_attention import _brute_force, pages  # noqa: F401 (a fixture)
 
 
 def _alibi_slopes(n: int) -> np.ndarray:
@@ -104,6 +106,17 @@ def test_per_layer_variant_matches_the_oracle(model):
   landmark = RULES["landmark"][1]
   want = _oracle_logits(model, tokens, lambda layer: landmark if layer % 2 else None)
   np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("t", [12, 2], ids=["blocked prefill", "decode gather"])
+def test_window_variant_with_kv_range_starts_the_block_walk_late_and_matches(pages, t):
+  q, k, v, _, tables = pages
+  kv_lens = np.array([310, 300, 280], np.int32)  # every row's window past block 2's start
+  got = paged_attention(jnp.asarray(q[:, :t]), jnp.asarray(k), jnp.asarray(v),
+                        jnp.asarray(kv_lens), jnp.asarray(tables), sm_scale=0.3, layer=1,
+                        variant=sliding_window(8))
+  want = _brute_force(q[:, :t], k[1], v[1], kv_lens, tables, 0.3, window=8)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 # Both functions at once: the landmark mask and the ALiBi score.
