@@ -39,7 +39,8 @@ RULES = {
     "alibi": (ALIBI, lambda vis, s, q, k: (vis, s - 8.0 * SLOPES[:, None, None] * (q - k))),
     "landmark": (LANDMARK, lambda vis, s, q, k: (vis & ((q - k < 12) | (k % 8 == 0)), s)),
     "dilated": (DILATED, lambda vis, s, q, k: (vis & (q - k < 24) & ((q - k) % 3 == 0), s)),
-    "sinks_window": (sinks_window(4, 8), lambda vis, s, q, k: (vis & ((k < 4) | (k > q - 8)), s)),
+    "sinks_window": (sinks_window(4, 8),
+                     lambda vis, s, q, k: (vis & ((k < 4) | (k > q - 8)), s)),
     "soft_cap": (soft_cap(0.5), lambda vis, s, q, k: (vis, 0.5 * np.tanh(s / 0.5))),
 }
 
@@ -142,6 +143,7 @@ def test_engine_prefix_hits_and_ngram_drafts_apply_the_variant(model):
                         speculative="ngram", page_size=8, max_num_seqs=2, max_model_len=128)
   got = [engine.generate([p], 12).tokens[0] for p in prompts]  # the second one hits
   assert engine.stats().prefix_hit_tokens >= len(PROMPT) - 8
+  assert max(engine.steps.num_draft) > 0  # steps verified n-gram drafts
   assert got == want
 
 

@@ -15,8 +15,9 @@ gather, which their short loops would not beat (kvjax/xla_options.py DECODE_COLU
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how
 many blocks its batch walks.  An attention variant's mask only hides keys, so the
-window's first block stays a bound; its kv_range may start the walk later.  Learned sinks start each denominator at exp(0) with
-the sink as the running max.  Shapes: docs/DIMENSIONS.md.
+window's first block stays a bound; its kv_range may start the walk later.
+Learned sinks start each denominator at exp(0) with the sink as the running max.
+Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 

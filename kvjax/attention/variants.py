@@ -66,7 +66,8 @@ def register_variant(variant: AttentionVariant) -> AttentionVariant:
   """Make `variant` known by its name (e.g. for `attention="landmark"`) -> the variant.
   ValueError if another variant already has that name."""
   if not isinstance(variant, AttentionVariant):
-    raise ValueError(f"register_variant takes an AttentionVariant, got {type(variant).__name__}")
+    raise ValueError(f"register_variant takes an AttentionVariant, got "
+                     f"{type(variant).__name__}")
   known = _REGISTRY.get(variant.name)
   if known is not None and known != variant:
     raise ValueError(f"an attention variant named {variant.name!r} is already registered")
@@ -102,7 +103,8 @@ def _resolve(cfg: ModelConfig, attention: AttentionArg):
     return _one(attention, "attention")
   if not callable(attention):
     raise ValueError(f"attention must be an AttentionVariant, a registered name, a function "
-                     f"(cfg, layer) -> variant or None, or None; got {type(attention).__name__}")
+                     f"(cfg, layer) -> variant or None, or None; got "
+                     f"{type(attention).__name__}")
   per_layer = tuple(_one(attention(cfg, layer), f"attention(cfg, {layer})")
                     for layer in range(cfg.num_cache_layers))
   return None if all(v is None for v in per_layer) else per_layer
@@ -141,7 +143,8 @@ def variant_scores(variant: Optional[AttentionVariant], q_positions: jax.Array,
   return scores
 
 
-def first_key(variant: Optional[AttentionVariant], q_positions: jax.Array) -> Optional[jax.Array]:
+def first_key(variant: Optional[AttentionVariant],
+              q_positions: jax.Array) -> Optional[jax.Array]:
   """q_positions [B, T] -> [B]: no query of the row sees a key before it (from kv_range),
   or None where the variant gives no bound."""
   if variant is None or variant.kv_range is None:
