@@ -37,6 +37,7 @@ Layers (imports only go down; tests/test_layering.py checks it):
 Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint
+from kvjax.attention.variants import AttentionVariant, get_variant, register_variant
 from kvjax.backends import Backend, get_backend
 from kvjax.config import ModelConfig
 from kvjax.presets import PRESETS, get_preset
@@ -49,4 +50,5 @@ from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
            "generate", "GenerateResult", "ByteTokenizer", "Engine", "EngineConfig", "Backend",
-           "get_backend", "make_mesh", "Router"]
+           "get_backend", "make_mesh", "Router", "AttentionVariant", "register_variant",
+           "get_variant"]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import generation, sharding
+from kvjax.attention.variants import with_attention
 from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig
 from kvjax.presets import PRESETS, get_preset
 from kvjax.hf_tokenizer import load_tokenizer
@@ -199,8 +200,11 @@ def _forward(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.A
   return model_forward(params, config, tokens)
 
 
-def forward(model: Model, tokens) -> jax.Array:
-  """int32 tokens [B, T] -> float32 logits [B, T, V]: full causal forward, no cache."""
+def forward(model: Model, tokens, *, attention=None) -> jax.Array:
+  """int32 tokens [B, T] -> float32 logits [B, T, V]: full causal forward, no cache.
+  `attention`: an attention variant (kvjax.AttentionVariant, a registered name, or a
+  function (cfg, layer) -> variant or None) on top of the model's own attention."""
+  model = with_attention(model, attention)
   tokens = np.asarray(tokens)
   if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f"tokens must be an integer array [B, T], got shape {tokens.shape} "
@@ -219,7 +223,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
              top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
              cache: str = "paged", page_size: int = 16,
              backend: str = "reference",
-             kv_dtype: Optional[str] = None, **engine_options) -> generation.GenerateResult:
+             kv_dtype: Optional[str] = None, attention=None,
+             **engine_options) -> generation.GenerateResult:
   """Generate `max_new_tokens` per prompt (fewer if EOS comes first).
 
   `seed` is one int for every prompt or one per prompt; a prompt's samples depend
@@ -229,7 +234,9 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
   keywords (speculative, num_draft, prefix_cache, prefix_match, max_num_seqs,
   max_num_batched_tokens, num_pages, ...; see kvjax.Engine) run the prompts
   through a one-shot continuous-batching Engine instead of the static batch.
+  `attention`: an attention variant, as in `forward`, on every path.
   """
+  model = with_attention(model, attention)
   prompts = generation.validate_prompts(model.config, prompts, max_new_tokens)
   if cache not in generation.CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")

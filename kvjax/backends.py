@@ -28,6 +28,10 @@ step call through it and never compare functions by identity:
       pages in place): every step reads pages through `attention`.  A variant
       that replaces `attention` of a record that has it replaces it too (or
       sets None), or bursts bypass the new `attention`.
+  variants: `attention` and `gathered_attention` take `variant=` (an attention variant,
+      kvjax/attention/variants.py) and apply its mask and score (the reference); False:
+      a model with a variant is refused (the Pallas kernels do not trace them yet), never
+      served as if it had none.
   prefill_full_width: a prefill chunk's `attention` (and `mla_attention`) reads each
       row's pages only as far as its kv_lens, whatever the block table's width (the
       reference backend walks blocks, kvjax/attention/blocked.py; the ragged kernels
@@ -84,6 +88,7 @@ class Backend:
   gathered_attention: Optional[Callable] = None
   delta_rule: Callable = delta_rule
   prefill_full_width: bool = False
+  variants: bool = False
   mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
 
   def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:
@@ -91,6 +96,12 @@ class Backend:
     if kv_dtype is not None and kv_dtype not in self.kv_dtypes:
       raise ValueError(f"kv_dtype {kv_dtype!r} is not supported by attention backend "
                        f"{self.name!r}; it reads {self.kv_dtypes}")
+
+  def check_variants(self, names: tuple) -> None:
+    """ValueError naming the backend and the variants unless it applies them."""
+    if names and not self.variants:
+      raise ValueError(f"attention backend {self.name!r} does not apply attention variants "
+                       f"(attention={', '.join(names)}) yet; use backend='reference'")
 
   def check_mla(self) -> None:
     if self.mla_attention is None:
@@ -129,7 +140,7 @@ BACKENDS = types.MappingProxyType({
     "reference": Backend(
         "reference", _padded_reference, pallas_kernels.rejection_sample_reference,
         kv_dtypes=("fp32", "bf16", "fp16", "int8", "int4"), mla_attention=_padded_mla,
-        gathered_attention=_gathered_reference, prefill_full_width=True),
+        gathered_attention=_gathered_reference, prefill_full_width=True, variants=True),
     "pallas": Backend(
         "pallas", _ragged(pallas_kernels.ragged_paged_attention),
         pallas_kernels.rejection_sample, prefill_full_width=True),
@@ -180,7 +191,8 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
   return dataclasses.replace(
       backend, name=f"{backend.name}@tp{mesh.shape[MODEL]}", attention=attention,
       verify=verify, mla_attention=backend.mla_attention and mla_attention,
-      gathered_attention=None, mesh=mesh)  # sharded pages are read per device, per step
+      gathered_attention=None, variants=False,  # a variant's head index is global
+      mesh=mesh)  # sharded pages are read per device, per step
 
 
 def backend_names() -> list[str]:

@@ -16,7 +16,7 @@ Dimension legend used across kvjax (einsum strings and shape comments):
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["RopeScaling", "YarnScaling", "ModelConfig", "DTYPE_SHORT_NAMES",
            "short_dtype_name", "LAYER_TYPES"]
@@ -96,6 +96,11 @@ class ModelConfig:
   mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS
   # Gemma: q . k scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
   query_pre_attn_scalar: Optional[float] = None
+
+  # An attention variant (kvjax/attention/variants.py: mask and score over positions) for
+  # every layer, or a tuple of one per cache layer (None entries = none); set through
+  # kvjax's `attention=` (variants.with_attention), not saved with a checkpoint.
+  attention_variant: Any = None
   mtp_num_hidden_layers: int = 0  # DeepSeek-V3 style MTP draft modules.
   # Multi-head latent attention (DeepSeek-V2/V3); attention_type "mla".
   attention_type: str = "gqa"
@@ -303,6 +308,18 @@ class ModelConfig:
   def attention_scale(self) -> float:
     """The softmax scale of q . k."""
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+  def variant_of_layer(self, layer: int):
+    """The attention variant of cache layer `layer`, or None."""
+    if isinstance(self.attention_variant, tuple):
+      return self.attention_variant[layer] if layer < len(self.attention_variant) else None
+    return self.attention_variant
+
+  @property
+  def variant_names(self) -> tuple:
+    """Names of the attention variants any cache layer applies (empty: none)."""
+    variants = [self.variant_of_layer(layer) for layer in range(self.num_cache_layers)]
+    return tuple(dict.fromkeys(v.name for v in variants if v is not None))
 
   @property
   def kv_window(self) -> Optional[int]:

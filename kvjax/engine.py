@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention.variants import with_attention
 from kvjax.batching import Packing, burst_limits
 from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.constraints import Constraint, ConstraintBook
@@ -85,7 +86,9 @@ class Engine(EngineWarmUp, EngineGenerate):
   """
 
   def __init__(self, model, config: Optional[EngineConfig] = None, **options):
-    config = dataclasses.replace(config or EngineConfig(), **options).resolve(model)
+    config = dataclasses.replace(config or EngineConfig(), **options)
+    model = with_attention(model, config.attention)  # its config carries the variant
+    config = config.resolve(model)
     cfg = model.config
     self.model = model
     self.config = config

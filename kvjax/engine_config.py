@@ -74,6 +74,10 @@ class EngineConfig:
       and speculative decoding.  Its outputs also depend on chunking (a query
       reads its own incomplete page in full precision), so they match the static
       batch only for unchunked prompts; int8 matches it always.
+    attention: an attention variant (kvjax.AttentionVariant, a registered name, or a
+      function (cfg, layer) -> variant or None; kvjax/attention/variants.py) every
+      step applies on top of the model's attention: prefill chunks, decode, bursts,
+      verification, prefix hits.  None: the model's own.
   """
 
   page_size: int = 16
@@ -92,6 +96,7 @@ class EngineConfig:
   backend: Union[str, Backend] = "reference"
   num_scheduler_steps: int = 16
   kv_dtype: Union[str, KVLayout, None] = None
+  attention: Any = None
 
   @property
   def draft_model(self):

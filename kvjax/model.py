@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dense import masked_attention, visibility_mask
+from kvjax.attention.variants import variant_scores
 from kvjax.attention.gated_delta import LinearInputs
 from kvjax.config import ModelConfig
 from kvjax.hybrid import stateless_mix
@@ -225,9 +226,11 @@ def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
   valid = jnp.ones(positions.shape, bool)
 
   def attention(cache, layer, q, k, v, sinks=None):
-    visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer))
+    variant = cfg.variant_of_layer(layer)
+    visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer), variant)
     return cache, masked_attention(q, k, v, visible, sm_scale=cfg.attention_scale,
-                                           sinks=sinks)
+                                   sinks=sinks,
+                                   score_mod=variant_scores(variant, positions, positions))
 
   return Attend(attention=attention, linear=lambda cache, index, inputs: (
       cache, stateless_mix(inputs)))

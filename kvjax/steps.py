@@ -39,6 +39,9 @@ def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> 
   backend = get_backend(backend)
 
   def attention(cache, layer, q, k, v, **options):
+    variant = config.variant_of_layer(layer)
+    if variant is not None:  # only then: a cache or backend without variants never sees one
+      options = dict(options, variant=variant)
     return cache.attend(layer, q, k, v, batch, sm_scale=config.attention_scale,
                         window=config.window_of_layer(layer), backend=backend, **options)
 

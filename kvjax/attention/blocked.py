@@ -14,15 +14,20 @@ gather, which their short loops would not beat (kvjax/xla_options.py DECODE_COLU
 
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how
-many blocks its batch walks.  Learned sinks start each denominator at exp(0) with
-the sink as the running max.  Shapes: docs/DIMENSIONS.md.
+many blocks its batch walks.  An attention variant's mask only hides keys, so the
+window's first block stays a bound; its kv_range may start the walk later.
+Learned sinks start each denominator at exp(0) with the sink as the running max.
+Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+from kvjax.attention.variants import AttentionVariant, first_key, variant_mask, variant_scores
 
 __all__ = ["BLOCK_TOKENS", "block_pages", "blocked_attention"]
 
@@ -39,21 +44,26 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
                       kv_lens: jax.Array, q_lens: Optional[jax.Array], num_blocks: int,
                       block_size: int, *, sm_scale: float, sliding_window: Optional[int] = None,
                       soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-                      value_dim: int) -> jax.Array:
+                      value_dim: int, variant: Optional[AttentionVariant] = None) -> jax.Array:
   """qg [K, B, Gq, T, H]; read_block(c) -> (k_t [K, B, H, Sb], v [K, B, Sb, Hv]) of key
   positions c*Sb .. (c+1)*Sb - 1 (Sb = block_size); kv_lens [B] (padded layout: query t
   of row b at kv_lens[b] - T + t); q_lens [B] real columns (None: every row real); at
-  most num_blocks blocks; sinks [K, Gq] or None -> f32 [K, B, Gq, T, Hv].
+  most num_blocks blocks; sinks [K, Gq] or None; an attention variant or None
+  -> f32 [K, B, Gq, T, Hv].
 
   Walks blocks first..last (traced): last covers the longest row, first is the
-  earliest block a real row's window reaches (0 without a window).
+  earliest block a real row's window (and the variant's kv_range) reaches (0 without).
   """
   num_kv, b, group, t, h = qg.shape
   q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
   last = jnp.minimum(-(-jnp.max(kv_lens) // block_size), num_blocks)
   first = jnp.zeros((), jnp.int32)
+  bounds = [first_key(variant, q_positions)]  # each [B] or None: keys before it are hidden
   if sliding_window is not None:
-    earliest = jnp.maximum(q_positions[:, 0] - sliding_window + 1, 0)  # [B]
+    bounds.append(jnp.maximum(q_positions[:, 0] - sliding_window + 1, 0))
+  bounds = [bound for bound in bounds if bound is not None]
+  if bounds:
+    earliest = functools.reduce(jnp.maximum, bounds)  # [B]
     if q_lens is not None:  # padding rows (start 0) would pin the walk at block 0
       earliest = jnp.where(q_lens > 0, earliest, jnp.iinfo(jnp.int32).max)
     first = jnp.minimum(jnp.min(earliest) // block_size, last)
@@ -67,10 +77,16 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
     if soft_cap is not None:
       scores = soft_cap * jnp.tanh(scores / soft_cap)
     k_positions = c * block_size + jnp.arange(scores.shape[-1])  # [Sb]
+    score_mod = variant_scores(variant, q_positions, k_positions[None])
+    if score_mod is not None:
+      scores = score_mod(scores)
     visible = (k_positions[None, None] <= q_positions[:, :, None]) & (
         k_positions[None, None] < kv_lens[:, None, None])  # [B, T, Sb]
     if sliding_window is not None:
       visible &= k_positions[None, None] > q_positions[:, :, None] - sliding_window
+    masked = variant_mask(variant, q_positions[:, :, None], k_positions[None, None])
+    if masked is not None:
+      visible &= masked
     scores = jnp.where(visible[None, :, None], scores, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1, keepdims=True))
     shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.blocked import block_pages, blocked_attention
-from kvjax.attention.dense import grouped_attention, padded_visibility
+from kvjax.attention.dense import grouped_attention, padded_scores, padded_visibility
+from kvjax.attention.variants import AttentionVariant
 from kvjax.xla_options import DECODE_COLUMNS
 
 __all__ = ["paged_attention", "gather_pages", "gathered_attention", "padded_tables", "block_of"]
@@ -41,16 +42,19 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array,
 def gathered_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array, kv_lens: jax.Array,
                        *, sm_scale: float, sliding_window: Optional[int] = None,
                        soft_cap: Optional[float] = None,
-                       sinks: Optional[jax.Array] = None) -> jax.Array:
+                       sinks: Optional[jax.Array] = None,
+                       variant: Optional[AttentionVariant] = None) -> jax.Array:
   """q [B, T, N, H]; keys_t [K, B, H, S], values [K, B, S, H] (row b's positions 0..S-1,
-  gathered); kv_lens [B]; sinks [N] or None -> [B, T, N, H].  What paged attention runs after its gather; a
-  decode loop that keeps its rows gathered (kvjax/caches/gathered.py) calls it directly."""
+  gathered); kv_lens [B]; sinks [N] or None; an attention variant or None -> [B, T, N, H].
+  What paged attention runs after its gather; a decode loop that keeps its rows gathered
+  (kvjax/caches/gathered.py) calls it directly, so it applies the variant too."""
   b, t, n, h = q.shape
-  num_kv = keys_t.shape[0]
-  visible = padded_visibility(kv_lens, t, keys_t.shape[3], sliding_window)  # [B, T, S]
+  num_kv, s = keys_t.shape[0], keys_t.shape[3]
+  visible = padded_visibility(kv_lens, t, s, sliding_window, variant)  # [B, T, S]
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   out = grouped_attention(qg, keys_t, values, visible, sm_scale=sm_scale, soft_cap=soft_cap,
-                          sinks=None if sinks is None else sinks.reshape(num_kv, -1))
+                          sinks=None if sinks is None else sinks.reshape(num_kv, -1),
+                          score_mod=padded_scores(kv_lens, t, s, variant))
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -61,10 +65,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     k_scales: Optional[jax.Array] = None,
                     v_scales: Optional[jax.Array] = None,
                     sinks: Optional[jax.Array] = None,
-                    q_lens: Optional[jax.Array] = None) -> jax.Array:
+                    q_lens: Optional[jax.Array] = None,
+                    variant: Optional[AttentionVariant] = None) -> jax.Array:
   """q [B, T, N, H]; k/v_pages [K, P, Z, H], or every layer's [L, K, P, Z, H] with `layer`
   (scales likewise); kv_lens [B]; block_tables [B, W]; sinks [N] or None; q_lens [B] real
-  columns (lets a windowed prefill skip what padding rows would pin) -> [B, T, N, H].
+  columns (lets a windowed prefill skip what padding rows would pin); an attention variant
+  (kvjax/attention/variants.py) or None -> [B, T, N, H].
 
   Given every layer's pages, a prefill chunk's block loop indexes the layer inside
   its body: slicing it out first would copy the layer's whole pool each call (a
@@ -74,14 +80,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if q.shape[1] > DECODE_COLUMNS:
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
-                    v_scales=v_scales, sinks=sinks)
+                    v_scales=v_scales, sinks=sinks, variant=variant)
   k_pages, v_pages, k_scales, v_scales = map(pick, (k_pages, v_pages, k_scales, v_scales))
   keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
   keys_t = jnp.swapaxes(keys, 2, 3)  # [K, B, H, S]: one gather fusion writes it this way
   return gathered_attention(q, keys_t.astype(q.dtype) if k_scales is None else keys_t, values,
                             kv_lens, sm_scale=sm_scale, sliding_window=sliding_window,
-                            soft_cap=soft_cap, sinks=sinks)
+                            soft_cap=soft_cap, sinks=sinks, variant=variant)
 
 
 def padded_tables(block_tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
@@ -98,7 +104,7 @@ def block_of(tables: jax.Array, c: jax.Array, pages_per_block: int) -> jax.Array
 
 
 def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_scale,
-             sliding_window, soft_cap, k_scales, v_scales, sinks):
+             sliding_window, soft_cap, k_scales, v_scales, sinks, variant):
   """paged_attention of a prefill chunk, block by block (kvjax/attention/blocked.py);
   pick(array) -> the layer's [K, P, Z, ...] (indexed inside the loop body)."""
   b, t, n, h = q.shape
@@ -116,5 +122,5 @@ def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_sca
   out = blocked_attention(qg, read_block, kv_lens, q_lens, num_blocks, wb * page_size,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                           sinks=None if sinks is None else sinks.reshape(num_kv, -1),
-                          value_dim=value_dim)
+                          value_dim=value_dim, variant=variant)
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, -1).astype(q.dtype)

@@ -73,6 +73,13 @@ def check_cache_support(kv_dtype: KVDtype, cfg: ModelConfig, cache: str,
     raise ValueError(f"kv_dtype {layout.name!r} needs cache='paged', got cache={cache!r}")
   if cache == "paged":
     layout.check_backend(backend)
+  if cfg.variant_names:
+    if not layout.variants:
+      raise ValueError(f"kv_dtype {layout.name!r} does not apply attention variants "
+                       f"(attention={', '.join(cfg.variant_names)}); use kv_dtype None, "
+                       f"'bf16', 'int8' or 'int4'")
+    if cache == "paged":
+      backend.check_variants(cfg.variant_names)
   return layout
 
 

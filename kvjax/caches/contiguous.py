@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.attention.dense import masked_attention, padded_visibility
+from kvjax.attention.dense import masked_attention, padded_scores, padded_visibility
+from kvjax.attention.variants import AttentionVariant
 from kvjax.step_batch import StepBatch
 
 __all__ = ["ContiguousKVCache"]
@@ -28,9 +29,11 @@ class ContiguousKVCache:
                v=jnp.zeros(shape + (value_dim or head_dim,), dtype))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend=None, sinks: Optional[jax.Array] = None):
+             window: Optional[int], backend=None, sinks: Optional[jax.Array] = None,
+             variant: Optional[AttentionVariant] = None):
     """Write k [B, T, K, H], v [B, T, K, Hv] into each row's slot; q attends the slot's
-    buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/learned_sinks.py)."""
+    buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/learned_sinks.py;
+    `variant`: an attention variant's mask and score, kvjax/attention/variants.py)."""
     del backend  # a contiguous buffer needs no page gather
     slots = batch.slot_ids[:, None]  # [B, 1]
     # Padding columns land past the buffer end and are dropped.
@@ -40,10 +43,13 @@ class ContiguousKVCache:
         v=self.v.at[layer, slots, positions].set(v.astype(self.v.dtype), mode="drop"))
     keys = cache.k[layer, batch.slot_ids]  # [B, S, K, H]
     values = cache.v[layer, batch.slot_ids]
-    visible = self.visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
-    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale, sinks=sinks)
+    t, s = q.shape[1], keys.shape[1]
+    visible = self.visibility(batch.kv_lens, t, s, window, variant)
+    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale, sinks=sinks,
+                                   score_mod=padded_scores(batch.kv_lens, t, s, variant))
 
-  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int]) -> jax.Array:
-    """[B, T, S] keys each query sees: causal and windowed (a layout's twin may mask
-    otherwise, e.g. attention sinks)."""
-    return padded_visibility(kv_lens, t, s, window)
+  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int],
+                 variant: Optional[AttentionVariant] = None) -> jax.Array:
+    """[B, T, S] keys each query sees: causal, windowed and the variant's (a layout's
+    twin may mask otherwise, e.g. attention sinks)."""
+    return padded_visibility(kv_lens, t, s, window, variant)

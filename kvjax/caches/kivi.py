@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.attention.dense import masked_attention, padded_visibility
+from kvjax.attention.dense import masked_attention, padded_scores, padded_visibility
+from kvjax.attention.variants import AttentionVariant
 from kvjax.backends import Backend
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import NULL_PAGE, PagedLayout, physical_pages
@@ -129,13 +130,17 @@ class KIVIPagedKVCache(PagedLayout):
             gather(self.v_pages, self.v_scales, self.v_offsets, self.v_residual, 4))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Backend):
-    """Write k, v [B, T, K, H]; q [B, T, N, H] attends the dequantized pages densely."""
+             window: Optional[int], backend: Backend,
+             variant: Optional[AttentionVariant] = None):
+    """Write k, v [B, T, K, H]; q [B, T, N, H] attends the dequantized pages densely
+    (with an attention variant's mask and score)."""
     del backend  # dequantized here, attended densely
     cache = self.write(layer, k, v, batch)
     keys, values = cache.read(layer, batch)  # [B, S, K, H] f32
-    visible = padded_visibility(batch.kv_lens, q.shape[1], keys.shape[1], window)
-    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale)
+    t, s = q.shape[1], keys.shape[1]
+    visible = padded_visibility(batch.kv_lens, t, s, window, variant)
+    return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale,
+                                   score_mod=padded_scores(batch.kv_lens, t, s, variant))
 
 
 def _arrays(layers: int, num_kv: int, p: int, z: int, h: int, num_slots: int,
@@ -161,7 +166,7 @@ def kivi_arrays(cfg: ModelConfig, store: str, sizes: PoolSizes) -> dict:
 
 
 register(KVLayout(
-    "int4", kivi_arrays, KIVIPagedKVCache,
+    "int4", kivi_arrays, KIVIPagedKVCache, variants=True,
     check_backend=functools.partial(Backend.check_kv_dtype, kv_dtype="int4"),
     no_speculation="a rejected draft that completed a page leaves the slot's full-precision "
                    "residual holding the wrong page; use kv_dtype='int8' or no speculation",

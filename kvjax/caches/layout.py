@@ -157,6 +157,9 @@ class KVLayout:
   # rows' lengths where the backend's does (Backend.prefill_full_width); False: it reads
   # every table column itself, and the packing keeps prefill tables bucketed by width.
   prefill_full_width: bool = False
+  # Its caches take an attention variant (kvjax/attention/variants.py) in `attend` and
+  # apply its mask and score (through the backend or by themselves); False: refused.
+  variants: bool = False
 
   def create(self, cfg: ModelConfig, sizes: PoolSizes, dtype):
     """The empty cache for cfg (model dtype `dtype`) sized by `sizes`."""

@@ -116,7 +116,8 @@ class PagedKVCache(PagedLayout):
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              window: Optional[int], backend: Backend, **options):
     """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H]);
-    `options` (a layer kind's extras, e.g. sinks) go to the backend's attention."""
+    `options` (a layer kind's extras, e.g. sinks; an attention variant) go to the backend's
+    attention."""
     cache = self.write(layer, k, v, batch)
     scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales,
                                                      v_scales=cache.v_scales)
@@ -195,10 +196,10 @@ def _reads(kv_dtype):
 
 
 register(KVLayout("float", kv_page_arrays, PagedKVCache, default=True, hybrid=True,
-                  contiguous=_contiguous, prefill_full_width=True))
+                  contiguous=_contiguous, prefill_full_width=True, variants=True))
 for _store in ("fp32", "bf16", "fp16"):
   register(KVLayout(_store, kv_page_arrays, PagedKVCache, store=_store, hybrid=True,
                     contiguous=_contiguous, check_backend=_reads(_store),
-                    prefill_full_width=True))
+                    prefill_full_width=True, variants=True))
 register(KVLayout("int8", _int8_arrays, PagedKVCache, store="int8", hybrid=True,
-                  check_backend=_reads("int8"), prefill_full_width=True))
+                  check_backend=_reads("int8"), prefill_full_width=True, variants=True))

@@ -84,8 +84,9 @@ class SinkWindowContiguousCache(ContiguousKVCache):
   sinks: int = struct.field(pytree_node=False, default=4)
   window: int = struct.field(pytree_node=False, default=1020)
 
-  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int]) -> jax.Array:
-    del window  # the model has none (_check_model)
+  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int],
+                 variant=None) -> jax.Array:
+    del window, variant  # the model has no window (_check_model); variants refused (layout)
     return sink_window_visibility(kv_lens, t, s, self.sinks, self.window)
 
 

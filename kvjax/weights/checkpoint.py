@@ -18,7 +18,6 @@ import os
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from kvjax.config import ModelConfig, RopeScaling, YarnScaling
@@ -35,7 +34,8 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
-  out = dataclasses.asdict(cfg)
+  out = dataclasses.asdict(cfg.replace(attention_variant=None))  # a variant is code
+  del out["attention_variant"]
   for field in ("layer_windows", "layer_rope_thetas"):
     if getattr(cfg, field) is not None:
       out[field] = list(getattr(cfg, field))

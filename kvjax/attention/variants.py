@@ -1,0 +1,183 @@
+"""Attention variants: what a query sees and how it weighs it, as two functions over positions.
+
+A variant is a frozen record of plain functions (hashable, so it rides in the static
+ModelConfig under jit; `ModelConfig.attention_variant`):
+  mask(q_pos, kv_pos) -> bool            True where the query at q_pos may see key kv_pos
+  score(s, q_pos, kv_pos, head) -> s     s: the scaled score q.k * sm_scale, float32
+both written with element-wise jnp ops over broadcast integer arrays of LOGICAL positions
+(never pages or slots) and the query head index (kv head k, group g -> head k * Gq + g).
+Every path (the no-cache forward, the paged reference backend's gather and block walk,
+the gathered decode loop, the contiguous and int4 caches) calls the helpers below, so
+they all apply the same rule.  Causality and the model's own window are applied on top:
+the mask is ANDed in, so it can only hide keys (a prefill's block walk may still start
+where the window lets it; `kv_range` can start it later).  The score runs after the
+model's soft-cap, before the softmax.
+
+  monotone   declares that a key hidden from a query stays hidden from later ones (page
+             release derived from the mask is a later stage; stage 1 only records it)
+  kv_range   (q_pos) -> (lo, hi): no key outside [lo, hi) is visible to q_pos; the
+             reference backend's prefill block walk starts at the lowest lo (hi unused)
+
+Parameters (a window, ALiBi slopes) are closed over as Python or numpy constants at this
+stage, so a new value is a new record and compiles anew; pytree parameters that change
+without recompiling are a later stage.  The built-ins are cached, so the same arguments
+give the same record (one compilation).  Names resolve through `register_variant`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import ModelConfig
+
+__all__ = ["AttentionVariant", "register_variant", "get_variant", "variant_names",
+           "with_attention", "variant_mask", "variant_scores", "first_key",
+           "sliding_window", "sinks_window", "soft_cap"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+  name: str
+  mask: Optional[Callable] = None  # (q_pos, kv_pos) -> bool, broadcast
+  score: Optional[Callable] = None  # (s, q_pos, kv_pos, head) -> s, broadcast
+  monotone: bool = False
+  kv_range: Optional[Callable] = None  # (q_pos) -> (lo, hi)
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"AttentionVariant.name must be a non-empty str, got {self.name!r}")
+    for field in ("mask", "score", "kv_range"):
+      value = getattr(self, field)
+      if value is not None and not callable(value):
+        raise ValueError(f"AttentionVariant.{field} must be a function or None, got "
+                         f"{type(value).__name__}")
+    if not isinstance(self.monotone, bool):
+      raise ValueError(f"AttentionVariant.monotone must be a bool, got {self.monotone!r}")
+
+
+_REGISTRY: dict[str, AttentionVariant] = {}
+
+
+def register_variant(variant: AttentionVariant) -> AttentionVariant:
+  """Make `variant` known by its name (e.g. for `attention="landmark"`) -> the variant.
+  ValueError if another variant already has that name."""
+  if not isinstance(variant, AttentionVariant):
+    raise ValueError(f"register_variant takes an AttentionVariant, got "
+                     f"{type(variant).__name__}")
+  known = _REGISTRY.get(variant.name)
+  if known is not None and known != variant:
+    raise ValueError(f"an attention variant named {variant.name!r} is already registered")
+  _REGISTRY[variant.name] = variant
+  return variant
+
+
+def variant_names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get_variant(name: str) -> AttentionVariant:
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown attention variant {name!r}; registered: {variant_names()}")
+  return _REGISTRY[name]
+
+
+AttentionArg = Union[None, str, AttentionVariant, Callable]
+
+
+def _one(value, where: str) -> Optional[AttentionVariant]:
+  if value is None or isinstance(value, AttentionVariant):
+    return value
+  if isinstance(value, str):
+    return get_variant(value)
+  raise ValueError(f"{where} must be an AttentionVariant, a registered name or None, got "
+                   f"{type(value).__name__}")
+
+
+def _resolve(cfg: ModelConfig, attention: AttentionArg):
+  """attention -> ModelConfig.attention_variant: a variant, or one entry per cache layer."""
+  if attention is None or isinstance(attention, (str, AttentionVariant)):
+    return _one(attention, "attention")
+  if not callable(attention):
+    raise ValueError(f"attention must be an AttentionVariant, a registered name, a function "
+                     f"(cfg, layer) -> variant or None, or None; got "
+                     f"{type(attention).__name__}")
+  per_layer = tuple(_one(attention(cfg, layer), f"attention(cfg, {layer})")
+                    for layer in range(cfg.num_cache_layers))
+  return None if all(v is None for v in per_layer) else per_layer
+
+
+def with_attention(model, attention: AttentionArg):
+  """`model` (a kvjax.Model) whose config carries `attention` (None: the model unchanged)."""
+  if attention is None:
+    return model
+  config = model.config.replace(attention_variant=_resolve(model.config, attention))
+  return dataclasses.replace(model, config=config)
+
+
+def variant_mask(variant: Optional[AttentionVariant], q_positions: jax.Array,
+                 k_positions: jax.Array) -> Optional[jax.Array]:
+  """q_positions [B, T, 1], k_positions [B or 1, 1, S] -> [B, T, S] bool, or None (no mask)."""
+  if variant is None or variant.mask is None:
+    return None
+  return jnp.asarray(variant.mask(q_positions, k_positions), bool)
+
+
+def variant_scores(variant: Optional[AttentionVariant], q_positions: jax.Array,
+                   k_positions: jax.Array) -> Optional[Callable]:
+  """q_positions [B, T], k_positions [B or 1, S] -> a function of scores [K, B, Gq, T, S]
+  (the kv-head-major layout of kvjax/attention/dense.py), or None (no score)."""
+  if variant is None or variant.score is None:
+    return None
+
+  def scores(s: jax.Array) -> jax.Array:
+    num_kv, _, group = s.shape[:3]
+    head = jnp.arange(num_kv * group).reshape(num_kv, 1, group, 1, 1)
+    out = variant.score(s, q_positions[None, :, None, :, None],
+                        k_positions[None, :, None, None, :], head)
+    return jnp.broadcast_to(jnp.asarray(out, s.dtype), s.shape)
+
+  return scores
+
+
+def first_key(variant: Optional[AttentionVariant],
+              q_positions: jax.Array) -> Optional[jax.Array]:
+  """q_positions [B, T] -> [B]: no query of the row sees a key before it (from kv_range),
+  or None where the variant gives no bound."""
+  if variant is None or variant.kv_range is None:
+    return None
+  lo, _ = variant.kv_range(q_positions)
+  return jnp.maximum(jnp.min(jnp.broadcast_to(lo, q_positions.shape), axis=1), 0)
+
+
+def _count(field: str, value, least: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    raise ValueError(f"{field} must be an int >= {least}, got {value!r}")
+  return value
+
+
+@functools.cache
+def sliding_window(window: int) -> AttentionVariant:
+  """A query at p sees keys j > p - window."""
+  _count("window", window, 1)
+  return AttentionVariant(f"window{window}", mask=lambda q, k: k > q - window, monotone=True,
+                          kv_range=lambda q: (q - window + 1, q + 1))
+
+
+@functools.cache
+def sinks_window(sinks: int, window: int) -> AttentionVariant:
+  """StreamingLLM: the first `sinks` keys and the last `window` ones."""
+  _count("sinks", sinks, 0), _count("window", window, 1)
+  return AttentionVariant(f"sinks{sinks}-window{window}", monotone=True,
+                          mask=lambda q, k: (k < sinks) | (k > q - window))
+
+
+@functools.cache
+def soft_cap(cap: float) -> AttentionVariant:
+  """Gemma 2's logit soft-cap: s -> cap * tanh(s / cap)."""
+  if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+    raise ValueError(f"soft_cap must be a number > 0, got {cap!r}")
+  return AttentionVariant(f"softcap{cap:g}", score=lambda s, q, k, h: cap * jnp.tanh(s / cap))

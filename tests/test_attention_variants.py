@@ -1,0 +1,158 @@
+"""Attention variants (kvjax/attention/variants.py): one rule, every path.
+
+The oracle is a dense float64 numpy forward of the default model written here from
+each rule (the mask ANDed with causality, the score on the scaled scores); kvjax's
+forward must match it within float32 noise, and every cache path's greedy tokens
+must equal the no-cache greedy under the same variant.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.attention.paged import paged_attention
+from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
+from tests.test_blocked_attention import _brute_force, pages  # noqa: F401 (a fixture)
+
+
+def _alibi_slopes(n: int) -> np.ndarray:
+  return 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
+
+
+SLOPES = _alibi_slopes(4)  # the default model's 4 query heads
+
+# name -> (variant, numpy rule: (visible [T, S] bool, scores [N, T, S]) -> (visible, scores))
+ALIBI = kvjax.AttentionVariant(
+    "alibi", score=lambda s, q, k, h: s - 8.0 * jnp.asarray(SLOPES, jnp.float32)[h] * (q - k))
+LANDMARK = kvjax.AttentionVariant("landmark", mask=lambda q, k: (q - k < 12) | (k % 8 == 0))
+DILATED = kvjax.AttentionVariant("dilated", mask=lambda q, k: (q - k < 24) & ((q - k) % 3 == 0))
+
+
+def _positions(t):
+  q, k = np.arange(t)[:, None], np.arange(t)[None, :]
+  return q, k
+
+
+RULES = {
+    "alibi": (ALIBI, lambda vis, s, q, k: (vis, s - 8.0 * SLOPES[:, None, None] * (q - k))),
+    "landmark": (LANDMARK, lambda vis, s, q, k: (vis & ((q - k < 12) | (k % 8 == 0)), s)),
+    "dilated": (DILATED, lambda vis, s, q, k: (vis & (q - k < 24) & ((q - k) % 3 == 0), s)),
+    "sinks_window": (sinks_window(4, 8),
+                     lambda vis, s, q, k: (vis & ((k < 4) | (k > q - 8)), s)),
+    "soft_cap": (soft_cap(0.5), lambda vis, s, q, k: (vis, 0.5 * np.tanh(s / 0.5))),
+}
+
+PROMPT = list(b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
+
+
+@pytest.fixture(scope="module")
+def model():
+  return kvjax.load_checkpoint()
+
+
+def _oracle_logits(model, tokens, rule_of_layer) -> np.ndarray:
+  """float64 logits [T, V] of one sequence; rule_of_layer(layer) -> numpy rule or None."""
+  cfg, p = model.config, model.params
+  f64 = lambda x: np.asarray(x, np.float64)
+  norm = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps) * f64(w)
+  t = len(tokens)
+  inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
+  angles = np.arange(t)[:, None] * inv_freq  # [T, H/2]
+  cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+
+  def rope(x):  # [T, heads, H], rotate-half
+    x1, x2 = np.split(x, 2, -1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+  x = f64(p.embed)[tokens]
+  q_pos, k_pos = _positions(t)
+  group = cfg.num_heads // cfg.num_kv_heads
+  for layer, b in enumerate(p.blocks):
+    h = norm(x, b.attn_norm)
+    q = rope(np.einsum("td,dnh->tnh", h, f64(b.attn.wq)))
+    k = np.repeat(rope(np.einsum("td,dkh->tkh", h, f64(b.attn.wk))), group, axis=1)
+    v = np.repeat(np.einsum("td,dkh->tkh", h, f64(b.attn.wv)), group, axis=1)
+    s = np.einsum("tnh,snh->nts", q, k) * cfg.head_dim ** -0.5
+    visible = k_pos <= q_pos
+    rule = rule_of_layer(layer)
+    if rule is not None:
+      visible, s = rule(visible, s, q_pos, k_pos)
+    s = np.where(visible, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    out = np.einsum("nts,snh->tnh", w / w.sum(-1, keepdims=True), v)
+    x = x + np.einsum("tnh,nhd->td", out, f64(b.attn.wo))
+    h = norm(x, b.mlp_norm)
+    gate = h @ f64(b.w_gate)
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ f64(b.w_up))) @ f64(b.w_down)
+  return norm(x, p.final_norm) @ f64(p.head())
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_forward_matches_the_float64_oracle_and_changes_the_greedy(model, name):
+  variant, rule = RULES[name]
+  tokens = np.array(PROMPT, np.int32)
+  got = np.asarray(kvjax.forward(model, tokens[None], attention=variant))[0]
+  want = _oracle_logits(model, tokens, lambda layer: rule)
+  np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+  full = _oracle_logits(model, tokens, lambda layer: None)
+  assert (want.argmax(-1) != full.argmax(-1)).any(), f"{name} never changes a greedy token"
+
+
+def test_per_layer_variant_matches_the_oracle(model):
+  tokens = np.array(PROMPT, np.int32)
+  attention = lambda cfg, layer: LANDMARK if layer % 2 else None
+  got = np.asarray(kvjax.forward(model, tokens[None], attention=attention))[0]
+  landmark = RULES["landmark"][1]
+  want = _oracle_logits(model, tokens, lambda layer: landmark if layer % 2 else None)
+  np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("t", [12, 2], ids=["blocked prefill", "decode gather"])
+def test_window_variant_with_kv_range_starts_the_block_walk_late_and_matches(pages, t):
+  q, k, v, _, tables = pages
+  kv_lens = np.array([310, 300, 280], np.int32)  # every row's window past block 2's start
+  got = paged_attention(jnp.asarray(q[:, :t]), jnp.asarray(k), jnp.asarray(v),
+                        jnp.asarray(kv_lens), jnp.asarray(tables), sm_scale=0.3, layer=1,
+                        variant=sliding_window(8))
+  want = _brute_force(q[:, :t], k[1], v[1], kv_lens, tables, 0.3, window=8)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+# Both functions at once: the landmark mask and the ALiBi score.
+BOTH = kvjax.register_variant(
+    kvjax.AttentionVariant("landmark-alibi", mask=LANDMARK.mask, score=ALIBI.score))
+
+
+def _no_cache_greedy(model, prompts, n):
+  return kvjax.generate(model, prompts, n, cache="none", attention=BOTH).tokens
+
+
+def test_every_cache_path_gives_the_no_cache_greedy(model):
+  prompts = [PROMPT, PROMPT[:29]]
+  want = _no_cache_greedy(model, prompts, 12)
+  for cache in ("paged", "contiguous"):  # paged: the blocked prefill, the gathered decode loop
+    assert kvjax.generate(model, prompts, 12, cache=cache, attention=BOTH).tokens == want, cache
+
+
+def test_engine_prefix_hits_and_ngram_drafts_apply_the_variant(model):
+  prompts = [PROMPT + list(b"(n - 1)"), PROMPT + list(b"(n - 2)")]  # a shared prefix
+  want = _no_cache_greedy(model, prompts, 12)
+  engine = kvjax.Engine(model, kvjax.EngineConfig(attention="landmark-alibi"),
+                        speculative="ngram", page_size=8, max_num_seqs=2, max_model_len=128)
+  got = [engine.generate([p], 12).tokens[0] for p in prompts]  # the second one hits
+  assert engine.stats().prefix_hit_tokens >= len(PROMPT) - 8
+  assert max(engine.steps.num_draft) > 0  # steps verified n-gram drafts
+  assert got == want
+
+
+def test_a_backend_that_cannot_apply_a_variant_is_refused(model):
+  with pytest.raises(ValueError, match="pallas_interpret.*landmark-alibi"):
+    kvjax.generate(model, [PROMPT], 2, backend="pallas_interpret", attention=BOTH)
+  with pytest.raises(ValueError, match="pallas.*landmark"):
+    kvjax.Engine(model, backend="pallas", attention="landmark-alibi")
+  with pytest.raises(ValueError, match="attention variants.*landmark"):
+    kvjax.generate(model, [PROMPT], 2, kv_dtype="streaming", attention=LANDMARK)
+  with pytest.raises(ValueError, match="unknown attention variant 'nope'"):
+    kvjax.forward(model, np.array([PROMPT]), attention="nope")
