@@ -48,12 +48,16 @@ class ChatSession:
   """
 
   def __init__(self, model, *, system: Optional[str] = None, max_new_tokens: int = 256,
-               temperature: float = 0.0, seed: int = 0):
+               temperature: float = 0.0, seed: int = 0, checkpoint: Optional[str] = None):
     from kvjax.engine import Engine
 
+    name = checkpoint or model.config.name  # as the user named it, for the errors
     if model.tokenizer is None:
-      raise ValueError(f"{model.config.name} has no tokenizer, so it cannot chat; use a "
+      raise ValueError(f"{name} has no tokenizer, so it cannot chat; use a "
                        f"checkpoint with one, e.g. --checkpoint {DEFAULT_CHECKPOINT}")
+    if model.tokenizer.chat_template is None:  # refused now, not at every turn
+      raise ValueError(f"{name} has no chat template (a base model); continue a text with "
+                       f"kvjax generate --checkpoint {name} --prompt TEXT")
     self.tokenizer = model.tokenizer
     self.system = system
     self.max_new_tokens = max_new_tokens
@@ -157,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
   start = time.perf_counter()
   model = load_checkpoint(args.checkpoint, weight_dtype=args.weight_dtype)
   session = ChatSession(model, system=args.system, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.seed)
+                        temperature=args.temperature, seed=args.seed,
+                        checkpoint=args.checkpoint)
   print(f"kvjax chat: {model.config.name} loaded in {time.perf_counter() - start:.1f} s; the "
         "first replies also wait for XLA to compile each new step shape; /reset forgets the "
         "conversation, /exit or Ctrl-D quits", file=sys.stderr, flush=True)

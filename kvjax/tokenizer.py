@@ -15,6 +15,9 @@ The interface (`Tokenizer`; the HTTP server and the CLI code against exactly thi
                                   (never a broken UTF-8 character or a U+FFFD for one);
                                   `flush() -> str` what is held back at the end. All pushes
                                   plus the flush concatenate to exactly `decode(all_ids)`.
+  chat_template: Optional[str]    the chat template's text; None for a base model (a GGUF or
+                                  HF checkpoint with none), which chat and
+                                  /v1/chat/completions refuse up front
   apply_chat_template(messages, add_generation_prompt=True, tools=None) -> str
                                   the prompt text of a list of {"role", "content"} dicts
                                   (and OpenAI tool definitions: kvjax/chat_template.py); a
@@ -52,6 +55,7 @@ class Tokenizer(Protocol):
   vocab_size: int
   bos_id: Optional[int]
   eos_ids: tuple[int, ...]
+  chat_template: Optional[str]
   tool_format: ToolFormat
 
   def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
@@ -137,6 +141,7 @@ class ByteTokenizer:
   # How decode(skip_special_tokens=False) and chat templates write the specials.
   special_tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
   _special_text = {bos_id: "<s>", eos_id: "</s>", pad_id: "<pad>"}
+  chat_template = BYTE_CHAT_TEMPLATE
   tool_format = HERMES
 
   def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -165,5 +170,5 @@ class ByteTokenizer:
   def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                           tools: Optional[Sequence[dict]] = None) -> str:
     """Role-tagged lines (kvjax.chat_template.BYTE_CHAT_TEMPLATE); tools as text."""
-    return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
+    return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                 self.special_tokens, tools, self.tool_format)

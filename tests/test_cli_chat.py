@@ -94,6 +94,23 @@ def test_a_model_without_a_tokenizer_cannot_chat(capsys):
   assert "tiny has no tokenizer, so it cannot chat" in capsys.readouterr().err
 
 
+def test_a_base_model_without_a_chat_template_cannot_chat(tmp_path, monkeypatch, capsys):
+  """A checkpoint whose tokenizer has no template is refused before any turn is read."""
+  from tokenizers import Tokenizer, models
+
+  from tests.hf_models import save_tiny
+
+  save_tiny("llama", str(tmp_path))
+  Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]")).save(
+      str(tmp_path / "tokenizer.json"))
+  monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+  capsys.readouterr()  # save_tiny's progress bars
+  assert main(["chat", "--checkpoint", str(tmp_path)]) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"kvjax chat: error: {tmp_path} has no chat template (a base model); continue a text "
+      f"with kvjax generate --checkpoint {tmp_path} --prompt TEXT"]
+
+
 def test_missing_model_package_says_the_pip_command(monkeypatch, capsys):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",

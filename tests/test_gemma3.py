@@ -2,15 +2,21 @@
 
 Oracle: transformers' own GGUF loader and Gemma3ForCausalLM in float32 on the same
 file (it dequantizes every tensor itself and builds the local / global layers from
-its config), loaded once per module.  The prompt is kvjax source text longer than
-512 tokens, so the local layers' windows bind.
+its config), loaded once per module; kvjax's model is tests/conftest.py's session
+`gemma3`.  The prompt is kvjax source text longer than 512 tokens, so the local
+layers' windows bind.  The tokenizer is transformers' GGUF conversion of the same
+file; the CLI and the server run as a base model must (completions, no chat).
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import io
+import json
 import os
+import random
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,8 +34,8 @@ PROMPT_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
-def model():
-  return kvjax.load_checkpoint("gemma3-270m")  # by name, through the installed package
+def model(gemma3):
+  return gemma3  # tests/conftest.py: loaded by name, through the installed package
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +94,92 @@ def test_greedy_generate_matches_transformers(model, hf, prompt):
   out = kvjax.generate(model, [prompt], max_new_tokens=32, temperature=0.0)
   print(f"Gemma 3 greedy: {hf[1].decode(ref)!r}")
   assert out.tokens[0] == ref
+
+
+# Gemma's own texts beside the shared unicode-heavy set: its turn markers, runs of spaces
+# its vocabulary stores whole (up to 31), characters outside its vocabulary (byte fallback).
+GEMMA_TEXTS = [
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n<bos> text <eos>",
+    " " * 40 + "x" + " " * 31 + "\t" * 5 + "\n" * 6 + " \u3000 \u00a0",
+    "hieroglyph \U00013000, tags \U000E0041\U000E0042, private \ue000\U0010fffd, cuneiform "
+    "\U00012000",
+    "    return fibonacci(n - 1) + fibonacci(n - 2)  # 🐍🚀👩\u200d👩\u200d👧 ½ ∑ x\u0301\u0302",
+]
+
+
+def test_tokenizer_encodes_and_decodes_as_transformers(model, hf):
+  """The 262,144-token SentencePiece vocabulary from the file's metadata (scores, token
+  types, byte fallback, BOS) equals transformers' GGUF conversion of the same file."""
+  from tests.test_gguf_tokenizer import TEXTS, _stream
+
+  ours, theirs = model.tokenizer, hf[1]
+  assert (ours.vocab_size, ours.bos_id, ours.chat_template) == (len(theirs), 2, None)
+  byte_ids = set(theirs.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)]))
+  fallbacks = 0
+  for text in [*TEXTS.values(), *GEMMA_TEXTS]:
+    for special in (True, False):
+      ids = ours.encode(text, add_special_tokens=special)
+      assert ids == theirs.encode(text, add_special_tokens=special), text
+      for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+            ids, skip_special_tokens=skip), text
+        assert "".join(_stream(ours, ids, 1, skip)) == theirs.decode(
+            ids, skip_special_tokens=skip)
+    fallbacks += len(byte_ids.intersection(ids))
+  assert fallbacks > 0  # the byte-fallback path ran
+  rng = random.Random(0)
+  for _ in range(40):
+    ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 30))]
+    for skip in (True, False):
+      assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+          ids, skip_special_tokens=skip), ids
+
+
+def _greedy_text(hf, prompt: str, tokens: int) -> tuple[list[int], str]:
+  """transformers' greedy continuation of `prompt` (BOS first): its ids and text."""
+  import torch
+
+  ids = hf[1](prompt)["input_ids"]
+  with torch.no_grad():
+    out = hf[0].generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                         eos_token_id=1, pad_token_id=0)[0, len(ids):].tolist()
+  return out, hf[1].decode(out, skip_special_tokens=True)
+
+
+def test_base_model_generates_but_does_not_chat(model, hf, monkeypatch, capsys):
+  """`generate` continues code as transformers does; `chat` (a base model: no chat
+  template) exits 2 at once with one line naming the checkpoint."""
+  from kvjax.cli import main
+
+  monkeypatch.setattr("kvjax.api.load_checkpoint", lambda *a, **k: model)  # loaded once
+  ref_ids, ref_text = _greedy_text(hf, "def fibonacci(n):", 16)
+  assert main(["generate", "--checkpoint", "gemma3-270m", "--prompt", "def fibonacci(n):",
+               "--max-new-tokens", "16", "--json", "--no-warmup"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert (printed["tokens"], printed["text"]) == (ref_ids, ref_text)
+  monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+  assert main(["chat", "--checkpoint", "gemma3-270m"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["kvjax chat: error: gemma3-270m has no chat template (a base model); "
+                 "continue a text with kvjax generate --checkpoint gemma3-270m --prompt TEXT"]
+
+
+def test_server_completes_and_refuses_chat_naming_messages(model, hf):
+  """/v1/completions answers transformers' greedy text; /v1/chat/completions is a 400
+  naming `messages` (vLLM answers a 400 too: a base model has no template to render)."""
+  from kvjax.server import serve_in_thread
+
+  ref_text = _greedy_text(hf, "def fibonacci(n):", 8)[1]
+  config = kvjax.EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                              page_size=16)
+  with serve_in_thread(model, config, served_model_name="gemma3-270m") as server:
+    done = httpx.post(server.url + "/completions", timeout=300, json={
+        "model": "gemma3-270m", "prompt": "def fibonacci(n):", "max_tokens": 8,
+        "temperature": 0})
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["text"] == ref_text
+    chat = httpx.post(server.url + "/chat/completions", timeout=60, json={
+        "model": "gemma3-270m", "messages": [{"role": "user", "content": "hi"}]})
+  assert chat.status_code == 400
+  error = chat.json()["error"]
+  assert error["param"] == "messages" and "no chat template" in error["message"]

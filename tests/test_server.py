@@ -27,7 +27,8 @@ import kvjax
 from kvjax.serve_steps import num_compiled
 from kvjax.server import serve_in_thread
 from kvjax.server.handle import _warm_up
-from kvjax.server.protocol import Limits, OpenAIError, engine_error_param, parse_completion
+from kvjax.server.protocol import (Limits, OpenAIError, engine_error_param, parse_chat,
+                                   parse_completion)
 from kvjax.server.text import TextStream
 from tests.server_helpers import (CONFIG, NAME, PROMPTS, chat_ids, expected, ids_of, scrape,
                                   sse_events, value)
@@ -118,6 +119,22 @@ def test_engine_refusals_and_tokenizerless_text_name_the_field(model):
     parse_completion({"model": NAME, "prompt": "hello"}, limits, tokenizer=None)
   assert error.value.param == "prompt" and "tokenizer" in error.value.message
   assert parse_completion({"model": NAME, "prompt": [5, 6]}, limits, None).prompts == ((5, 6),)
+
+
+def test_chat_on_a_base_model_is_a_400_naming_messages(model):
+  """A tokenizer without a chat template (a base model) cannot render messages: refused up
+  front as vLLM refuses it, not as a template error, nor by rendering something else."""
+  from tokenizers import Tokenizer, models
+
+  from kvjax.hf_tokenizer import HFTokenizer
+
+  base = HFTokenizer(Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")), {}, (),
+                     None, clean_up=False)
+  limits = Limits(NAME, model.config.vocab_size, CONFIG.max_model_len)
+  with pytest.raises(OpenAIError) as error:
+    parse_chat({"model": NAME, "messages": [{"role": "user", "content": "hi"}]}, limits, base)
+  assert error.value.param == "messages" and error.value.status == 400
+  assert "no chat template" in error.value.message
 
 
 def test_health_and_models(server):

@@ -141,6 +141,9 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
   if tokenizer is None:
     raise OpenAIError("this model has no tokenizer, so no chat template: use "
                       "/v1/completions with token ids", "messages")
+  if tokenizer.chat_template is None:  # vLLM's answer too: a 400, the template is required
+    raise OpenAIError("this model has no chat template (a base model), so it cannot render "
+                      "messages: use /v1/completions with a prompt", "messages")
   rendered = [_message(i, m) for i, m in enumerate(messages)]
   _check_text_fits(sum(len(m["content"]) for m in rendered), limits, "messages")
   continued = _flag(body, "continue_final_message", False)
