@@ -66,7 +66,6 @@ import types
 from typing import Callable, Optional, Union
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
