@@ -9,7 +9,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
   2  sharding, backends                              mesh + Megatron placement rules, capability
                                                     records (+ pallas_kernels, shard_map)
   3  caches/                                         KV cache layouts, one attend contract
-  4  model, hybrid, learned_sinks                    the decoder and its layer kinds (GQA, MLA, DeltaNet, sinks)
+  4  model, hybrid, learned_sinks                    the decoder and its layer kinds (GQA,
+                                                    MLA, DeltaNet, sinks)
   5  steps, speculative                              jitted static-batch steps, drafting, verify
   6  serve_steps, generation, requests,              engine device programs, static generate,
      prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix

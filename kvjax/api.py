@@ -62,7 +62,8 @@ def _byte_tokenizer(cfg: ModelConfig) -> Optional[ByteTokenizer]:
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
-  """'float32' | 'bfloat16' | 'float16' (or 'fp32', 'bf16', 'fp16', or the jnp dtype) -> jnp dtype."""
+  """'float32' | 'bfloat16' | 'float16' (or 'fp32', 'bf16', 'fp16', or the jnp dtype)
+  -> jnp dtype."""
   long_names = {short: name for name, short in DTYPE_SHORT_NAMES.items()}
   dtype = long_names.get(dtype, dtype) if isinstance(dtype, str) else dtype
   for name, value in DTYPES.items():

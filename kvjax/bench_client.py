@@ -222,7 +222,8 @@ def run_benchmark(url: str, sessions, *, request_rate: float = math.inf,
                   encode: Optional[Callable[[str], list]] = None, model: Optional[str] = None,
                   temperature: float = 0.0, seed: int = 0, timeout_s: float = 600.0,
                   metrics_interval_s: Optional[float] = 0.5) -> dict:
-  """Sends `sessions` to the server at `url` (its root) -> {"summary", "requests", "server_metrics"}.
+  """Sends `sessions` to the server at `url` (its root) -> {"summary", "requests",
+  "server_metrics"}.
 
   encode(text) -> ids turns an answer back into history ids (no special
   tokens: the answer continues the history); needed when a session has more

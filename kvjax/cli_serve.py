@@ -41,7 +41,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="floating-point weights: float32 | bfloat16 | float16 (or fp32 | bf16 | "
                       "fp16) (default: %(default)s)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-  p.add_argument("--port", type=int, default=8000, help="port, 0: any free port (default: %(default)s)")
+  p.add_argument("--port", type=int, default=8000,
+                 help="port, 0: any free port (default: %(default)s)")
   p.add_argument("--served-model-name", default=None,
                  help="the `model` clients send (default: the model config's name)")
   p.add_argument("--max-waiting", type=int, default=256,

@@ -33,8 +33,8 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 __all__ = ["Snapshot", "parse_metrics", "scrape", "histogram_quantile", "Signals", "Targets",
-           "signals_from_window", "signals_from_bench", "sample_window", "Diagnosis", "diagnose", "ACTIONS",
-           "format_report"]
+           "signals_from_window", "signals_from_bench", "sample_window", "Diagnosis", "diagnose",
+           "ACTIONS", "format_report"]
 
 PREFIX = "kvjax:"
 

@@ -7,7 +7,8 @@ state keeper through the typed `attend.linear(cache, index, inputs)` callback
 (kvjax/model.py `Attend`): inputs is a LinearInputs
 (kvjax/attention/gated_delta.py) and `index` the layer's row among the linear
 layers (`ModelConfig.state_index`).  The layer kind "gated_delta"
-(kvjax/layer_kinds.py, cache layout "recurrent") is declared at the bottom.  A hybrid cache (kvjax/caches/recurrent.py) runs
+(kvjax/layer_kinds.py, cache layout "recurrent") is declared at the bottom.  A hybrid
+cache (kvjax/caches/recurrent.py) runs
 the rule on its per-slot conv and delta states; the no-cache forward runs it
 from zero states (`stateless_mix`).  The output is RMS-normalized per value
 head, gated by silu(z) and projected back to D.  The model's full-attention

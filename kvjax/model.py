@@ -9,7 +9,8 @@ kind (MHA / GQA / MQA, with Qwen3.5's output gate and partial rope), the MLA
 kind (latent attention) and the dense SwiGLU MLP kind are declared here; the
 Gated DeltaNet kind is kvjax/hybrid.py.
 Layers reach the cache by `ModelConfig.state_index` (a hybrid's KV rows count
-only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache goes in and comes out; nothing is mutated.
+only attention layers).  An MoE layer's MLP is kvjax/moe/block.py's.  The cache goes in
+and comes out; nothing is mutated.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Par
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "embed_tokens", "lm_logits",
            "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend",
-           "mla_attention", "gqa_attention", "swiglu", "LORA_NORM_EPS", "GQA", "MLA", "SWIGLU", "MOE"]
+           "mla_attention", "gqa_attention", "swiglu", "LORA_NORM_EPS", "GQA", "MLA", "SWIGLU",
+           "MOE"]
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6

@@ -38,7 +38,8 @@ from kvjax.step_batch import StepBatch
 from kvjax.steps import model_step
 from kvjax.xla_options import jit_step
 
-__all__ = ["Emitted", "EngineState", "num_compiled", "serve_step", "serve_burst", "copy_pages", "clear_pages"]
+__all__ = ["Emitted", "EngineState", "num_compiled", "serve_step", "serve_burst", "copy_pages",
+           "clear_pages"]
 
 
 @struct.dataclass

@@ -35,7 +35,8 @@ step program of the default model, and a process past the kernel's
 vm.max_map_count (65,530 by default) fails its next compile ("LLVM compilation
 error: Cannot allocate memory"): the default model's server runs 23 programs at
 its 2,048-token context (before prefill chunks walked their pages a block at a
-time, kvjax/attention/blocked.py, 101; 116 with bursts, ~29,000 maps).  With `map_budget` a plan stops once the
+time, kvjax/attention/blocked.py, 101; 116 with bursts, ~29,000 maps).  With `map_budget`
+a plan stops once the
 process holds that fraction of the limit (a server: half, leaving the rest to
 programs compiled under requests); `WarmUp.runs` then counts what it ran.
 """

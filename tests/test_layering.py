@@ -13,6 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LINES = 500
+MAX_COLUMNS = 100  # the codebase wraps at ~96
 PACKAGES = ("kvjax", "pallas_kernels")
 # The table's rows: "  9  api, weights/, ...   description" starts a layer, a line indented
 # 5 continues its names column, a deeper one continues only the description.
@@ -152,6 +153,16 @@ def oversized(root: str) -> list[str]:
   return out
 
 
+def wide_lines(root: str) -> list[str]:
+  """module:line of every line wider than MAX_COLUMNS (wrap, never join to fit)."""
+  out = []
+  for module, path in sorted(modules_of(root).items()):
+    with open(path) as f:
+      out += [f"{module}:{i}" for i, line in enumerate(f, 1)
+              if len(line.rstrip("\n")) > MAX_COLUMNS]
+  return out
+
+
 def test_imports_only_go_down():
   assert upward_imports(ROOT) == []
 
@@ -170,6 +181,10 @@ def test_pallas_kernels_stand_alone():
 
 def test_modules_stay_small():
   assert oversized(ROOT) == []
+
+
+def test_lines_stay_within_the_width():
+  assert wide_lines(ROOT) == []
 
 
 # -- each check reports a fault planted in a temp copy of the tree --------------------------
@@ -223,3 +238,6 @@ def test_a_kernel_importing_kvjax_and_a_long_module_are_caught(tree):
   assert kernels_importing_kvjax(str(tree)) == [kernel]
   _append(tree / "kvjax" / "pages.py", "\n" * MAX_LINES)
   assert oversized(str(tree)) == ["kvjax.pages"]
+  _append(tree / "kvjax" / "layers.py", "\n# " + "x" * MAX_COLUMNS + "\n")
+  layers = tree / "kvjax" / "layers.py"
+  assert wide_lines(str(tree)) == [f"kvjax.layers:{sum(1 for _ in open(layers))}"]

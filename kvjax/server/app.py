@@ -9,7 +9,8 @@ and the replica count.
 A generation handler parses and checks its body (kvjax/server/protocol.py) in a
 small thread pool, off the event loop: a huge prompt's JSON scan, its
 tokenization, a chat template and a large grammar's compilation take seconds,
-and /health and every stream keep being served meanwhile.  It then submits it to the engine thread (kvjax/server/engine_loop.py) and awaits its
+and /health and every stream keep being served meanwhile.  It then submits it to the
+engine thread (kvjax/server/engine_loop.py) and awaits its
 events on an asyncio queue that the engine thread fills through
 `call_soon_threadsafe`.  A stream whose client goes away (the stream is
 cancelled), a non-streamed request whose client goes away (polled while it

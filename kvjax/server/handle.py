@@ -100,9 +100,10 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   on its own devices), served behind a kvjax.Router with `router_policy`.
   max_waiting: sequences (each prompt's n choices) that may wait beyond the max_num_seqs
   running ones (of every replica); beyond that the server answers 503 at once, and a
-  request of more sequences than both together gets 400 naming `n`.  served_model_name: the `model` field clients
-  send (default: the model config's name).  warm_up: "background" (`python -m kvjax
-  serve`'s default), "full" (with a progress bar) or "minimal" (see the module doc).
+  request of more sequences than both together gets 400 naming `n`.  served_model_name:
+  the `model` field clients send (default: the model config's name).  warm_up:
+  "background" (`python -m kvjax serve`'s default), "full" (with a progress bar) or
+  "minimal" (see the module doc).
   vllm_metrics: /metrics also under vLLM's vllm: names (kvjax/server/prom.py).
   kv_events: a ZMQ endpoint where each replica's prefix cache publishes vLLM's KV events
   (kvjax/kv_events.py; replica i at kv_events.replica_endpoint(kv_events, i)).

@@ -182,6 +182,7 @@ def load_qwen3_5(cfg: ModelConfig, hf: dict[str, Any], get: Callable[[str], jnp.
         block=_block(cfg, get, norm, "mtp.layers.0.", False, grouped),
         out_norm=norm("mtp.norm.weight")),)
   params = Params(
-      embed=get(prefix + "embed_tokens.weight"), blocks=blocks, final_norm=norm(prefix + "norm.weight"),
+      embed=get(prefix + "embed_tokens.weight"), blocks=blocks,
+      final_norm=norm(prefix + "norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T, mtp=mtp)
   return cfg, params
