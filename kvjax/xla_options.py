@@ -46,6 +46,8 @@ from typing import Callable, Optional
 
 import jax
 
+from kvjax import invariance
+
 __all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS", "add_compile_cache_flag",
            "default_compile_cache", "use_compile_cache", "xla_compile_counts"]
 
@@ -84,12 +86,19 @@ class _StepJit:
   def __init__(self, fun: Callable, batch_argnum: Optional[int], jit_kwargs: dict):
     functools.update_wrapper(self, fun)
     self._fun, self._batch_argnum, self._jit_kwargs = fun, batch_argnum, jit_kwargs
+
+    @functools.wraps(fun)  # jit reads fun's signature (static and donated names)
+    def traced(*args, **kwargs):  # batch-invariant where the backend says (kvjax/invariance.py)
+      with invariance.batch_invariant(getattr(kwargs.get("backend"), "batch_invariant", False)):
+        return fun(*args, **kwargs)
+
+    self._traced = traced
     self._jitted: dict = {}
 
   def jitted(self, kind: str = "decode"):
     if kind not in self._jitted:
       self._jitted[kind] = jax.jit(
-          self._fun, compiler_options=dict(step_compiler_options(kind)) or None,
+          self._traced, compiler_options=dict(step_compiler_options(kind)) or None,
           **self._jit_kwargs)
     return self._jitted[kind]
 
