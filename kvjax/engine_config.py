@@ -117,6 +117,8 @@ class EngineConfig:
     check_hybrid_engine(speculative=self.speculative)
     if not isinstance(self.prefix_cache, bool):
       raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+    if not isinstance(self.batch_invariant, bool):
+      raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
     if self.batch_invariant:
       backend = self._invariant_backend(backend, cfg)
     config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
@@ -162,8 +164,6 @@ class EngineConfig:
 
   def _invariant_backend(self, backend: Backend, cfg: ModelConfig) -> Backend:
     """backend's batch-invariant record; ValueError naming what it cannot cover."""
-    if not isinstance(self.batch_invariant, bool):
-      raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
     if self.speculative is not None:  # verify steps score tokens in wider programs
       raise ValueError(f"batch_invariant needs speculative=None, got {self.speculative!r}")
     if cfg.attention_type != "gqa" or cfg.is_hybrid or cfg.num_experts:

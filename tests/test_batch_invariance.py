@@ -11,6 +11,7 @@ and checked as such.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -19,7 +20,9 @@ import pytest
 
 import kvjax
 from kvjax.engine import Engine
+from kvjax.engine_config import add_engine_flags, engine_config_from_flags
 from kvjax.params import init_params
+from tests import engine_helpers as h
 
 NEW_TOKENS = 6
 TARGET_LEN = 40
@@ -97,3 +100,19 @@ def test_without_the_flag_some_path_breaks_and_the_named_ones_hold(name):
   same = {path for path, shape in PATHS.items() if _same(_run(name, shape, False), alone)}
   assert same >= set(PLAIN_INVARIANT), f"plain invariant paths: {sorted(same)}"
   assert same != set(PATHS), "every path is invariant without the flag: it needs no flag"
+
+
+def test_what_batch_invariant_cannot_cover_is_refused_by_name():
+  model = h.mtp_model()
+  with pytest.raises(ValueError, match="batch_invariant needs speculative=None"):
+    kvjax.EngineConfig(batch_invariant=True, speculative="mtp").resolve(model)
+  with pytest.raises(ValueError, match="batch_invariant needs backend 'reference'"):
+    kvjax.EngineConfig(batch_invariant=True, backend="pallas_reference").resolve(model)
+  with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+    kvjax.EngineConfig(batch_invariant=1).resolve(model)
+  resolved = kvjax.EngineConfig(batch_invariant=True).resolve(model)
+  assert resolved.backend.batch_invariant and resolved.backend.gathered_attention is None
+  parser = argparse.ArgumentParser()
+  add_engine_flags(parser)
+  assert engine_config_from_flags(parser.parse_args(["--batch-invariant"])).batch_invariant
+  assert not engine_config_from_flags(parser.parse_args([])).batch_invariant
