@@ -86,19 +86,12 @@ class _StepJit:
   def __init__(self, fun: Callable, batch_argnum: Optional[int], jit_kwargs: dict):
     functools.update_wrapper(self, fun)
     self._fun, self._batch_argnum, self._jit_kwargs = fun, batch_argnum, jit_kwargs
-
-    @functools.wraps(fun)  # jit reads fun's signature (static and donated names)
-    def traced(*args, **kwargs):  # batch-invariant where the backend says (kvjax/invariance.py)
-      with invariance.batch_invariant(getattr(kwargs.get("backend"), "batch_invariant", False)):
-        return fun(*args, **kwargs)
-
-    self._traced = traced
     self._jitted: dict = {}
 
   def jitted(self, kind: str = "decode"):
     if kind not in self._jitted:
       self._jitted[kind] = jax.jit(
-          self._traced, compiler_options=dict(step_compiler_options(kind)) or None,
+          self._fun, compiler_options=dict(step_compiler_options(kind)) or None,
           **self._jit_kwargs)
     return self._jitted[kind]
 
@@ -107,7 +100,10 @@ class _StepJit:
 
   def __call__(self, *args, **kwargs):
     kind = "decode" if self._batch_argnum is None else self.kind_of(args[self._batch_argnum])
-    return self.jitted(kind)(*args, **kwargs)
+    # A call traces inside the switch its backend sets (kvjax/invariance.py); the backend is
+    # a static argument, so a cached program was traced under the same switch.
+    with invariance.batch_invariant(getattr(kwargs.get("backend"), "batch_invariant", False)):
+      return self.jitted(kind)(*args, **kwargs)
 
   def _cache_size(self) -> int:
     """Programs compiled so far, every kind."""

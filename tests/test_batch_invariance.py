@@ -33,9 +33,10 @@ PATHS = {"beside_1": (1, 64, False), "beside_7": (7, 64, False), "beside_31": (3
          "chunk_16": (0, 16, False), "beside_7_chunk_16": (7, 16, False),
          "prefix_hit": (0, 64, True)}
 ALONE = (0, 64, False)
-# Paths whose tokens and logprobs are bitwise the alone run's without the flag (measured on
-# XLA:CPU; docs/GUIDE.md): a decode group of 1 or 2 rows pads to the same 8-row program.
-PLAIN_INVARIANT = ("beside_1",)
+# Paths whose tokens and logprobs are bitwise the alone run's without the flag: none of
+# these on XLA:CPU (docs/GUIDE.md), even beside_1, whose 2-row prefill group takes a
+# 128-column chunk bucket for its mate's prompt where the target alone takes 64.
+PLAIN_INVARIANT = ()
 
 
 @functools.lru_cache(maxsize=None)
