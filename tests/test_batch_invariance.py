@@ -117,3 +117,17 @@ def test_what_batch_invariant_cannot_cover_is_refused_by_name():
   add_engine_flags(parser)
   assert engine_config_from_flags(parser.parse_args(["--batch-invariant"])).batch_invariant
   assert not engine_config_from_flags(parser.parse_args([])).batch_invariant
+
+
+def test_batch_invariant_logprobs_equal_the_cache_free_forward():
+  """The oracle for the runs above: the greedy request's logprobs are those of a float64
+  log-softmax of kvjax.forward's logits (float32 noise), and its ids their argmaxes."""
+  model = _model("default")
+  target, _ = _prompts(model.config.vocab_size)
+  (tokens, logprobs), _ = _run("default", ALONE, True)
+  logits = np.asarray(kvjax.forward(model, [target + list(tokens)]), np.float64)[0]
+  rows = logits[len(target) - 1:len(target) + len(tokens) - 1]
+  rows = rows - rows.max(-1, keepdims=True)
+  expected = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+  np.testing.assert_array_equal(np.argmax(expected, -1), tokens)
+  np.testing.assert_allclose(logprobs, expected[np.arange(len(tokens)), tokens], atol=1e-5)
