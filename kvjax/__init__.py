@@ -2,7 +2,8 @@
 
 Layers (imports only go down; tests/test_layering.py checks it):
   0  config, presets, pages, xla_options,           static config and named shapes, host page
-     quant/symmetric, mesh_axes                     ids, compiler options, mesh axis names
+     quant/symmetric, mesh_axes, invariance         ids, compiler options, mesh axis names,
+                                                    the batch-invariant math switch
   1  layers, params, sampling, step_batch,           pure math, weight quantization, the
      logit_processors, attention/, quant/, moe/,    step metadata pytree, vLLM's penalties,
      layer_kinds                                    MoE experts, the layer-kind registry

@@ -74,7 +74,7 @@ from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import gathered_attention, paged_attention
 from kvjax.sharding import MODEL
 
-__all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh"]
+__all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh", "invariant"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,9 @@ class Backend:
   prefill_full_width: bool = False
   variants: bool = False
   mesh: Optional[Mesh] = None  # set by on_mesh: the kernels run per device of this mesh
+  # Step programs on this record trace batch-invariant math (kvjax/invariance.py; set by
+  # `invariant`).
+  batch_invariant: bool = False
 
   def check_kv_dtype(self, kv_dtype: Optional[str]) -> None:
     """ValueError naming the backend unless it reads pages stored as kv_dtype."""
@@ -192,6 +195,22 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
       verify=verify, mla_attention=backend.mla_attention and mla_attention,
       gathered_attention=None, variants=False,  # a variant's head index is global
       mesh=mesh)  # sharded pages are read per device, per step
+
+
+@functools.lru_cache(maxsize=None)
+def invariant(backend: Backend) -> Backend:
+  """backend's batch-invariant record (EngineConfig(batch_invariant=True)): its steps run
+  kvjax/invariance.py's fixed-tile math, and decode loops read the pages every step (the
+  gathered copy attends over its whole width at once).  Only the reference backend's
+  attention has the fixed-order form; ValueError naming any other.  Cached: one record,
+  one compile per program."""
+  if backend.batch_invariant:
+    return backend
+  if backend.attention is not _padded_reference:
+    raise ValueError(f"batch_invariant needs backend 'reference' (its attention walks keys "
+                     f"in a fixed order), got {backend.name!r}")
+  return dataclasses.replace(backend, name=f"{backend.name}+invariant", gathered_attention=None,
+                             batch_invariant=True)
 
 
 def backend_names() -> list[str]:

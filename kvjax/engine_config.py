@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from kvjax import speculative as spec
-from kvjax.backends import Backend, get_backend, on_mesh
+from kvjax.backends import Backend, get_backend, invariant, on_mesh
 from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
 from kvjax.caches.layout import PageRelease
 from kvjax.config import ModelConfig, short_dtype_name
@@ -78,6 +78,11 @@ class EngineConfig:
       function (cfg, layer) -> variant or None; kvjax/attention/variants.py) every
       step applies on top of the model's attention: prefill chunks, decode, bursts,
       verification, prefix hits.  None: the model's own.
+    batch_invariant: a request's tokens and logprobs are bitwise the same whatever
+      shares its steps, however its prompt is chunked and whether or not it hits the
+      prefix cache: matmuls in fixed row tiles, attention in fixed key blocks and
+      query tiles (kvjax/invariance.py).  Reference backend, dense GQA models, no
+      speculation; cost: docs/GUIDE.md "Batch-invariant decoding".
   """
 
   page_size: int = 16
@@ -97,6 +102,7 @@ class EngineConfig:
   num_scheduler_steps: int = 16
   kv_dtype: Union[str, KVLayout, None] = None
   attention: Any = None
+  batch_invariant: bool = False
 
   @property
   def draft_model(self):
@@ -116,6 +122,10 @@ class EngineConfig:
     check_hybrid_engine(speculative=self.speculative)
     if not isinstance(self.prefix_cache, bool):
       raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+    if not isinstance(self.batch_invariant, bool):
+      raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+    if self.batch_invariant:
+      backend = self._invariant_backend(backend, cfg)
     config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
     config._check_layout(layout)
     config = config._resolve_drafts(model)
@@ -156,6 +166,16 @@ class EngineConfig:
                        f"smaller max_model_len (and num_pages)")
     return dataclasses.replace(config, backend=backend, max_model_len=max_model_len,
                                num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
+
+  def _invariant_backend(self, backend: Backend, cfg: ModelConfig) -> Backend:
+    """backend's batch-invariant record; ValueError naming what it cannot cover."""
+    if self.speculative is not None:  # verify steps score tokens in wider programs
+      raise ValueError(f"batch_invariant needs speculative=None, got {self.speculative!r}")
+    if cfg.attention_type != "gqa" or cfg.is_hybrid or cfg.num_experts:
+      raise ValueError(f"batch_invariant covers dense GQA models; {cfg.name!r} has "
+                       f"attention_type={cfg.attention_type!r}, hybrid={cfg.is_hybrid}, "
+                       f"num_experts={cfg.num_experts}")
+    return invariant(backend)
 
   def _resolve_drafts(self, model) -> "EngineConfig":
     """num_draft None -> its default, "auto" -> the drafter's most drafts with the
@@ -258,6 +278,8 @@ _FLAGS = {
     "kv_dtype": (str, None, "KV layout: fp32 | bf16 | fp16 (or float32 ...), int8, int4, "
                             "or another registered layout (kvjax/caches/layout.py; "
                             "default: the weights' dtype)"),
+    "batch_invariant": (bool, None, "bitwise the same tokens and logprobs for a request "
+                                    "whatever shares its steps (reference backend)"),
 }
 
 

@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax import invariance
 from kvjax.config import ModelConfig, YarnScaling
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight
@@ -133,5 +134,9 @@ def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
     w = w.dequantize(x.dtype)
   if not matrix:
     return jnp.einsum(spec, x, w, **dot_kwargs)
-  out = jnp.matmul(x.reshape(-1, size_in), w.reshape(size_in, -1), **dot_kwargs)
-  return out.reshape(out_shape)
+  w = w.reshape(size_in, -1)
+  rows = x.reshape(-1, size_in)
+  if invariance.is_on():  # the same tile GEMM whatever the row count (kvjax/invariance.py)
+    return invariance.tiled_rows(lambda tile: jnp.matmul(tile, w, **dot_kwargs),
+                                 rows).reshape(out_shape)
+  return jnp.matmul(rows, w, **dot_kwargs).reshape(out_shape)

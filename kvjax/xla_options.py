@@ -53,6 +53,8 @@ from typing import Callable, Optional
 
 import jax
 
+from kvjax import invariance
+
 __all__ = ["step_compiler_options", "jit_step", "DECODE_COLUMNS", "add_compile_cache_flag",
            "default_compile_cache", "use_compile_cache", "xla_compile_counts",
            "ReplacingFileCache"]
@@ -106,7 +108,10 @@ class _StepJit:
 
   def __call__(self, *args, **kwargs):
     kind = "decode" if self._batch_argnum is None else self.kind_of(args[self._batch_argnum])
-    return self.jitted(kind)(*args, **kwargs)
+    # A call traces inside the switch its backend sets (kvjax/invariance.py); the backend is
+    # a static argument, so a cached program was traced under the same switch.
+    with invariance.batch_invariant(getattr(kwargs.get("backend"), "batch_invariant", False)):
+      return self.jitted(kind)(*args, **kwargs)
 
   def _cache_size(self) -> int:
     """Programs compiled so far, every kind."""

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.variants import AttentionVariant, first_key, variant_mask, variant_scores
+from kvjax.invariance import ROW_TILE
 
-__all__ = ["BLOCK_TOKENS", "block_pages", "blocked_attention"]
+__all__ = ["BLOCK_TOKENS", "block_pages", "blocked_attention", "query_tiles"]
 
 # Key positions a block covers at least (Wb = BLOCK_TOKENS / Z pages, one page at least).
 BLOCK_TOKENS = 128
@@ -106,3 +107,21 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
   acc = jnp.zeros((num_kv, b, group, t, value_dim), jnp.float32)
   _, denom, acc = jax.lax.fori_loop(first, last, body, (row_max, denom, acc))
   return acc / jnp.where(denom == 0.0, 1.0, denom)
+
+
+def query_tiles(attend: Callable[..., jax.Array], qg: jax.Array, kv_lens: jax.Array
+                ) -> jax.Array:
+  """attend(q [K, B, Gq, ROW_TILE, H], kv_lens=) over qg [K, B, Gq, T, H]'s columns
+  ROW_TILE at a time -> f32 [K, B, Gq, T, Hv]: every query's scores and weighted sums
+  are the same matmul shapes whatever T (batch-invariant steps, kvjax/invariance.py).
+  Columns padded in front sit at earlier positions (their output is dropped); a tile
+  ending at column e reads as if its row's length were kv_lens - T + e: the keys
+  past it are ones no query of the tile sees."""
+  num_kv, b, group, t, h = qg.shape
+  pad = -t % ROW_TILE
+  tiles = (t + pad) // ROW_TILE
+  padded = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (pad, 0), (0, 0)))
+  q = jnp.moveaxis(padded.reshape(num_kv, b, group, tiles, ROW_TILE, h), 3, 0)
+  ends = kv_lens[None, :] - t + ROW_TILE * jnp.arange(1, tiles + 1)[:, None] - pad  # [n, B]
+  out = jax.lax.map(lambda tile: attend(tile[0], kv_lens=tile[1]), (q, ends))
+  return jnp.moveaxis(out, 0, 3).reshape(num_kv, b, group, t + pad, -1)[:, :, :, pad:]

@@ -12,12 +12,14 @@ width.  Pallas backends receive the same call flattened into the ragged layout
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention.blocked import block_pages, blocked_attention
+from kvjax import invariance
+from kvjax.attention.blocked import block_pages, blocked_attention, query_tiles
 from kvjax.attention.dense import grouped_attention, padded_scores, padded_visibility
 from kvjax.attention.variants import AttentionVariant
 from kvjax.xla_options import DECODE_COLUMNS
@@ -77,7 +79,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   loop operand cannot fuse into the gather that reads it).
   """
   pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
-  if q.shape[1] > DECODE_COLUMNS:
+  # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/invariance.py).
+  if q.shape[1] > DECODE_COLUMNS or invariance.is_on():
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
                     v_scales=v_scales, sinks=sinks, variant=variant)
@@ -119,8 +122,12 @@ def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_sca
             gather_pages(pick(v_pages), columns, pick(v_scales)))
 
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
-  out = blocked_attention(qg, read_block, kv_lens, q_lens, num_blocks, wb * page_size,
-                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          sinks=None if sinks is None else sinks.reshape(num_kv, -1),
-                          value_dim=value_dim, variant=variant)
+  attend = functools.partial(blocked_attention, read_block=read_block, q_lens=q_lens,
+                             num_blocks=num_blocks, block_size=wb * page_size,
+                             sm_scale=sm_scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap, value_dim=value_dim,
+                             sinks=None if sinks is None else sinks.reshape(num_kv, -1),
+                             variant=variant)
+  out = query_tiles(attend, qg, kv_lens) if invariance.is_on() and t > 1 else \
+      attend(qg, kv_lens=kv_lens)
   return out.transpose(1, 3, 0, 2, 4).reshape(b, t, n, -1).astype(q.dtype)

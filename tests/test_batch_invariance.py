@@ -1,0 +1,133 @@
+"""Batch-invariant decoding: one request's greedy and sampled tokens and their logprobs
+are bitwise the same (np.array_equal on float32) alone, beside 1, 7 and 31 other
+requests of other lengths, with its prompt chunked at 16 or 64 tokens, and after a
+prefix-cache hit, with EngineConfig(batch_invariant=True); on the default model and on
+a wider float32 random model, where XLA:CPU picks GEMM kernels by row count.
+
+The oracle is the request run alone (no other request, the prompt in one chunk, a cold
+cache).  Without the flag the same comparison breaks on at least one path (the one
+the flag exists for); the paths already invariant without it are named in PLAIN_INVARIANT
+and checked as such.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.engine import Engine
+from kvjax.engine_config import add_engine_flags, engine_config_from_flags
+from kvjax.params import init_params
+from tests import engine_helpers as h
+
+NEW_TOKENS = 6
+TARGET_LEN = 40
+# Engine shapes shared by every run of a model: 32 rows for the 31 batch mates.
+SHAPES = dict(max_num_seqs=32, max_model_len=128, page_size=16)
+# path -> (other requests beside the target, token budget per step, prefix-cache hit)
+PATHS = {"beside_1": (1, 64, False), "beside_7": (7, 64, False), "beside_31": (31, 64, False),
+         "chunk_16": (0, 16, False), "beside_7_chunk_16": (7, 16, False),
+         "prefix_hit": (0, 64, True)}
+ALONE = (0, 64, False)
+# Paths whose tokens and logprobs are bitwise the alone run's without the flag: none of
+# these on XLA:CPU (docs/GUIDE.md), even beside_1, whose 2-row prefill group takes a
+# 128-column chunk bucket for its mate's prompt where the target alone takes 64.
+PLAIN_INVARIANT = ()
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str) -> kvjax.Model:
+  if name == "default":
+    return kvjax.load_checkpoint()
+  cfg = kvjax.get_preset("tiny").replace(name="tiny-wide", hidden_size=384,
+                                         intermediate_size=1024, eos_token_id=None)
+  return kvjax.Model(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.2))
+
+
+def _prompts(vocab: int):
+  rng = np.random.default_rng(7)
+  target = rng.integers(3, vocab - 1, TARGET_LEN).tolist()
+  others = [rng.integers(3, vocab - 1, int(rng.integers(5, 100))).tolist() for _ in range(31)]
+  return target, others
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name: str, path: tuple, batch_invariant: bool):
+  """The target's (greedy ids, their logprobs, sampled ids, their logprobs) on `path`."""
+  num_others, budget, prefix_hit = path
+  model = _model(name)
+  target, others = _prompts(model.config.vocab_size)
+  eng = Engine(model, max_num_batched_tokens=budget, batch_invariant=batch_invariant,
+               **SHAPES)
+  if prefix_hit:  # another request caches the target's first 2 pages
+    eng.add_request(target[:32] + others[0][:5], 2)
+    list(eng.stream())
+  ids = [eng.add_request(target, NEW_TOKENS, logprobs=1, ignore_eos=True),
+         eng.add_request(target, NEW_TOKENS, logprobs=1, ignore_eos=True, temperature=0.9,
+                         seed=5)]
+  for prompt in others[:num_others]:
+    eng.add_request(prompt, NEW_TOKENS)
+  got = {rid: ([], []) for rid in ids}
+  for out in eng.stream():
+    if out.request_id in got:
+      got[out.request_id][0].extend(out.new_token_ids)
+      got[out.request_id][1].extend(t.logprob for t in out.new_logprobs)
+  if prefix_hit:
+    assert eng.stats().prefix_hit_tokens >= 32, "no prefix hit"
+  return tuple((tuple(tokens), np.asarray(logprobs, np.float32))
+               for tokens, logprobs in got.values())
+
+
+def _same(a, b) -> bool:
+  return all(x[0] == y[0] and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("name", ["default", "wide"])
+def test_batch_invariant_tokens_and_logprobs_are_bitwise_equal(name, path):
+  alone = _run(name, ALONE, True)
+  got = _run(name, PATHS[path], True)
+  assert all(len(tokens) == NEW_TOKENS for tokens, _ in got)
+  assert _same(got, alone), f"{path}: {got} != alone {alone}"
+
+
+@pytest.mark.parametrize("name", ["default", "wide"])
+def test_without_the_flag_some_path_breaks_and_the_named_ones_hold(name):
+  alone = _run(name, ALONE, False)
+  same = {path for path, shape in PATHS.items() if _same(_run(name, shape, False), alone)}
+  assert same >= set(PLAIN_INVARIANT), f"plain invariant paths: {sorted(same)}"
+  assert same != set(PATHS), "every path is invariant without the flag: it needs no flag"
+
+
+def test_what_batch_invariant_cannot_cover_is_refused_by_name():
+  model = h.mtp_model()
+  with pytest.raises(ValueError, match="batch_invariant needs speculative=None"):
+    kvjax.EngineConfig(batch_invariant=True, speculative="mtp").resolve(model)
+  with pytest.raises(ValueError, match="batch_invariant needs backend 'reference'"):
+    kvjax.EngineConfig(batch_invariant=True, backend="pallas_reference").resolve(model)
+  with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+    kvjax.EngineConfig(batch_invariant=1).resolve(model)
+  resolved = kvjax.EngineConfig(batch_invariant=True).resolve(model)
+  assert resolved.backend.batch_invariant and resolved.backend.gathered_attention is None
+  parser = argparse.ArgumentParser()
+  add_engine_flags(parser)
+  assert engine_config_from_flags(parser.parse_args(["--batch-invariant"])).batch_invariant
+  assert not engine_config_from_flags(parser.parse_args([])).batch_invariant
+
+
+def test_batch_invariant_logprobs_equal_the_cache_free_forward():
+  """The oracle for the runs above: the greedy request's logprobs are those of a float64
+  log-softmax of kvjax.forward's logits (float32 noise), and its ids their argmaxes."""
+  model = _model("default")
+  target, _ = _prompts(model.config.vocab_size)
+  (tokens, logprobs), _ = _run("default", ALONE, True)
+  logits = np.asarray(kvjax.forward(model, [target + list(tokens)]), np.float64)[0]
+  rows = logits[len(target) - 1:len(target) + len(tokens) - 1]
+  rows = rows - rows.max(-1, keepdims=True)
+  expected = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+  np.testing.assert_array_equal(np.argmax(expected, -1), tokens)
+  np.testing.assert_allclose(logprobs, expected[np.arange(len(tokens)), tokens], atol=1e-5)
