@@ -37,6 +37,9 @@ dataset_kwargs:
     test: {data}
 test_split: test
 output_type: multiple_choice
+# The choices carry their own leading space; lm-eval's default delimiter " " would add
+# a second one (scoring "  Paris", not " Paris").
+target_delimiter: ""
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: answer
@@ -90,6 +93,15 @@ def _hf_tokenizer(checkpoint: str, out_dir: str) -> str:
   AutoTokenizer.from_pretrained(os.path.dirname(path),
                                 gguf_file=os.path.basename(path)).save_pretrained(target)
   return target
+
+
+def model_args(name: str, root: str, tokenizer: str) -> str:
+  """lm-eval's --model_args for `kvjax serve` at `root`: ids encoded by lm-eval with the
+  tokenizer's special tokens (add_bos_token), as the server encodes a text prompt and
+  kvjax/eval/choice.py encodes a pair (lm-eval's API models add none by default)."""
+  return (f"model={name},base_url={root}/v1/completions,tokenizer={tokenizer},"
+          "tokenizer_backend=huggingface,tokenized_requests=True,add_bos_token=True,"
+          "num_concurrent=1")
 
 
 def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
@@ -148,8 +160,7 @@ def main() -> int:
   try:
     _wait_healthy(root, server, 600)
     command = [lm_eval, "--model", "local-completions", "--model_args",
-               f"model={name},base_url={root}/v1/completions,tokenizer={tokenizer},"
-               "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1",
+               model_args(name, root, tokenizer),
                "--tasks", "kvjax_tiny_choice,kvjax_tiny_gen", "--include_path", tasks,
                "--output_path", args.out, "--log_samples"]
     print(" ".join(command), flush=True)

@@ -113,5 +113,5 @@ def request_outputs(result: StepResult, sampled: dict[str, Request], before: dic
                                  req.status.value if finished else None,
                                  record if finished else None,
                                  None if logprobs is None else logprobs[:len(new)],
-                                 prompt_scores.pop(rid, None)))
+                                 prompt_logprobs=prompt_scores.pop(rid, None)))
   return outputs

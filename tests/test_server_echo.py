@@ -3,14 +3,19 @@ lm-evaluation-harness's local-completions sends), and vLLM's prompt_logprobs.
 
 Oracle: a float64 log-softmax of kvjax.forward's logits (the dense, cache-free forward) over
 the prompt ids; lm-eval's own reading of the answer (`parse_logprobs`: the sum of
-token_logprobs[ctxlen:-1], greedy if each equals its top_logprobs' best) is restated here."""
+token_logprobs[ctxlen:-1], greedy if each equals its top_logprobs' best) is restated here,
+as is how it builds experiments/lm_eval_run's requests (checked against kvjax/eval/choice.py
+through an Engine: tests/test_eval_choice.py checks that against the float64 forward)."""
 from __future__ import annotations
 
 import httpx
 import numpy as np
 import pytest
+import yaml
 
 import kvjax
+from experiments import lm_eval_run
+from kvjax.eval import choice as eval_choice
 from kvjax.server import serve_in_thread
 from tests.server_helpers import CONFIG, NAME, PROMPTS, ids_of, sse_events
 
@@ -83,6 +88,44 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_reads_them(model, tok, server
     want = log_p[np.arange(ctxlen - 1, len(ids) - 1), ids[ctxlen:]]
     assert abs(total - want.sum()) < 1e-3
     assert greedy == bool(np.all(best[ctxlen - 1:len(ids) - 1] == ids[ctxlen:]))
+
+
+def _lm_eval_pairs(tok, question):
+  """lm-eval 0.4.13's (context ids, continuation ids) per choice of `question` in
+  experiments/lm_eval_run's choice task: api/task.py joins target_delimiter (default " ")
+  and the choice, api/model.py _encode_pair moves the context's trailing spaces and splits
+  the whole encoding, api_models.py tok_encode adds special tokens only with
+  add_bos_token."""
+  task = yaml.safe_load(lm_eval_run.TASKS.format(data=eval_choice.TINY_TASK))
+  delimiter = task.get("target_delimiter", " ")
+  special = "add_bos_token=True" in lm_eval_run.model_args(NAME, "http://x", "dir")
+  pairs = []
+  for text in question["choices"]:
+    context, continuation = question["context"], delimiter + text
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+      context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tok.encode(context + continuation, add_special_tokens=special)
+    num_context = len(tok.encode(context, add_special_tokens=special))
+    pairs.append((whole[:num_context], whole[num_context:]))
+  return pairs
+
+
+def test_lm_eval_run_scores_as_kvjax_eval_choice_does(model, tok, server):
+  """lm-eval's requests (a question's choices batched in one, as with batch_size > 1) and
+  its reading of the answer equal the offline prompt logprobs of kvjax/eval/choice.py."""
+  engine = kvjax.Engine(model, max_model_len=128)
+  for question in eval_choice.load_questions(limit=2):
+    pairs = _lm_eval_pairs(tok, question)
+    offline = [eval_choice.encode_pair(tok, question["context"], c)
+               for c in question["choices"]]
+    assert [(ctx + cont, len(ctx)) for ctx, cont in pairs] == offline
+    answer = _post(server, prompt=[ctx + cont for ctx, cont in pairs], temperature=0,
+                   max_tokens=1, logprobs=1, seed=1234, echo=True)
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    served = [_lm_eval_reading(c, len(ctx))[0] for c, (ctx, _) in zip(choices, pairs)]
+    np.testing.assert_allclose(served, eval_choice.loglikelihoods(engine, offline),
+                               atol=1e-3)
 
 
 def test_max_tokens_0_returns_the_prompt_alone(model, tok, server):
