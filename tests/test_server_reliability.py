@@ -9,9 +9,12 @@ One server for the module.
 from __future__ import annotations
 
 import json
+import logging
 import random
+import socket
 import threading
 import time
+import urllib.parse
 
 import httpx
 import pytest
@@ -240,3 +243,41 @@ def test_chat_continue_final_message_and_no_generation_prompt(http, tok, greedy)
         **fields}).json()
     assert answer["usage"]["prompt_tokens"] == len(ids), fields
     assert answer["choices"][0]["message"]["content"] == greedy(ids, 6), fields
+
+
+class _Records(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.records = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+
+def test_a_client_leaving_mid_body_is_one_quiet_line_not_a_traceback(server, http):
+  records = _Records()
+  loggers = [logging.getLogger(name) for name in ("uvicorn.error", "kvjax.server")]
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+  try:
+    url = urllib.parse.urlsplit(server.url)
+    body = json.dumps({"model": NAME, "prompt": "x" * 50_000}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as client:
+      client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:1000])
+      time.sleep(0.2)
+    deadline = time.perf_counter() + 10
+    while time.perf_counter() < deadline and not any(
+        "left while its request body" in r.getMessage() for r in records.records):
+      time.sleep(0.05)
+  finally:
+    for logger, level in zip(loggers, levels):
+      logger.removeHandler(records)
+      logger.setLevel(level)
+  messages = [r.getMessage() for r in records.records]
+  assert any("left while its request body" in m for m in messages), messages
+  assert not [r for r in records.records if r.levelno >= logging.ERROR or r.exc_info], messages
+  assert http.get(server.root + "/health").status_code == 200

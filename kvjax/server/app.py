@@ -23,11 +23,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import importlib.metadata
+import logging
 from typing import Any, Optional
 
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvjax.server.engine_loop import EngineLoop, Failed, Submission
 from kvjax.server.prom import ServerMetrics
@@ -39,6 +41,10 @@ from kvjax.warm_up import BackgroundWarmUp
 __all__ = ["ServerState", "create_app"]
 
 _VERSION = importlib.metadata.version("kvjax")
+_LOG = logging.getLogger("kvjax.server")
+# Sent to no one: the status a handler returns for a client that left while its body was
+# being read (nginx's "client closed request"), so the ASGI server logs no traceback.
+_CLIENT_GONE = 499
 _DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is there
 _PARSE_THREADS = 4  # bodies parsed at once; more wait their turn (parsing is CPU work)
 
@@ -124,7 +130,12 @@ def create_app(state: ServerState) -> FastAPI:
 
 async def _generate(state: ServerState, http_request: Request, parse):
   loop = asyncio.get_running_loop()
-  raw = await _body(http_request)
+  try:
+    raw = await _body(http_request)
+  except ClientDisconnect:
+    _LOG.info("%s: the client left while its request body was being read",
+              http_request.url.path)
+    return Response(status_code=_CLIENT_GONE)
   request = await loop.run_in_executor(
       state.parsing, lambda: parse(parse_json(raw), state.limits, state.tokenizer))
   events: asyncio.Queue = asyncio.Queue()
