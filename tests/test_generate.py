@@ -71,7 +71,7 @@ BAD_INPUTS = {
     "zero new tokens": (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
     "unknown cache": (dict(cache="ring"), "unknown cache 'ring'"),
     "bad top_p": (dict(top_p=1.5), "top_p must be in"),
-    "bad temperature": (dict(temperature=-1.0), "temperature must be >= 0"),
+    "bad temperature": (dict(temperature=-1.0), r"temperature must be in \[0, "),
     "unknown backend": (dict(backend="cuda-magic"), "unknown attention backend 'cuda-magic'"),
 }
 

@@ -52,7 +52,7 @@ def test_sinks_layer_matches_hf_gpt_oss_attention(cfg):
   p = p.replace(sinks=jnp.asarray([2.0, -1.0, 0.5, 3.0]))  # large enough to matter
   h = jax.random.normal(jax.random.PRNGKey(1), (1, T, D))
   positions = jnp.arange(T)[None]
-  _, ours = layer_kind(cfg, 0).step(cfg, p, h, positions, _inv_freq(cfg), None, 0,
+  _, ours = layer_kind(cfg, 0).step(cfg, p, h, positions, _inv_freq(cfg, 0), None, 0,
                                     _dense_attend(cfg, positions))
   hf, rotary = _hf_attention(p)
   x = torch.tensor(np.asarray(h, np.float64))
@@ -63,7 +63,7 @@ def test_sinks_layer_matches_hf_gpt_oss_attention(cfg):
   np.testing.assert_allclose(np.asarray(ours), want.numpy(), rtol=2e-4, atol=2e-5)
   # the sinks matter: plain GQA on the same weights is far off
   _, plain = layer_kind(cfg.replace(name="tiny"), 0).step(
-      cfg, p.attn, h, positions, _inv_freq(cfg), None, 0, _dense_attend(cfg, positions))
+      cfg, p.attn, h, positions, _inv_freq(cfg, 0), None, 0, _dense_attend(cfg, positions))
   assert np.max(np.abs(np.asarray(plain) - want.numpy())) > 1e-2
 
 

@@ -359,6 +359,7 @@ def test_progress_bar_adds_up(capsys):
   err = capsys.readouterr().err
   # the burst in 2 stop widths, the prefill once; + 1: the settling run, outside the bar.
   assert len(calls) == done.runs + 1 == 4
-  assert calls[1:] == [(shapes[0], 1), (shapes[1], 1), (shapes[0], 2)]  # E = 1 ones first
+  # E = 1 ones first; the third argument: scoring prompt columns (no prompt_logprobs here)
+  assert calls[1:] == [(shapes[0], 1, False), (shapes[1], 1, False), (shapes[0], 2, False)]
   assert "3/3" in err and "4/3" not in err
   assert done.programs == 0  # nothing here compiles

@@ -122,6 +122,7 @@ def query_tiles(attend: Callable[..., jax.Array], qg: jax.Array, kv_lens: jax.Ar
   tiles = (t + pad) // ROW_TILE
   padded = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (pad, 0), (0, 0)))
   q = jnp.moveaxis(padded.reshape(num_kv, b, group, tiles, ROW_TILE, h), 3, 0)
-  ends = kv_lens[None, :] - t + ROW_TILE * jnp.arange(1, tiles + 1)[:, None] - pad  # [n, B]
+  # Each tile's row lengths: one row per tile, one column per batch row.
+  ends = kv_lens[None, :] - t + ROW_TILE * jnp.arange(1, tiles + 1)[:, None] - pad
   out = jax.lax.map(lambda tile: attend(tile[0], kv_lens=tile[1]), (q, ends))
   return jnp.moveaxis(out, 0, 3).reshape(num_kv, b, group, t + pad, -1)[:, :, :, pad:]
