@@ -41,6 +41,22 @@ def lscpu_flags() -> str:
                if line.startswith("Flags")), "")
 
 
+def plot(results: dict, path: str) -> None:
+  """Decode tokens/s with and without the flag, per batch (bars), the cost above each."""
+  batches = sorted(results["tokens_per_s"], key=int)
+  with common.figure(path, figsize=(5, 3.5)) as (_, ax):
+    for i, name in enumerate(("plain", "batch_invariant")):
+      rates = [results["tokens_per_s"][b][name] for b in batches]
+      ax.bar([j + 0.4 * i for j in range(len(batches))], rates, 0.4, label=name)
+    for j, b in enumerate(batches):
+      top = max(results["tokens_per_s"][b]["plain"], results["tokens_per_s"][b]["batch_invariant"])
+      ax.text(j + 0.2, top, f"{results['cost'][b]:.2f}x", ha="center", va="bottom")
+    ax.set_xticks([j + 0.2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title("Default model, batch-invariant vs plain")
+    ax.legend()
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
@@ -68,7 +84,8 @@ def main(argv=None):
           f"{rates['batch_invariant']:.1f} tok/s, cost {results['cost'][batch]:.2f}x "
           f"(goal <= 1.3x)", flush=True)
   results["load_after"] = os.getloadavg()
-  common.write_results(args.out, "batch_invariance_bench", results)
+  common.write_results(args.out, "batch_invariance_bench", results,
+                       plot=lambda path: plot(results, path))
 
 
 if __name__ == "__main__":
