@@ -18,9 +18,10 @@ Layers (imports only go down; tests/test_layering.py checks it):
      validation                                      cache and hybrids' state snapshots, packing
   7  scheduler, request_pages, ledger, ledger_tp,    host policy and each request's pages,
      metrics, draft_policy, draft_choice, ngram,     accounting (one device, a mesh), n-gram
-     constraints/, output_processor, engine_stats    drafting, grammar matchers and masks,
-                                                    step outputs -> RequestOutputs, what an
-                                                    engine reports of its scheduler
+     constraints/, output_processor, engine_stats,   drafting, grammar matchers and masks,
+     engine_dispatch                                 step outputs -> RequestOutputs, what an
+                                                    engine reports of its scheduler, one row
+                                                    group's device program
   8  engine_config, engine, router, warm_up,         the serving engine's request API, its
      engine_warm_up, engine_generate, kv_events     warm-up and one-shot generate,
                                                     data-parallel replicas (router), its

@@ -53,6 +53,7 @@ from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.draft_choice import decode_drafts, prefill_drafts
 from kvjax.draft_policy import policy_from
 from kvjax.engine_config import EngineConfig
+from kvjax.engine_dispatch import dispatch
 from kvjax.engine_generate import EngineGenerate
 from kvjax.engine_stats import EngineStats
 from kvjax.engine_warm_up import EngineWarmUp
@@ -64,10 +65,9 @@ from kvjax.prefix_cache import PrefixCache
 from kvjax.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.scheduler import Scheduler
 from kvjax.state_snapshots import SnapshotPool
-from kvjax.serve_steps import (EngineState, clear_pages, copy_pages, num_compiled, serve_burst,
-                               serve_step)
+from kvjax.serve_steps import EngineState, clear_pages, copy_pages, num_compiled
 from kvjax.validation import (check_arrival, check_cache_salt, check_int, check_request_id,
-                              sampling_options, stop_ids)
+                              prompt_ids, sampling_options, stop_ids)
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
@@ -175,7 +175,7 @@ class Engine(EngineWarmUp, EngineGenerate):
                    constraint=None, **extensions) -> str:
     request_id = str(next(self._ids))
     try:  # every argument checked before anything is queued
-      ids = self._prompt_ids(prompt)
+      ids = prompt_ids(prompt, self.model_config.vocab_size)
       max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
       sampling = sampling_options(self.model_config.vocab_size, temperature=temperature,
                                   top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs,
@@ -204,22 +204,6 @@ class Engine(EngineWarmUp, EngineGenerate):
     arrival = now if arrival_s is None else min(arrival_s, now)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
     return request_id
-
-  def _prompt_ids(self, prompt) -> np.ndarray:
-    """prompt as a 1-D int array of ids inside the vocabulary; ValueError naming it."""
-    vocab = self.model_config.vocab_size
-    try:
-      ids = np.asarray(prompt)
-    except (ValueError, TypeError, OverflowError) as error:  # ragged or odd sequences
-      raise ValueError(f"prompt must be a non-empty 1-D list of int token ids: {error}") \
-          from None
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f"prompt must be a non-empty 1-D list of int token ids, got shape "
-                       f"{ids.shape} dtype {ids.dtype}")
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.size:
-      raise ValueError(f"prompt token id {int(bad[0])} outside [0, vocab_size={vocab})")
-    return ids
 
   def abort(self, request_id: str) -> bool:
     """Finish a waiting or running request now; its pages are freed.  False: no such
@@ -399,29 +383,11 @@ class Engine(EngineWarmUp, EngineGenerate):
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
            score_prompt: bool = False):
-    """Dispatch serve_step (token mask [rows, J+1, Vb], or None: all ones), or serve_burst
-    when burst = (left [B], stop ids [B, E], steps) -> (Emitted [U, B, ...], drafted [U, B],
-    steps run); logprobs: a row asks for them (else the Emitted leaves them out: no host
-    copy).  score_prompt: a prefill row is owed prompt logprobs (serve_step's program that
-    scores its columns; a burst runs decode rows only)."""
-    draft = self.draft_model  # an n-gram engine's J = 0 programs are the plain engine's
-    static = dict(config=self.model_config, draft_config=draft and draft.config,
-                  backend=self.config.backend, num_draft=num_draft,
-                  host_drafts=bool(self.ngram and num_draft))
-    want_logprobs = np.bool_(logprobs)  # traced: one program serves both
-    if burst is None:
-      mask = ConstraintBook.step_mask(mask, batch.tokens.shape[0], num_draft + 1,
-                                      self.model_config.vocab_size)  # one program either way
-      self.state, emitted = serve_step(
-          self.model.params, draft and draft.params, self.state, batch, token_mask=mask,
-          want_logprobs=want_logprobs, score_prompt=score_prompt, **static)
-      emitted, drafted, steps = jax.tree.map(lambda x: x[None], emitted), batch.num_draft[None], 1
-    else:
-      left, stop_ids, num_steps = burst
-      self.state, emitted, drafted, steps = serve_burst(
-          self.model.params, draft and draft.params, self.state, batch, left, stop_ids,
-          np.int32(num_steps), want_logprobs, max_steps=self.scheduler.num_scheduler_steps,
-          **static)
-    if not logprobs:
-      emitted = emitted.replace(logprobs=None, top_ids=None, top_logprobs=None)
+    """One row group's program on this engine's state (kvjax/engine_dispatch.py)
+    -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
+    self.state, emitted, drafted, steps = dispatch(
+        self.model, self.draft_model, self.state, batch, backend=self.config.backend,
+        num_draft=num_draft, host_drafts=bool(self.ngram and num_draft),
+        max_steps=self.scheduler.num_scheduler_steps, logprobs=logprobs, burst=burst,
+        mask=mask, score_prompt=score_prompt)
     return emitted, drafted, steps

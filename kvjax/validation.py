@@ -13,8 +13,8 @@ import numpy as np
 from kvjax.requests import SamplingOptions
 from kvjax.sampling import MAX_LOGPROBS
 
-__all__ = ["check_int", "sampling_options", "stop_ids", "per_prompt_seeds", "SEED_RANGE",
-           "EXTENSIONS", "check_arrival", "check_cache_salt", "check_request_id"]
+__all__ = ["prompt_ids", "check_int", "sampling_options", "stop_ids", "per_prompt_seeds",
+           "SEED_RANGE", "EXTENSIONS", "check_arrival", "check_cache_salt", "check_request_id"]
 
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
 # vLLM's request extensions sampling_options takes (kvjax/requests.py SamplingOptions).
@@ -24,6 +24,22 @@ EXTENSIONS = ("ignore_eos", "min_tokens", "repetition_penalty", "presence_penalt
 # logit a model writes (far below 1e30); vLLM allows any positive value.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def prompt_ids(prompt, vocab_size: int) -> np.ndarray:
+  """prompt as a 1-D int array of ids inside the vocabulary; ValueError naming it."""
+  try:
+    ids = np.asarray(prompt)
+  except (ValueError, TypeError, OverflowError) as error:  # ragged or odd sequences
+    raise ValueError(f"prompt must be a non-empty 1-D list of int token ids: {error}") \
+        from None
+  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"prompt must be a non-empty 1-D list of int token ids, got shape "
+                     f"{ids.shape} dtype {ids.dtype}")
+  bad = ids[(ids < 0) | (ids >= vocab_size)]
+  if bad.size:
+    raise ValueError(f"prompt token id {int(bad[0])} outside [0, vocab_size={vocab_size})")
+  return ids
 
 
 def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:

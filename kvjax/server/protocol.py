@@ -4,12 +4,10 @@ Every check runs before anything reaches the engine, and every error names
 the request field (`param`) it is about, as OpenAI's error JSON does:
   {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
 Sampling fields go through kvjax/validation.py, the Engine's own checks.
-Text fields (prompt strings, chat roles and content, stop strings) must be
-encodable UTF-8 (no lone surrogates such as "\\ud800", which JSON can spell)
-and hold no NUL character (the NUL policy: tokenizers and templates treat it
-as a terminator or drop it, so a prompt with one would not mean what it
-says).  A body is bounded before it is parsed (kvjax/server/request_body.py) and
-errors are OpenAIError (kvjax/server/openai_error.py), both re-exported here.
+Prompts and chat messages become checked token ids in kvjax/server/prompts.py (text:
+UTF-8 without NUL; lengths before tokenizing); a body is bounded before it is parsed
+(kvjax/server/request_body.py); errors are OpenAIError (kvjax/server/openai_error.py).
+Limits and those modules' bounds are re-exported here.
 Defaults are OpenAI's: temperature 1, max_tokens 16 for completions and "up to
 max_model_len" for chat.  Choice j of every prompt samples with seed + j (a
 random seed when none is given), so n > 1 choices differ and a seeded request
@@ -33,43 +31,31 @@ clients' extra_body and vLLM do; a field they define that kvjax cannot honour
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 import secrets
 from typing import Optional
 
 from kvjax.constraints import Constraint
 from kvjax.server.openai_error import OpenAIError
+from kvjax.server.prompts import (MAX_CHARS_PER_TOKEN, Limits, check_text_fits, checked,
+                                  checked_text, chat_message, cut_after_final_message,
+                                  prompt_ids, prompt_items, token_ids, truncation)
 from kvjax.server.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, parse_json
 from kvjax.server.structured import parse_constraint
-from kvjax.server.tools import ToolUse, parse_tools, tool_message_fields
+from kvjax.server.tools import ToolUse, parse_tools
 from kvjax.validation import EXTENSIONS, SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
-           "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH"]
+           "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
+           "MAX_CHARS_PER_TOKEN"]
 
 MAX_N = 128
-# Characters one token covers at most, on average over a prompt: generous (English text
-# averages about 4; the longest tokens of common vocabularies, runs of spaces or symbols,
-# are 16 to 128).  A text prompt longer than max_model_len of them cannot fit, so it gets
-# its 400 before it is tokenized (a 10 MB prompt took 38 s to tokenize and check).
-MAX_CHARS_PER_TOKEN = 128
 # Fields kvjax cannot honour yet: a request that sets one gets a 400 naming it.
 _UNSUPPORTED = ("suffix", "use_beam_search", "allowed_token_ids", "bad_words",
                 "functions", "function_call",  # these two: use tools
                 "chat_template")
 # stream_options' flags (OpenAI's include_usage, vLLM's continuous_usage_stats).
 _STREAM_FLAGS = ("include_usage", "continuous_usage_stats")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-  """What a request is checked against: the served name and the engine's bounds."""
-
-  model_name: str
-  vocab_size: int
-  max_model_len: int
-  max_choices: Optional[int] = None  # choices (prompts x n) one request may ask for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +109,12 @@ def parse_completion(body: dict, limits: Limits, tokenizer) -> GenerationRequest
   for name in ("tools", "tool_choice"):
     if body.get(name) is not None:
       raise OpenAIError(f"{name} needs /v1/chat/completions", name)
-  items = _prompt_items(body["prompt"])
+  items = prompt_items(body["prompt"])
   if limits.max_choices is not None and len(items) > limits.max_choices:
     raise OpenAIError(f"{len(items)} prompts; this server takes at most "
                       f"{limits.max_choices} sequences per request", "prompt")
-  keep = _truncation(body)
-  prompts = [_prompt_item(p, limits, tokenizer, keep) for p in items]
+  keep = truncation(body)
+  prompts = [prompt_ids(p, limits, tokenizer, keep) for p in items]
   return _request(body, limits, prompts, chat=False, param="prompt")
 
 
@@ -144,14 +130,14 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
   if tokenizer.chat_template is None:  # vLLM's answer too: a 400, the template is required
     raise OpenAIError("this model has no chat template (a base model), so it cannot render "
                       "messages: use /v1/completions with a prompt", "messages")
-  rendered = [_message(i, m) for i, m in enumerate(messages)]
-  _check_text_fits(sum(len(m["content"]) for m in rendered), limits, "messages")
+  rendered = [chat_message(i, m) for i, m in enumerate(messages)]
+  check_text_fits(sum(len(m["content"]) for m in rendered), limits, "messages")
   continued = _flag(body, "continue_final_message", False)
   generation_prompt = _flag(body, "add_generation_prompt", not continued)
   if continued and generation_prompt:
     raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
                       "continue_final_message")
-  keep = _truncation(body)
+  keep = truncation(body)
   tool_use = parse_tools(body, OpenAIError, tokenizer.tool_format)
   try:
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt=generation_prompt,
@@ -159,9 +145,9 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
   except Exception as error:  # the template is the checkpoint's data: its refusal is a 400
     raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
   if continued:
-    text = _cut_after_final_message(text, rendered[-1]["content"])
+    text = cut_after_final_message(text, rendered[-1]["content"])
   # Templates write their own BOS text (kvjax/tokenizer.py): no special tokens added.
-  ids = _token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages", keep)
+  ids = token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages", keep)
   return _request(body, limits, [ids], chat=True, param="messages", tool_use=tool_use)
 
 
@@ -174,121 +160,6 @@ def engine_error_param(message: str) -> Optional[str]:
     if words in message:
       return param
   return None
-
-
-def _checked(param: str, check, *args, **kwargs):
-  """check(*args, **kwargs), its ValueError as an OpenAIError naming `param`."""
-  try:
-    return check(*args, **kwargs)
-  except ValueError as error:
-    raise OpenAIError(str(error), param) from None
-
-
-def _text(value: str, param: str, what: str) -> str:
-  """`value` if it is UTF-8-encodable text without NUL; else a 400 naming `param`."""
-  try:
-    value.encode("utf-8")
-  except UnicodeEncodeError as error:
-    raise OpenAIError(f"{what} is not valid Unicode: lone surrogate "
-                      f"{ascii(value[error.start])} at character {error.start}", param) from None
-  if "\0" in value:
-    raise OpenAIError(f"{what} holds a NUL character (at character {value.index(chr(0))}); "
-                      "NUL is not allowed in text", param)
-  return value
-
-
-def _is_token_id(value) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _prompt_items(prompt) -> list:
-  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                 and all(map(_is_token_id, prompt))):
-    return [prompt]
-  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-    return prompt
-  raise OpenAIError("prompt must be a string, a list of token ids, or a non-empty list of "
-                    f"strings or token id lists, got {prompt!r:.200}", "prompt")
-
-
-def _truncation(body: dict) -> Optional[int]:
-  """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (None: all)."""
-  keep = body.get("truncate_prompt_tokens")
-  return None if keep is None else _checked("truncate_prompt_tokens", check_int,
-                                            "truncate_prompt_tokens", keep, 1)
-
-
-def _cut_after_final_message(text: str, final: str) -> str:
-  """The rendered chat up to the end of the last message's content (stripped), so the
-  reply continues it: transformers' and vLLM's continue_final_message."""
-  final = final.strip()
-  if final not in text:
-    raise OpenAIError("continue_final_message: the chat template does not write the last "
-                      "message's content", "continue_final_message")
-  return text[:text.rindex(final) + len(final)]
-
-
-def _prompt_item(item, limits: Limits, tokenizer, keep: Optional[int]) -> list[int]:
-  if isinstance(item, str):
-    if tokenizer is None:
-      raise OpenAIError("this model has no tokenizer: send the prompt as token ids", "prompt")
-    _check_text_fits(len(item), limits, "prompt")
-    text = _text(item, "prompt", "the prompt")
-    item = tokenizer.encode(text, add_special_tokens=True)  # BOS where the tokenizer has one
-  return _token_ids(item, limits, "prompt", keep)
-
-
-def _check_text_fits(chars: int, limits: Limits, param: str) -> None:
-  """400 for a text of `chars` characters that max_model_len tokens cannot hold (decided
-  before it is tokenized; MAX_CHARS_PER_TOKEN)."""
-  bound = (limits.max_model_len - 1) * MAX_CHARS_PER_TOKEN
-  if chars > bound:
-    raise OpenAIError(f"the {param} is {chars} characters; a prompt shorter than "
-                      f"max_model_len {limits.max_model_len} tokens holds at most {bound} "
-                      f"({MAX_CHARS_PER_TOKEN} characters per token)", param)
-
-
-def _check_fits(num_tokens: int, limits: Limits, param: str) -> None:
-  """400 for a prompt that leaves no room for a token within max_model_len."""
-  if num_tokens >= limits.max_model_len:
-    raise OpenAIError(f"the prompt is {num_tokens} tokens but max_model_len is "
-                      f"{limits.max_model_len}", param)
-
-
-def _token_ids(ids, limits: Limits, param: str, keep: Optional[int] = None) -> list[int]:
-  """A non-empty list of ids in the model's vocabulary (a tokenizer's may be larger), its
-  last `keep` ones when given, short enough for max_model_len (its length checked before
-  its ids)."""
-  if not ids:
-    raise OpenAIError(f"the {param} must not be empty", param)
-  ids = ids if keep is None else ids[-keep:]
-  _check_fits(len(ids), limits, param)
-  return [_checked(param, check_int, f"{param} token id", t, 0, limits.vocab_size)
-          for t in ids]
-
-
-def _message(index: int, message) -> dict:
-  """{'role', 'content'} of one chat message (list content: its text parts joined), with
-  its tool fields (server/tools.py); an assistant's content may be null when it calls."""
-  where = f"messages[{index}]"
-  if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-    raise OpenAIError(f"{where} must be an object with a string role, got {message!r:.200}",
-                      "messages")
-  content = message.get("content")
-  if isinstance(content, list):
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-               for p in content):
-      raise OpenAIError(f"{where}.content parts must be {{'type': 'text', 'text': str}}",
-                        "messages")
-    content = "".join(p["text"] for p in content)
-  if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
-    content = ""
-  if not isinstance(content, str):
-    raise OpenAIError(f"{where}.content must be a string or a list of text parts, got "
-                      f"{content!r:.200}", "messages")
-  return {"role": _text(message["role"], "messages", f"{where}.role"),
-          "content": _text(content, "messages", f"{where}.content"),
-          **tool_message_fields(where, message, OpenAIError)}
 
 
 def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: str,
@@ -319,14 +190,14 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       lengths.append(limits.max_model_len - len(ids) if chat else 16)
       continue
     # 0 (the prompt alone) only where the prompt comes back.
-    lengths.append(_checked(length_param, check_int, length_param, max_tokens,
+    lengths.append(checked(length_param, check_int, length_param, max_tokens,
                             0 if echo else 1))
     if len(ids) + lengths[-1] > limits.max_model_len:
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
-  n = 1 if body.get("n") is None else _checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
+  n = 1 if body.get("n") is None else checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
   best_of = body.get("best_of")  # vLLM: best_of == n samples n and returns them all
-  if best_of is not None and _checked("best_of", check_int, "best_of", best_of, 1) != n:
+  if best_of is not None and checked("best_of", check_int, "best_of", best_of, 1) != n:
     raise OpenAIError(f"best_of must equal n ({n}): kvjax does not rank extra choices, got "
                       f"{best_of!r}", "best_of")
   if limits.max_choices is not None and n * len(prompts) > limits.max_choices:
@@ -337,7 +208,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   if seed is None:
     seeds = [secrets.randbelow(SEED_RANGE[1]) for _ in range(n)]
   else:
-    seed = _checked("seed", check_int, "seed", seed, *SEED_RANGE)
+    seed = checked("seed", check_int, "seed", seed, *SEED_RANGE)
     seeds = [(seed + j) % SEED_RANGE[1] for j in range(n)]
   temperature = body.get("temperature", 1.0)
   temperature = 1.0 if temperature is None else temperature
@@ -354,7 +225,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       message, param = logprobs_param + message[len(param):], logprobs_param
     raise OpenAIError(message, param) from None
   strings, ids = _stops(body.get("stop"), limits)
-  ids += _checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
+  ids += checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
   stream = body.get("stream", False)
   if not isinstance(stream, bool) and stream is not None:
     raise OpenAIError(f"stream must be a boolean, got {stream!r}", "stream")
@@ -431,9 +302,9 @@ def _stops(stop, limits: Limits) -> tuple[tuple, tuple]:
   if not isinstance(items, list):
     raise OpenAIError(f"stop must be a string or a list of strings and token ids, got "
                       f"{stop!r:.200}", "stop")
-  strings = tuple(_text(s, "stop", "a stop string") for s in items if isinstance(s, str))
+  strings = tuple(checked_text(s, "stop", "a stop string") for s in items if isinstance(s, str))
   if "" in strings:
     raise OpenAIError("stop strings must not be empty", "stop")
-  ids = _checked("stop", stop_ids, [s for s in items if not isinstance(s, str)],
+  ids = checked("stop", stop_ids, [s for s in items if not isinstance(s, str)],
                  limits.vocab_size)
   return strings, ids
