@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+import urllib.request
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 
@@ -205,6 +206,24 @@ def write_results(out_dir: str, name: str, results, *,
     plot(stem + ".png")
     print(f"wrote {stem}.json and {stem}.png")
   return stem
+
+
+def wait_healthy(url: str, proc, timeout_s: float, what: str) -> None:
+  """Poll `url`/health until it answers 200; RuntimeError naming `what` when the process
+  (a subprocess.Popen) exits first or timeout_s passes."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    if proc.poll() is not None:
+      raise RuntimeError(f"{what} exited with {proc.returncode}")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+        if answer.status == 200:
+          return
+    except OSError:
+      pass
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"{what} not healthy after {timeout_s} s")
+    time.sleep(0.5)
 
 
 # -- plots ----------------------------------------------------------------------

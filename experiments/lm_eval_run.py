@@ -26,8 +26,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from experiments import common
 
 TASKS = """\
 task: kvjax_tiny_choice
@@ -104,21 +104,6 @@ def model_args(name: str, root: str, tokenizer: str) -> str:
           "num_concurrent=1")
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
-    if server.poll() is not None:
-      raise RuntimeError(f"kvjax serve exited with {server.returncode}")
-    try:
-      with urllib.request.urlopen(url + "/health", timeout=5) as answer:
-        if answer.status == 200:
-          return
-    except OSError:
-      pass
-    time.sleep(1)
-  raise TimeoutError(f"kvjax serve not healthy after {timeout_s} s")
-
-
 def _lm_eval_loglikelihoods(out_dir: str) -> list[list[float]]:
   """Per question (doc_id order), lm-eval's loglikelihood of each choice."""
   [path] = glob.glob(os.path.join(out_dir, "**", "samples_kvjax_tiny_choice_*.jsonl"),
@@ -158,7 +143,7 @@ def main() -> int:
                              args.checkpoint, "--port", str(args.port), "--served-model-name",
                              name, "--max-model-len", "512", "--warm-up", "minimal"])
   try:
-    _wait_healthy(root, server, 600)
+    common.wait_healthy(root, server, 600, "kvjax serve")
     command = [lm_eval, "--model", "local-completions", "--model_args",
                model_args(name, root, tokenizer),
                "--tasks", "kvjax_tiny_choice,kvjax_tiny_gen", "--include_path", tasks,

@@ -34,7 +34,6 @@ import os
 import socket
 import subprocess
 import time
-import urllib.request
 
 from absl import app
 from ml_collections import config_flags
@@ -214,20 +213,9 @@ def _free_port() -> int:
 def _llama_server(argv: list, port: int, timeout_s: float = 300.0):
   """A running llama-server -> its URL; stopped on exit."""
   proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+  url = f"http://127.0.0.1:{port}"
   try:
-    while True:
-      if proc.poll() is not None:
-        raise RuntimeError(f"llama-server exited ({proc.returncode}): {' '.join(argv)}")
-      try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as response:
-          if response.status == 200:
-            break
-      except OSError:
-        pass
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"llama-server not healthy after {timeout_s} s: {' '.join(argv)}")
-      time.sleep(0.5)
+    common.wait_healthy(url, proc, timeout_s, f"llama-server ({' '.join(argv)})")
     yield url
   finally:
     proc.terminate()
