@@ -75,7 +75,7 @@ class ConstraintBook:
     if not isinstance(constraint, Constraint):
       raise ValueError(f"constraint must be a kvjax.constraints.Constraint, got "
                        f"{type(constraint).__name__}")
-    return llguidance.LLMatcher(self.vocabulary, constraint.check(self.vocabulary), log_level=0)
+    return constraint.matcher(self.vocabulary)
 
   def attach(self, request_id: str, matcher: Optional[llguidance.LLMatcher]) -> None:
     """The request's matcher from `compile` (None: an unconstrained request)."""

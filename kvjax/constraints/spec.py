@@ -87,10 +87,21 @@ class Constraint:
       is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
       if is_error:
         raise ValueError(f"{self.kind} constraint: {messages[0].strip()}")
-    problem = _first_step_problem(grammar, vocabulary)
+    self._checked_matcher(grammar, vocabulary)
+    return grammar
+
+  def matcher(self, vocabulary: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    """A fresh matcher of this constraint over the model's `vocabulary`, checked as
+    `check` checks it (the matcher the check compiled: a grammar compiles once)."""
+    return self._checked_matcher(self.grammar(), vocabulary)
+
+  def _checked_matcher(self, grammar: str, vocabulary: Optional[llguidance.LLTokenizer]
+                       ) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(vocabulary or _byte_vocabulary(), grammar, log_level=0)
+    problem = _first_step_problem(matcher, vocabulary)
     if problem is not None:
       raise ValueError(f"{self.kind} constraint: {problem}")
-    return grammar
+    return matcher
 
 
 class _Bytes:
@@ -110,12 +121,11 @@ def _byte_vocabulary() -> llguidance.LLTokenizer:
   return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
-def _first_step_problem(grammar: str, vocabulary: Optional[llguidance.LLTokenizer]
-                        ) -> Optional[str]:
-  """Why `grammar` cannot constrain an output over `vocabulary` (None: bytes): it does not
-  compile, accepts nothing, or only the empty output; or None."""
-  tokens = vocabulary or _byte_vocabulary()
-  matcher = llguidance.LLMatcher(tokens, grammar, log_level=0)
+def _first_step_problem(matcher: llguidance.LLMatcher,
+                        vocabulary: Optional[llguidance.LLTokenizer]) -> Optional[str]:
+  """Why a fresh `matcher` over `vocabulary` (None: bytes) cannot constrain an output: its
+  grammar does not compile, accepts nothing, or only the empty output; or None.  Computing
+  the first mask consumes no token: the matcher stays at its start."""
   if matcher.is_error():  # it does not compile
     if vocabulary is None:  # it names token ids only the model's vocabulary has
       return None
@@ -123,11 +133,13 @@ def _first_step_problem(grammar: str, vocabulary: Optional[llguidance.LLTokenize
   allowed = np.frombuffer(matcher.compute_bitmask(), np.uint32).copy()  # bit t%32 of word t//32
   if matcher.is_error():  # e.g. a rule that only refers to itself
     return f"the grammar accepts no output ({error_summary(matcher)})"
-  for eos in tokens.eos_tokens:
+  for eos in (vocabulary or _byte_vocabulary()).eos_tokens:
     allowed[eos // 32] &= ~np.uint32(1 << (eos % 32))
   if not allowed.any():
     return "the grammar accepts only the empty output"
   return None
+
+
 def error_summary(matcher: llguidance.LLMatcher) -> str:
   """The first line of a failed matcher's error (the rest dumps its parser state)."""
   return matcher.get_error().strip().split("\n", 1)[0]
