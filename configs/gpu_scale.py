@@ -58,7 +58,7 @@ def get_config(arg=None):
   config.invariance_batch = 64
   config.invariance_prompt_len = 256  # row width; the others' lengths vary in [1, it]
   config.invariance_backends = ("reference", "pallas")
-  # engine: vLLM-style random workloads (kvjax/bench_workloads.py), lengths +-range_ratio,
+  # engine: vLLM-style random workloads (kvjax/server/bench/workloads.py), lengths +-range_ratio,
   # (input_len, output_len, concurrency) in order; num_requests = max_num_seqs = concurrency.
   # Each runs twice (warm-up, then timed); H200 estimates: 1000/1000@256 ~65 s,
   # @64 ~45 s, 128/2048@256 ~90 s, @64 ~85 s: the last is skipped if the budget is short.

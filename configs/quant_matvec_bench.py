@@ -15,7 +15,7 @@ def get_config(arg=None):
   # fill this many bytes, so every variant reads its weights from DRAM, not the caches
   # (a decode step reads 538 MB of float32 weights; the host's L3 is 32 MiB).
   config.cold_bytes = 256_000_000
-  config.option_sets = ("decode", "prefill")  # kvjax/xla_options.py's compiler options
+  config.option_sets = ("decode", "prefill")  # kvjax/runtime/xla_options.py's compiler options
   config.repeats = 5  # interleaved rounds after one untimed call each
   config.out_dir = "results"
   config.name = "quant_matvec_bench"

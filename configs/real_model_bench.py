@@ -7,7 +7,7 @@ Q4_1, the same GGUF file and chat prompts for every engine.
     HF transformers on the file dequantized (float32, torch threads hf_threads) and
     llama.cpp through llama-cpp-python (n_threads 1 and 2, the faster counts);
 (b) output tokens/s at each concurrency: kvjax's HTTP server against llama-server
-    with as many slots, the same streaming client (kvjax/bench_client.py), a fixed
+    with as many slots, the same streaming client (kvjax/server/bench/client.py), a fixed
     max_tokens and EOS ignored by both.
 The peers come from `bash experiments/install_cpu_peers.sh PEERS_DIR`; a peer that is
 not there is skipped (the run says the install command).

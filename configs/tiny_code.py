@@ -31,7 +31,7 @@ import ml_collections
 
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
-  config.preset = "tiny-code"  # kvjax.presets.PRESETS entry
+  config.preset = "tiny-code"  # kvjax.model.presets.PRESETS entry
   config.model_overrides = ml_collections.ConfigDict()  # ModelConfig fields to replace
   config.seed = 0
 

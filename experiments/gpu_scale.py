@@ -32,13 +32,16 @@ import numpy as np
 from experiments import common
 from experiments.hf_peer import hf_generate, to_hf_on_device
 import kvjax
-from kvjax import bench_workloads, cli_bench, ledger, steps
 from kvjax.caches import create_paged_cache
-from kvjax.config import DTYPE_SHORT_NAMES
-from kvjax.presets import get_preset
-from kvjax.generation import next_pow2
-from kvjax.params import init_params
-from kvjax.step_batch import make_step_batch
+from kvjax.cli import bench as cli_bench
+from kvjax.model.config import DTYPE_SHORT_NAMES
+from kvjax.model.params import init_params
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
+from kvjax.runtime import steps
+from kvjax.runtime.generation import next_pow2
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.server.bench import workloads as bench_workloads
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
 
 

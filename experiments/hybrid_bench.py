@@ -1,11 +1,11 @@
 """Hybrid linear-attention models (issue 15): prefix hits at 16-token pages (C8), chunked
 vs recurrent prefill, and what the state snapshots cost (C4).
 
-(1) Multi-turn chats (kvjax/cli_bench.py) on a tiny random-init hybrid of
+(1) Multi-turn chats (kvjax/cli/bench.py) on a tiny random-init hybrid of
     Qwen3.5's layout ((3 Gated DeltaNet + 1 full attention) x groups) through
     warm Engines, greedy:
       pages_16   16-token pages, the recurrent state snapshotted at every page
-                 boundary (kvjax/state_snapshots.py; the default),
+                 boundary (kvjax/engine/sched/state_snapshots.py; the default),
       grown      the seed's / vLLM's hybrid allocator: pages grown until one
                  page's KV is as big as one request's state (the smallest power
                  of two >= state bytes / KV bytes per token), a state per page,
@@ -19,7 +19,7 @@ vs recurrent prefill, and what the state snapshots cost (C4).
     against delta_rule_step scanned over T, both jitted, compile excluded;
     outputs must agree within prefill_tolerance.
 (3) qwen3.5-9b's per-snapshot bytes in the engine's allocated pool
-    (kvjax/cli_memory.py) and what the default bound costs.
+    (kvjax/cli/memory.py) and what the default bound costs.
 Timed variants run once untimed (compiles), then in turn `repeats` times
 (common.interleaved); the median is reported, so load from other processes hits
 every variant alike.  Prints claim id, seed value and ours; writes
@@ -38,13 +38,16 @@ import numpy as np
 
 import kvjax
 from experiments import common
-from kvjax import bench_workloads, cli_bench, cli_memory, ledger
 from kvjax.attention.gated_delta import delta_rule_chunked, delta_rule_step
-from kvjax.presets import get_preset
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.generation import next_pow2
-from kvjax.params import init_params
+from kvjax.cli import bench as cli_bench
+from kvjax.cli import memory as cli_memory
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.model.params import init_params
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
+from kvjax.runtime.generation import next_pow2
+from kvjax.server.bench import workloads as bench_workloads
 
 _PROBE_TAIL = 8  # prompt tokens after a probe's shared prefix, different per request
 

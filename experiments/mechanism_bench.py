@@ -33,15 +33,16 @@ import numpy as np
 import kvjax
 from experiments import common
 from experiments import mechanism_counts as counts
-from kvjax import ledger, steps
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.caches import create_paged_cache
-from kvjax.presets import get_preset
-from kvjax.engine import Engine
-from kvjax.generation import next_pow2
-from kvjax.model import Attend, decoder, lm_logits
-from kvjax.sampling import SamplingParams, sample
-from kvjax.step_batch import make_step_batch
+from kvjax.engine.engine import Engine
+from kvjax.model.decoder import Attend, decoder, lm_logits
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
+from kvjax.runtime import steps
+from kvjax.runtime.generation import next_pow2
+from kvjax.runtime.sampling import SamplingParams, sample
+from kvjax.runtime.step_batch import make_step_batch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/mechanism_bench.py", "experiment config", lock_config=True)

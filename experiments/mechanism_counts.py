@@ -20,11 +20,11 @@ from typing import Optional
 
 import numpy as np
 
-from kvjax import ledger
-from kvjax.config import ModelConfig
-from kvjax.presets import get_preset
-from kvjax.pages import BlockAllocator
-from kvjax.scheduler import Scheduler
+from kvjax.engine.sched.pages import BlockAllocator
+from kvjax.engine.sched.scheduler import Scheduler
+from kvjax.model.config import ModelConfig
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
 
 __all__ = ["score_entries", "kv_pairs", "matmul_params", "step_cost", "lognormal_workload",
            "simulate_pool", "FirstFitPool", "fragmentation_trace", "deepseek_v3_like",

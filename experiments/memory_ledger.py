@@ -2,7 +2,7 @@
 
 Prints one row per seed figure (claim, what, seed value, ours, unit, match),
 writes results/<name>.json and a PNG of one request's KV GiB against context.
-Units follow kvjax.ledger: binary throughout, a seed's "GB" of cache or card
+Units follow kvjax.parallel.ledger: binary throughout, a seed's "GB" of cache or card
 read as GiB; the seeds' weight sizes are nominal (name-size x bytes per
 parameter, in the unit the seed wrote), shown next to the size counted from the
 config.  Match: ours rounded to the seed's decimals equals the seed (fractions
@@ -17,9 +17,9 @@ from absl import app
 from ml_collections import config_flags
 
 from experiments import common
-from kvjax import ledger
-from kvjax.presets import get_preset
-from kvjax.ledger import GIB, KIB
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
+from kvjax.parallel.ledger import GIB, KIB
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/memory_ledger.py", "experiment config", lock_config=True)

@@ -6,7 +6,7 @@ same active parameters on the CPU (goal: <= 1.3x), bytes per step from the HLO.
     k x Fe: the same active parameters, less the router); time per output token,
     median of interleaved rounds (common.interleaved), compile excluded.
 (2) bytes: XLA's "bytes accessed" of one compiled batch-1 forward step of each,
-    against the ledger's active and total parameter bytes (kvjax/ledger.py).
+    against the ledger's active and total parameter bytes (kvjax/parallel/ledger.py).
 (3) one MoE layer's experts at batch 1: the switched path (reads the k chosen
     experts) vs the grouped path (sorted ragged_dot over all Ne; XLA:CPU runs
     it as a masked dense dot: the dense fallback, ~Ne / k x the work).
@@ -22,11 +22,11 @@ import numpy as np
 
 import kvjax
 from experiments import common
-from kvjax import ledger
-from kvjax.model import forward
+from kvjax.model.decoder import forward
+from kvjax.model.params import init_params
 from kvjax.moe.grouped import grouped_experts, switched_experts
 from kvjax.moe.routing import route
-from kvjax.params import init_params
+from kvjax.parallel import ledger
 
 
 def models(c) -> dict:

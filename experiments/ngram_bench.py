@@ -4,7 +4,7 @@ Warm Engines on the real model (float32 weights), greedy, chat prompts rendered
 by the model's own chat template:
   plain        speculative=None,
   ngram_k      speculative="ngram", num_draft=K (configs: 4), ngram_n 3,
-  ngram_auto   speculative="ngram", num_draft="auto" (kvjax/draft_policy.py),
+  ngram_auto   speculative="ngram", num_draft="auto" (kvjax/engine/sched/draft_policy.py),
 at batch 1 and 4 (max_num_seqs = batch), on two workloads:
   repeat   "Repeat the following text exactly: <paragraph>" (the answer copies
            the prompt: prompt lookup should pay),

@@ -23,14 +23,14 @@ import numpy as np
 
 from experiments import common
 import kvjax
+from kvjax.caches import create_paged_cache
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import init_params
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.steps import verify
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import code_corpus
 from kvjax.training import corpus as corpus_lib
-from kvjax.caches import create_paged_cache
-from kvjax.config import ModelConfig
-from kvjax.params import init_params
-from kvjax.step_batch import make_step_batch
-from kvjax.steps import verify
-from kvjax.tokenizer import ByteTokenizer
 from kvjax.training.train import bits_per_byte
 from kvjax.weights.quantize import decode_step_weight_bytes, quantize_params
 

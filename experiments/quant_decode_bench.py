@@ -24,19 +24,19 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import generation
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches import create_paged_cache
 from kvjax.quant import qmatmul
-from kvjax.sampling import SamplingParams
-from kvjax.step_batch import make_step_batch
+from kvjax.runtime import generation
+from kvjax.runtime.sampling import SamplingParams
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.xla_options import step_compiler_options
 from kvjax.weights.quantize import decode_step_weight_bytes
-from kvjax.xla_options import step_compiler_options
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/quant_decode_bench.py", "experiment config", lock_config=True)
 
-# kvjax/xla_options.py's decode options on main before the memory-optimized scheduler.
+# kvjax/runtime/xla_options.py's decode options on main before the memory-optimized scheduler.
 _MAIN_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                         "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 

@@ -3,7 +3,7 @@
 At SmolLM2-135M's shapes (w_up 576x1536, w_down 1536x576, the tied head 576x49152)
 and B in {1, 8, 32} (32: qmatmul.MAX_ROWS, the widest decode / verify input it
 takes), jitted variants side by side, each compiled with kvjax's decode
-and prefill compiler options (kvjax/xla_options.py):
+and prefill compiler options (kvjax/runtime/xla_options.py):
   float32          the float32 dot (the baseline; 4 B a weight)
   dequant-*        QuantizedWeight.dequantize then the dot: kvjax's path before qmatmul
   s8s8-int8        the activation row quantized to int8 (one scale a row), an
@@ -32,7 +32,7 @@ import numpy as np
 from experiments import common
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import quantize_weight
-from kvjax.xla_options import step_compiler_options
+from kvjax.runtime.xla_options import step_compiler_options
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/quant_matvec_bench.py", "experiment config", lock_config=True)

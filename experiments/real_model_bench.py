@@ -16,7 +16,7 @@ same token ids, on the same machine, in interleaved rounds (experiments/common.p
     one per serve weight dtype, max_num_seqs = the largest concurrency) against
     llama-server with as many slots (-np, -c slots x context, --threads), one wave of
     requests_per_slot x concurrency requests of max_tokens each, streamed through the
-    same client (kvjax/bench_client.py) in a child process; output tokens/s.  EOS is
+    same client (kvjax/server/bench/client.py) in a child process; output tokens/s.  EOS is
     ignored by both (llama-server --ignore-eos; kvjax serves the model without stop ids:
     its server has no ignore_eos), so every answer has max_tokens tokens.  A kvjax round
     that compiled a step program runs again (at most max_tries).
@@ -41,10 +41,13 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, bench_workloads, cli_bench, serve_steps
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
+from kvjax.cli import bench as cli_bench
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.runtime import serve_steps
 from kvjax.server import serve_in_thread
+from kvjax.server.bench import client as bench_client
+from kvjax.server.bench import workloads as bench_workloads
 from kvjax.weights.gguf import gguf_path
 
 INSTALL = "bash experiments/install_cpu_peers.sh {peers_dir}"

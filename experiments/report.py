@@ -46,11 +46,11 @@ CLAIMS = {
 
 # Where a claim lives in the code when no results file measures it.
 FEATURES = {
-    "C8": "kvjax/prefix_cache.py (block and token modes), tests/test_prefix_cache.py",
-    "C10": "kvjax/speculative.py, pallas_kernels/spec_verify.py, tests/test_rejection_sample.py",
-    "C16": "sliding windows in kvjax/config.py, page release in kvjax/scheduler.py, "
+    "C8": "kvjax/engine/sched/prefix_cache.py (block and token modes), tests/test_prefix_cache.py",
+    "C10": "kvjax/runtime/speculative.py, pallas_kernels/spec_verify.py, tests/test_rejection_sample.py",
+    "C16": "sliding windows in kvjax/model/config.py, page release in kvjax/engine/sched/scheduler.py, "
            "tests/test_sliding_window.py, tests/test_window_release.py",
-    "C18": "kvjax/metrics.py (TTFT, TPOT, ITL, KV utilization, input-token P95), "
+    "C18": "kvjax/engine/metrics.py (TTFT, TPOT, ITL, KV utilization, input-token P95), "
            "tests/test_metrics.py",
 }
 

@@ -3,7 +3,7 @@
 A server compiles a step program per packed shape.  Before, it compiled one
 per combination of sampling options too (top-k / top-p filtering, logprobs:
 static variants, 464 programs for the default model at its 2,048-token
-context); now one program serves them all (kvjax/serve_steps.py: the filter
+context); now one program serves them all (kvjax/runtime/serve_steps.py: the filter
 and the logprobs run under runtime conds), 116 programs.  This measures what
 the options cost inside that program, where a step pays for them only when a
 row asks: per checkpoint, the decode shape of a full batch and the smallest,

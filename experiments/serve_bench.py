@@ -41,9 +41,10 @@ import numpy as np
 
 from experiments import common, hf_peer
 import kvjax
-from kvjax import bench_workloads, cli_bench
-from kvjax.engine import Engine
-from kvjax.params import count_params
+from kvjax.cli import bench as cli_bench
+from kvjax.engine.engine import Engine
+from kvjax.model.params import count_params
+from kvjax.server.bench import workloads as bench_workloads
 from kvjax.weights.grow import grow
 
 _CONFIG = config_flags.DEFINE_config_file(

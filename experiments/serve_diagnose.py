@@ -2,7 +2,7 @@
 
 Each load pattern gets its own local server (kvjax.server.serve_in_thread on
 the default model, EOS off so every answer has its full length) and is sent
-by kvjax.bench_client; kvjax.diagnose then reads the run (client-side
+by kvjax.server.bench.client; kvjax.server.bench.diagnose then reads the run (client-side
 lengths and latencies, the server's /metrics window and gauge samples) and
 names the kind of slow:
   chat_no_cache  chats of N turns (the whole history each turn), one request
@@ -34,9 +34,11 @@ import numpy as np
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, bench_workloads, diagnose
-from kvjax.engine_config import EngineConfig
+from kvjax.engine.config import EngineConfig
 from kvjax.server import serve_in_thread
+from kvjax.server.bench import client as bench_client
+from kvjax.server.bench import workloads as bench_workloads
+from kvjax.server.bench import diagnose
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/serve_diagnose.py", "experiment config", lock_config=True)

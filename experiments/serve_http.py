@@ -2,8 +2,8 @@
 
 One local server (kvjax.server.serve_in_thread, the default model, EOS off so
 every answer has its full length) gets the same random workload
-(kvjax/cli_bench.py, `input_len` -> `output_len` tokens) from the bench client
-(kvjax/bench_client.py, streamed completions) at each request rate (Poisson
+(kvjax/cli/bench.py, `input_len` -> `output_len` tokens) from the bench client
+(kvjax/server/bench/client.py, streamed completions) at each request rate (Poisson
 arrivals) and at saturation (every request at once).  The same requests also
 run offline through a warm Engine with the same options; at saturation
 `repeats` interleaved rounds of (HTTP, offline) give the overhead ratio
@@ -22,9 +22,9 @@ What it measures is a warm server seen by a client in another process:
     warm_up="full": Engine.warm_up compiles every step program its shapes
     allow before it listens; the JSON has how many and how long), which also
     covers the offline engine (same shapes, one jit cache per process; its
-    own warm-up then only settles its fresh state, kvjax/warm_up.py).  A
+    own warm-up then only settles its fresh state, kvjax/engine/warm_up.py).  A
     round (or sweep point) that still compiled a step program
-    (kvjax.serve_steps.num_compiled) is run again, at most `max_tries` times;
+    (kvjax.runtime.serve_steps.num_compiled) is run again, at most `max_tries` times;
     the JSON counts them.  A fresh server's first saturated round is reported
     apart, with the programs compiled after the warm-up (0 expected).
 Prints the claim ids, the seed's values and ours; writes results/<name>.json and .png.
@@ -39,10 +39,13 @@ from ml_collections import config_flags
 
 from experiments import common
 import kvjax
-from kvjax import bench_client, bench_workloads, cli_bench, serve_steps
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
+from kvjax.cli import bench as cli_bench
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.runtime import serve_steps
 from kvjax.server import serve_in_thread
+from kvjax.server.bench import client as bench_client
+from kvjax.server.bench import workloads as bench_workloads
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/serve_http.py", "experiment config", lock_config=True)

@@ -34,13 +34,15 @@ from ml_collections import config_flags  # noqa: E402
 
 import kvjax  # noqa: E402
 from experiments import common  # noqa: E402
-from kvjax import ledger, ledger_tp, sharding  # noqa: E402
-from kvjax.backends import get_backend, on_mesh  # noqa: E402
+from kvjax.attention.backends import get_backend, on_mesh  # noqa: E402
 from kvjax.caches import create_paged_cache  # noqa: E402
-from kvjax.params import init_params  # noqa: E402
-from kvjax.sampling import SamplingParams  # noqa: E402
-from kvjax.step_batch import make_step_batch  # noqa: E402
-from kvjax.steps import prefill  # noqa: E402
+from kvjax.model.params import init_params  # noqa: E402
+from kvjax.parallel import ledger
+from kvjax.parallel import ledger_tp
+from kvjax.parallel import sharding  # noqa: E402
+from kvjax.runtime.sampling import SamplingParams  # noqa: E402
+from kvjax.runtime.step_batch import make_step_batch  # noqa: E402
+from kvjax.runtime.steps import prefill  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/tp_collectives.py", "experiment config", lock_config=True)

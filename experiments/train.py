@@ -24,13 +24,13 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from kvjax import api
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import count_params
+from kvjax.model.presets import get_preset
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import code_corpus, code_eval
 from kvjax.training import corpus as corpus_lib
 from kvjax.training import train as train_lib
-from kvjax.config import ModelConfig
-from kvjax.presets import get_preset
-from kvjax.params import count_params
-from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",

@@ -1,55 +1,47 @@
 """kvjax: functional pure-state paged-KV LLM inference in JAX and Pallas.
 
 Layers (imports only go down; tests/test_layering.py checks it):
-  0  config, presets, pages, xla_options,           static config and named shapes, host page
-     quant/symmetric, mesh_axes, invariance         ids, compiler options, mesh axis names,
-                                                    the batch-invariant math switch
-  1  layers, params, sampling, step_batch,           pure math, weight quantization, the
-     logit_processors, attention/, quant/, moe/,    step metadata pytree, vLLM's penalties,
-     layer_kinds                                    MoE experts, the layer-kind registry
-  2  sharding, backends                              mesh + Megatron placement rules, capability
-                                                    records (+ pallas_kernels, shard_map)
-  3  caches/                                         KV cache layouts, one attend contract
-  4  model, hybrid, learned_sinks                    the decoder and its layer kinds (GQA,
-                                                    MLA, DeltaNet, sinks)
-  5  steps, speculative                              jitted static-batch steps, drafting, verify
-  6  serve_steps, generation, requests,              engine device programs, static generate,
-     prefix_cache, state_snapshots, batching,        request vocabulary and checks, prefix
-     validation                                      cache and hybrids' state snapshots, packing
-  7  scheduler, request_pages, ledger, ledger_tp,    host policy and each request's pages,
-     metrics, draft_policy, draft_choice, ngram,     accounting (one device, a mesh), n-gram
-     constraints/, output_processor, engine_stats,   drafting, grammar matchers and masks,
-     engine_dispatch                                 step outputs -> RequestOutputs, what an
-                                                    engine reports of its scheduler, one row
-                                                    group's device program
-  8  engine_config, engine, router, warm_up,         the serving engine's request API, its
-     engine_warm_up, engine_generate, kv_events     warm-up and one-shot generate,
-                                                    data-parallel replicas (router), its
-                                                    prefix cache's KV events
-  9  api, weights/, tokenizer, hf_tokenizer,         public surface, loading, tokenizers
-     constraints/vocabulary, chat_template,         and their vocabularies for the matcher,
-     tool_calls, tool_formats, training/,           chat templates and tool calls in chat
-     distributed, eval/                             text (the formats models write them in),
-                                                    training (its corpora and its code
-                                                    checks), multi-host start-up, quality evals
-  10 server/, bench_client, bench_workloads,        HTTP serving, its load client and the
-     diagnose                                       bench's workloads, C18 diagnosis
-  11 cli, cli_bench, cli_chat, cli_checkpoint,       command lines and their shared
-     cli_memory, cli_serve, cli_diagnose, cli_eval,  model flags
-     __main__
+  0  model/config, model/presets, model/invariance,       static config and named shapes,
+     engine/sched/pages, runtime/xla_options,             host page ids, compiler options,
+     quant/symmetric, parallel/mesh_axes                  mesh axis names, the
+                                                         batch-invariant math switch
+  1  model/layers, model/params, model/layer_kinds,       pure math, weight quantization,
+     runtime/sampling, runtime/step_batch,                the step metadata pytree, vLLM's
+     runtime/logit_processors, attention/, quant/, moe/   penalties, MoE experts, layer kinds
+  2  parallel/sharding, attention/backends                mesh + Megatron placement rules,
+                                                         capability records (+ pallas_kernels)
+  3  caches/                                              KV cache layouts, one attend contract
+  4  model/decoder, model/hybrid, model/learned_sinks     the decoder and its layer kinds
+  5  runtime/steps, runtime/speculative                   jitted static-batch steps, verify
+  6  runtime/serve_steps, runtime/generation,             engine device programs, static
+     engine/requests, engine/validation,                  generate, request vocabulary and
+     engine/sched/prefix_cache,                           checks, prefix cache and hybrids'
+     engine/sched/state_snapshots, engine/sched/batching  state snapshots, packing
+  7  engine/sched/, parallel/ledger, parallel/ledger_tp,  host policy and each request's
+     engine/metrics, engine/stats, constraints/,          pages, accounting, n-gram drafting,
+     engine/output_processor, engine/dispatch             grammar matchers, step outputs ->
+                                                         RequestOutputs, one row group's run
+  8  engine/config, engine/engine, engine/router,         the engine's request API, warm-up
+     engine/warm_up, engine/warm_up_engine,               and one-shot generate, data-parallel
+     engine/generate, engine/kv_events                    replicas, prefix-cache KV events
+  9  api, weights/, text/, constraints/vocabulary,        public surface, loading, tokenizers,
+     training/, parallel/distributed, eval/               chat and tool text, training,
+                                                         multi-host start-up, quality evals
+  10 server/                                              HTTP serving, its load bench
+  11 cli/, __main__                                       command lines
 Shapes everywhere use one dimension legend: docs/DIMENSIONS.md.
 """
 from kvjax.api import Model, forward, generate, load_checkpoint
+from kvjax.attention.backends import Backend, get_backend
 from kvjax.attention.variants import AttentionVariant, get_variant, register_variant
-from kvjax.backends import Backend, get_backend
-from kvjax.config import ModelConfig
-from kvjax.presets import PRESETS, get_preset
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.generation import GenerateResult
-from kvjax.router import Router
-from kvjax.sharding import make_mesh
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.engine.router import Router
+from kvjax.model.config import ModelConfig
+from kvjax.model.presets import PRESETS, get_preset
+from kvjax.parallel.sharding import make_mesh
+from kvjax.runtime.generation import GenerateResult
+from kvjax.text.tokenizer import ByteTokenizer
 
 __all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "load_checkpoint", "forward",
            "generate", "GenerateResult", "ByteTokenizer", "Engine", "EngineConfig", "Backend",

@@ -1,5 +1,5 @@
 import sys
 
-from kvjax.cli import main
+from kvjax.cli.main import main
 
 sys.exit(main())

@@ -1,8 +1,8 @@
 """The public surface: load a model, run a full forward, generate.
 
 `Model` bundles a static `ModelConfig` with its `Params` pytree; every function
-here is a thin, validating wrapper over the pure functions in model.py and
-generate.py.
+here is a thin, validating wrapper over the pure functions in kvjax/model/decoder.py
+and kvjax/runtime/generation.py.
 """
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import generation, sharding
 from kvjax.attention.variants import with_attention
-from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig
-from kvjax.presets import PRESETS, get_preset
-from kvjax.hf_tokenizer import load_tokenizer
-from kvjax.model import forward as model_forward
-from kvjax.params import Params, init_params
-from kvjax.sampling import SamplingParams
-from kvjax.tokenizer import ByteTokenizer, Tokenizer
-from kvjax.validation import per_prompt_seeds, sampling_options
+from kvjax.engine.validation import per_prompt_seeds, sampling_options
+from kvjax.model.config import DTYPE_SHORT_NAMES, ModelConfig
+from kvjax.model.decoder import forward as model_forward
+from kvjax.model.params import Params, init_params
+from kvjax.model.presets import PRESETS, get_preset
+from kvjax.parallel import sharding
+from kvjax.runtime import generation
+from kvjax.runtime.sampling import SamplingParams
+from kvjax.text.hf_tokenizer import load_tokenizer
+from kvjax.text.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Model", "load_checkpoint", "forward", "generate", "resolve_dtype", "DTYPES"]
 
@@ -35,7 +36,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 class Model:
   """A config, its weights and (when the checkpoint has one) its tokenizer.
 
-  `tokenizer` satisfies kvjax.tokenizer.Tokenizer: the built-in ByteTokenizer for
+  `tokenizer` satisfies kvjax.text.tokenizer.Tokenizer: the built-in ByteTokenizer for
   byte-vocabulary models (the default model, the tiny-code preset), the
   checkpoint's own for HF directories with a tokenizer.json, else None (text in
   or out is then an error, never a silent byte encoding).
@@ -48,7 +49,7 @@ class Model:
 
   @property
   def mesh(self) -> Optional[jax.sharding.Mesh]:
-    """The mesh the params live on (kvjax/sharding.py: tensor, expert parallel), None on
+    """The mesh the params live on (kvjax/parallel/sharding.py: tensor, expert parallel), None on
     one device."""
     return sharding.mesh_of(self.params)
 
@@ -90,7 +91,7 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   formats through quantize_params after the float load.
 
   With a `mesh` (kvjax.make_mesh(tp=..., ep=...)) every tensor is placed shard by
-  shard in the Megatron layout of kvjax/sharding.py, never whole on one device;
+  shard in the Megatron layout of kvjax/parallel/sharding.py, never whole on one device;
   kv heads that tp does not divide are replicated (model.config then counts the
   stored heads); with ep > 1 a MoE model's routed experts split ep ways
   (kvjax/moe/expert_parallel.py).
@@ -108,7 +109,7 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   scheme = weight_scheme(weight_dtype)
   if scheme is not None and mesh is not None:
     raise ValueError(f"weight_dtype={weight_dtype!r} with a mesh is unsupported: quantized "
-                     "weights are not placed by kvjax/sharding.py; pass mesh=None")
+                     "weights are not placed by kvjax/parallel/sharding.py; pass mesh=None")
   gguf_file = None if path_or_preset in PRESETS else gguf.gguf_path(path_or_preset)
   if gguf_file is not None:
     reader = gguf.open_gguf(gguf_file)
@@ -166,9 +167,9 @@ def _gguf_tokenizer(reader) -> Optional[Tokenizer]:
 
 def _check_fits(cfg: ModelConfig, dtype, available_bytes, mesh) -> None:
   """load_checks.check_fits on one device; on a mesh, this process's share of the
-  weights (one device's slice each, kvjax.ledger_tp.weight_bytes_per_device) against
+  weights (one device's slice each, kvjax.parallel.ledger_tp.weight_bytes_per_device) against
   its first device's free bytes (on CPU the fake devices share the host's memory)."""
-  from kvjax import ledger_tp
+  from kvjax.parallel import ledger_tp
   from kvjax.weights import load_checks
 
   if mesh is None:
@@ -245,7 +246,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     if cache != "paged":
       raise ValueError(f"engine options {sorted(engine_options)} need cache='paged', "
                        f"got cache={cache!r}")
-    from kvjax.engine import Engine
+    from kvjax.engine.engine import Engine
     longest = max(len(p) for p in prompts) + max_new_tokens
     engine_options.setdefault("max_num_seqs", min(len(prompts), 64))
     engine_options.setdefault("max_model_len", min(model.config.max_position_embeddings,

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 
 import kvjax
-from kvjax.engine import Engine
-from kvjax.params import init_params
-from kvjax.sampling import SamplingParams
-from kvjax.step_batch import make_step_batch
+from kvjax.engine.engine import Engine
+from kvjax.model.params import init_params
+from kvjax.runtime.sampling import SamplingParams
+from kvjax.runtime.step_batch import make_step_batch
 
 MAX_NEW = 8
 ENGINE_DEFAULTS = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)

@@ -11,7 +11,7 @@ import os
 import jax
 
 import kvjax
-from kvjax.params import init_params
+from kvjax.model.params import init_params
 from tests import engine_helpers as eh
 
 PATH = os.path.join(os.path.dirname(__file__), "data", "golden_tokens.json")

@@ -27,9 +27,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax import cli, ledger_tp, sharding  # noqa: E402
-from kvjax.model import forward  # noqa: E402
-from kvjax.params import init_params  # noqa: E402
+from kvjax.cli import main as cli
+from kvjax.model.decoder import forward  # noqa: E402
+from kvjax.model.params import init_params  # noqa: E402
+from kvjax.parallel import ledger_tp
+from kvjax.parallel import sharding  # noqa: E402
 from kvjax.weights.checkpoint import save  # noqa: E402
 
 # One length (see greedy); all share 8 tokens, two pages of the prefix cache, which the
@@ -150,7 +152,7 @@ def check_engine(one: kvjax.Model, ep: int, tp: int, ref_tokens) -> dict:
 
 def check_cli_hf(one_step) -> dict:
   """`kvjax generate --checkpoint <HF Qwen3-MoE dir> --tp 2 --ep 2`: the loader places each
-  device's own experts' slices (kvjax/sharding.py place_host_params); tokens equal one
+  device's own experts' slices (kvjax/parallel/sharding.py place_host_params); tokens equal one
   device's greedy ones."""
   from tests.moe_models import save_tiny
 

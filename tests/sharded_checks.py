@@ -30,18 +30,19 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax import cli, sharding  # noqa: E402
-from kvjax.params import init_params  # noqa: E402
-from kvjax.step_batch import make_step_batch  # noqa: E402
 from kvjax.caches import create_paged_cache  # noqa: E402
-from kvjax.sampling import SamplingParams  # noqa: E402
-from kvjax.steps import prefill  # noqa: E402
+from kvjax.cli import main as cli
+from kvjax.model.params import init_params  # noqa: E402
+from kvjax.parallel import sharding  # noqa: E402
+from kvjax.runtime.sampling import SamplingParams  # noqa: E402
+from kvjax.runtime.step_batch import make_step_batch  # noqa: E402
+from kvjax.runtime.steps import prefill  # noqa: E402
 from tests import engine_helpers, hf_models, test_mla  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 9, 44, 71], [3, 99, 12, 8, 61, 23, 5, 5, 90, 14, 2, 77, 31, 6, 15],
            [120, 1, 50]]
 NEW_TOKENS = 12
-# The layout promised by kvjax/sharding.py, written out leaf by leaf: M = "model".
+# The layout promised by kvjax/parallel/sharding.py, written out leaf by leaf: M = "model".
 M = sharding.MODEL
 EXPECTED_SPECS = {
     "embed": (M, None), "lm_head": (None, M), "final_norm": (), "attn_norm": (),
@@ -112,7 +113,7 @@ def prefill_logits(model: kvjax.Model, kv_dtype=None) -> np.ndarray:
                           SamplingParams.make(rows))
   cache, logits, _ = prefill(model.params, cache, batch, config=model.config,
                              backend=kvjax.get_backend("reference") if model.mesh is None
-                             else kvjax.backends.on_mesh(kvjax.get_backend("reference"),
+                             else kvjax.attention.backends.on_mesh(kvjax.get_backend("reference"),
                                                          model.mesh))
   if model.mesh is not None:
     assert _spec(cache.k_pages if hasattr(cache, "k_pages") else cache.pages) in (
@@ -228,7 +229,7 @@ def _count_all_reduces(model: kvjax.Model) -> int:
   batch = make_step_batch(np.ones((rows, 8), np.int32), np.zeros(rows),
                           np.full(rows, 8, np.int32), 1 + np.arange(rows)[:, None],
                           np.arange(rows, dtype=np.int32), SamplingParams.make(rows))
-  backend = kvjax.backends.on_mesh(kvjax.get_backend("reference"), model.mesh)
+  backend = kvjax.attention.backends.on_mesh(kvjax.get_backend("reference"), model.mesh)
   hlo = prefill.lower(model.params, cache, batch, config=model.config,
                       backend=backend).compile().as_text()
   return len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo))
@@ -258,7 +259,7 @@ def check_transfer_guard() -> dict:
       np.ones((rows, 8), np.int32), np.zeros(rows), np.full(rows, 8, np.int32),
       1 + np.arange(rows)[:, None], np.arange(rows, dtype=np.int32), SamplingParams.make(rows)),
       jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()))  # replicated
-  backend = kvjax.backends.on_mesh(kvjax.get_backend("pallas_interpret"), model.mesh)
+  backend = kvjax.attention.backends.on_mesh(kvjax.get_backend("pallas_interpret"), model.mesh)
   prefill(model.params, jax.tree.map(lambda x: x.copy(), cache), batch, config=model.config,
           backend=backend)  # compile (and the jit's own constants) outside the guard
   with jax.transfer_guard("disallow"):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import kvjax
-from kvjax import backends
+from kvjax.attention import backends
 from kvjax.attention.paged import paged_attention
 
 PROMPTS = [[5, 9, 11], [7] * 13, [42, 17, 256, 3, 99, 1]]

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.engine import Engine
-from kvjax.engine_config import add_engine_flags, engine_config_from_flags
-from kvjax.params import init_params
+from kvjax.engine.config import add_engine_flags, engine_config_from_flags
+from kvjax.engine.engine import Engine
+from kvjax.model.params import init_params
 from tests import engine_helpers as h
 
 NEW_TOKENS = 6

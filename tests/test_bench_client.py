@@ -1,4 +1,4 @@
-"""The HTTP bench client (kvjax/bench_client.py): arrivals, goodput, and agreement with the server.
+"""The HTTP bench client (kvjax/server/bench/client.py): arrivals, goodput, and agreement with the server.
 
 Arrival gaps are checked against the gamma law (mean 1/rate, CV 1/sqrt(shape))
 with few-sigma bounds and scipy's KS test; the end-to-end test runs the real
@@ -17,10 +17,12 @@ import pytest
 from scipy import stats
 
 import kvjax
-from kvjax import bench_client, bench_workloads, diagnose
-from kvjax.engine_config import EngineConfig
+from kvjax.engine.config import EngineConfig
 from kvjax.server import serve_in_thread
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.server.bench import client as bench_client
+from kvjax.server.bench import workloads as bench_workloads
+from kvjax.server.bench import diagnose
+from kvjax.text.tokenizer import ByteTokenizer
 
 ENCODE = ByteTokenizer().encode
 
@@ -199,7 +201,7 @@ def test_multi_turn_history_and_poisson_starts(served):
 
 
 def test_cli_bench_url_then_diagnose(served, tmp_path, capsys):
-  from kvjax import cli
+  from kvjax.cli import main as cli
 
   assert cli.main(["bench", "--url", served.url, "--workload", "random", "--num-prompts", "4",
                    "--input-len", "16", "--output-len", "8", "--request-rate", "50",

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import kvjax
 from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import paged_attention
-from kvjax.batching import Packing
+from kvjax.engine.sched.batching import Packing
 
 pytestmark = pytest.mark.quick
 

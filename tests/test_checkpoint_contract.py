@@ -21,7 +21,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import kvjax
-from kvjax.params import init_params
+from kvjax.model.params import init_params
 from kvjax.weights import checkpoint
 from kvjax.weights.hf import load_hf
 from tests.hf_models import save_tiny

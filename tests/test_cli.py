@@ -6,7 +6,7 @@ import json
 import pytest
 
 import kvjax
-from kvjax.cli import main
+from kvjax.cli.main import main
 
 
 def test_generate_json_matches_library(tiny_model, capsys):
@@ -102,7 +102,10 @@ def test_help_states_every_default_in_words_and_no_claim_ids(command, capsys):
   assert not re.findall(r"\bC\d+\b", text), text  # claim ids mean nothing to a newcomer
   assert "(default: None)" not in text
   subparsers = argparse.ArgumentParser().add_subparsers()
-  from kvjax import cli, cli_bench, cli_diagnose, cli_serve
+  from kvjax.cli import main as cli
+  from kvjax.cli import bench as cli_bench
+  from kvjax.cli import diagnose as cli_diagnose
+  from kvjax.cli import serve as cli_serve
   register = {"generate": cli._add_generate, "bench": cli_bench.add_parser,
               "diagnose": cli_diagnose.add_parser, "serve": cli_serve.add_parser}[command]
   register(subparsers)

@@ -6,8 +6,9 @@ import json
 import pytest
 
 import kvjax
-from kvjax import bench_workloads, cli_bench
-from kvjax.cli import main
+from kvjax.cli import bench as cli_bench
+from kvjax.cli.main import main
+from kvjax.server.bench import workloads as bench_workloads
 from tests import engine_helpers as h
 
 
@@ -56,8 +57,8 @@ def test_structured_answers_end_and_validate_under_their_schemas():
   import jax
   import jsonschema
 
-  from kvjax.params import init_params
-  from kvjax.tokenizer import ByteTokenizer
+  from kvjax.model.params import init_params
+  from kvjax.text.tokenizer import ByteTokenizer
 
   tok = ByteTokenizer()
   cfg = kvjax.get_preset("tiny").replace(name="tiny-bytes", eos_token_id=tok.eos_id)

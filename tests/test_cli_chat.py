@@ -15,8 +15,8 @@ import re
 import pytest
 
 import kvjax
-from kvjax.cli import main
-from kvjax.cli_chat import ChatSession
+from kvjax.cli.chat import ChatSession
+from kvjax.cli.main import main
 
 _MAX_NEW = 12
 

@@ -14,8 +14,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import code_corpus
-from kvjax.tokenizer import ByteTokenizer
 
 HELDOUT_FRACTION = 0.35  # holds out delta (sha256 fraction 0.31), not alpha/beta/zeta
 THRESHOLD = 0.7

@@ -1,7 +1,7 @@
 """--compile-cache: a second start of the same configuration compiles nothing.
 
 Oracles: jax's own compile events as serve reports them (XLA compiles vs loads from
-the persistent cache, kvjax.xla_options.xla_compile_counts), the cache directory's
+the persistent cache, kvjax.runtime.xla_options.xla_compile_counts), the cache directory's
 files, and the first start's greedy tokens (compiled fresh) for the second's
 (loaded programs)."""
 from __future__ import annotations

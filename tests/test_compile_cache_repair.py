@@ -2,7 +2,7 @@
 first start after the corruption warns and compiles; the next loads every program.
 
 Oracles: jax's own warning for an unreadable entry, its compile and cache-hit events
-(kvjax.xla_options.xla_compile_counts) in a fresh process per start, and the program's
+(kvjax.runtime.xla_options.xla_compile_counts) in a fresh process per start, and the program's
 result (x * 2 + 1 of 0, 1, 2)."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from kvjax import xla_options
+from kvjax.runtime import xla_options
 
 _START = r"""
 import json, sys, warnings
 import jax, jax.numpy as jnp
-from kvjax.xla_options import use_compile_cache, xla_compile_counts
+from kvjax.runtime.xla_options import use_compile_cache, xla_compile_counts
 
 use_compile_cache(sys.argv[1])
 xla_compile_counts()

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGUFValueType
 
 import kvjax
-from kvjax.params import init_params
+from kvjax.model.params import init_params
 from kvjax.weights import gguf as gguf_weights
 from tests import hf_models
 from tests.test_gguf import write_tiny_gguf

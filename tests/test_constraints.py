@@ -24,11 +24,11 @@ import pytest
 import kvjax
 from kvjax.constraints import Constraint
 from kvjax.constraints.vocabulary import constraint_book
-from kvjax.engine_generate import run_until_finished
-from kvjax.params import init_params
-from kvjax.sampling import apply_token_mask
-from kvjax.serve_steps import num_compiled
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.engine.generate import run_until_finished
+from kvjax.model.params import init_params
+from kvjax.runtime.sampling import apply_token_mask
+from kvjax.runtime.serve_steps import num_compiled
+from kvjax.text.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 SHAPES = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=160)

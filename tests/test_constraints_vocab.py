@@ -13,9 +13,9 @@ import transformers
 import kvjax
 from kvjax.constraints import Constraint
 from kvjax.constraints.vocabulary import constraint_book
-from kvjax.engine_generate import run_until_finished
-from kvjax.hf_tokenizer import load_tokenizer
-from kvjax.params import init_params
+from kvjax.engine.generate import run_until_finished
+from kvjax.model.params import init_params
+from kvjax.text.hf_tokenizer import load_tokenizer
 from tests.test_constraints import SCHEMAS, SHAPES
 from tests.test_hf_tokenizer import _train_byte_level_bpe, _train_sentencepiece_style
 

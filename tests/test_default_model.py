@@ -2,7 +2,7 @@
 
 The model directory ships the windows and prompts its card was measured on
 (eval_slices.npz, pinned by the sha256s the card records), so this needs no corpus.
-Bits per byte is recomputed with `kvjax.model.forward` and a float64 numpy
+Bits per byte is recomputed with `kvjax.model.decoder.forward` and a float64 numpy
 log-softmax (independent of kvjax.training.train's loss); MTP greedy acceptance is
 re-measured on the slices' prompts; the held-out function signatures are continued
 again through `kvjax.generate` (the paged static batch, not the launcher's loop).
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.model import decoder as model_lib
+from kvjax.model.presets import get_preset
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import code_eval
 from kvjax.training import corpus as corpus_lib
-from kvjax import model as model_lib
 from kvjax.training import train as train_lib
-from kvjax.presets import get_preset
-from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint
 
 # Issue 18's goals on the held-out packages.

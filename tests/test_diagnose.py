@@ -1,4 +1,4 @@
-"""C18 diagnosis (kvjax/diagnose.py) on synthetic /metrics made by prometheus_client itself.
+"""C18 diagnosis (kvjax/server/bench/diagnose.py) on synthetic /metrics made by prometheus_client itself.
 
 Each scenario observes known per-request numbers into a real prometheus_client
 registry with the server's metric names, renders it with generate_latest,
@@ -13,7 +13,8 @@ import json
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 import pytest
 
-from kvjax import cli_diagnose, diagnose
+from kvjax.cli import diagnose as cli_diagnose
+from kvjax.server.bench import diagnose
 
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 TARGETS = diagnose.Targets(ttft_s=0.2, tpot_s=0.02)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.draft_policy import AdaptiveDrafts, FixedDrafts, expected_tokens, policy_from
+from kvjax.engine.sched.draft_policy import AdaptiveDrafts, FixedDrafts, expected_tokens, policy_from
 from tests import engine_helpers as h
 
 
@@ -209,7 +209,7 @@ def test_a_requests_own_acceptance_shrinks_toward_the_engine_rate():
   policy = AdaptiveDrafts(2, prior_weight=4.0)
   for _ in range(100):
     policy.observe_verify(2, 2)
-  metrics = kvjax.metrics.RequestMetrics("r", 5, 0.0)
+  metrics = kvjax.engine.metrics.RequestMetrics("r", 5, 0.0)
   for _ in range(4):
     metrics.record_verify(2, 0, 2)
   overall = policy.accept_through()

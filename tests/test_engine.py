@@ -8,7 +8,7 @@ import pytest
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax import serve_steps
+from kvjax.runtime import serve_steps
 from tests import engine_helpers as h
 
 # name: (engine overrides, expect preemption, expect prefix hits)

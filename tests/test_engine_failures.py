@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import speculative
-from kvjax.backends import get_backend
-from kvjax.sampling import SamplingParams
+from kvjax.attention.backends import get_backend
+from kvjax.runtime import speculative
+from kvjax.runtime.sampling import SamplingParams
 from tests import engine_helpers as h
 
 CLEAN = h.prompts(4, seed=91)
@@ -67,7 +67,7 @@ def test_a_nonfinite_request_errors_alone_and_leaves_clean_pages(options):
 
 def test_with_mtp_a_request_never_gets_a_wrong_token():
   # Drafts feed tokens too: a request whose drafter proposes the broken token errors
-  # (module doc of kvjax/engine.py), but no request ever gets a token its oracle lacks.
+  # (module doc of kvjax/engine/engine.py), but no request ever gets a token its oracle lacks.
   model, _ = broken_model()
   eng = kvjax.Engine(model, **{**h.ENGINE_DEFAULTS, "num_pages": h.TINY_POOL},
                      speculative="mtp", num_draft=2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import cli
+from kvjax.cli import main as cli
 from kvjax.eval import choice
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvjax import cli
+from kvjax.cli import main as cli
 
 
 @pytest.mark.slow  # over a minute on 2 busy cores (the whole text tokenized, two compiles)

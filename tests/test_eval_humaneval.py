@@ -67,7 +67,7 @@ class _ScriptedEngine:
     self.replies, self.calls = replies, []
 
   def generate(self, prompts, max_new_tokens, stop=None):
-    from kvjax.generation import GenerateResult
+    from kvjax.runtime.generation import GenerateResult
 
     self.calls.append((prompts, max_new_tokens, stop))
     return GenerateResult(tokens=self.replies, stats={})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvjax.eval import needle
-from kvjax.generation import GenerateResult
+from kvjax.runtime.generation import GenerateResult
 
 
 class _CharTokenizer:

@@ -1,8 +1,8 @@
 """The background warm-up: the server answers while it compiles, /health says warming
 then ready, and after ready no request with any sampling option compiles.
 
-Oracles: /health's status, kvjax.serve_steps.num_compiled and jax's own compile events
-(kvjax.xla_options.xla_compile_counts: programs compiled or loaded from the persistent
+Oracles: /health's status, kvjax.runtime.serve_steps.num_compiled and jax's own compile events
+(kvjax.runtime.xla_options.xla_compile_counts: programs compiled or loaded from the persistent
 cache), and an offline Engine of the same shapes for the greedy tokens."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import jax
 import pytest
 
 import kvjax
-from kvjax.serve_steps import num_compiled
+from kvjax.runtime.serve_steps import num_compiled
+from kvjax.runtime.xla_options import xla_compile_counts
 from kvjax.server import serve_in_thread
-from kvjax.xla_options import xla_compile_counts
 
 # 2 rows, 16-token chunks, tables of 2 pages: 3 shapes, 5 runs (the burst in 3 stop-id
 # widths; one program a shape serves top-k / top-p and logprobs).

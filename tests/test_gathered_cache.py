@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches import PagedKVCache
 from kvjax.caches.gathered import decode_loop_cache
-from kvjax.step_batch import make_step_batch
+from kvjax.runtime.step_batch import make_step_batch
 
 L, K, N, H, Z, W = 2, 2, 4, 16, 4, 4  # layers, kv heads, q heads, head dim, page size, width
 STEPS, T = 3, 2  # loop steps, columns a step feeds (a token and one draft)
@@ -156,7 +156,7 @@ def test_an_mtp_engine_bursting_without_drafts_gathers_only_the_trunk(monkeypatc
   """k = 0 bursts of an MTP engine copy the trunk's layers, k = 2 bursts the MTP modules'
   too; the greedy tokens are plain decoding's either way."""
   from kvjax.caches.gathered import GatheredKVCache
-  from kvjax.draft_policy import FixedDrafts
+  from kvjax.engine.sched.draft_policy import FixedDrafts
 
   model = kvjax.load_checkpoint()  # the default model: 4 trunk layers, 2 MTP modules
   gathered_layers = []

@@ -52,8 +52,8 @@ def hf():
 
 @pytest.fixture(scope="module")
 def prompt(hf):
-  """PROMPT_TOKENS ids of kvjax/model.py's source (BOS first), by transformers' tokenizer."""
-  ids = hf[1](inspect.getsource(kvjax.model))["input_ids"]
+  """PROMPT_TOKENS ids of kvjax/model/decoder.py's source (BOS first), by transformers' tokenizer."""
+  ids = hf[1](inspect.getsource(kvjax.model.decoder))["input_ids"]
   assert len(ids) > PROMPT_TOKENS and ids[0] == 2
   return ids[:PROMPT_TOKENS]
 
@@ -149,7 +149,7 @@ def _greedy_text(hf, prompt: str, tokens: int) -> tuple[list[int], str]:
 def test_base_model_generates_but_does_not_chat(model, hf, monkeypatch, capsys):
   """`generate` continues code as transformers does; `chat` (a base model: no chat
   template) exits 2 at once with one line naming the checkpoint."""
-  from kvjax.cli import main
+  from kvjax.cli.main import main
 
   monkeypatch.setattr("kvjax.api.load_checkpoint", lambda *a, **k: model)  # loaded once
   ref_ids, ref_text = _greedy_text(hf, "def fibonacci(n):", 16)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import generation
-from kvjax import steps
-from kvjax.sampling import SamplingParams, filtered_logits, greedy_tokens, sample
+from kvjax.runtime import generation
+from kvjax.runtime import steps
+from kvjax.runtime.sampling import SamplingParams, filtered_logits, greedy_tokens, sample
 
 PROMPTS = [[5, 9, 11], [7] * 13, [100, 3, 200, 4, 300, 5, 400, 6, 1]]
 
@@ -133,7 +133,7 @@ def test_top_k_top_p_filter_matches_brute_force(k, p):
 
 def test_no_top_k_and_top_p_one_leave_the_logits_unchanged():
   """A row without top-k / top-p comes out bit for bit (prefill programs always filter,
-  kvjax/serve_steps.py program_variant), tails that float32's cumulative mass rounds to 1
+  kvjax/runtime/serve_steps.py program_variant), tails that float32's cumulative mass rounds to 1
   before they start included: one dominant logit over 63 at -30 (p ~ 1e-13 each), and
   -inf entries (a grammar's mask) left -inf."""
   logits = np.full((3, 64), -30.0, np.float32)

@@ -19,8 +19,8 @@ import pytest
 from gguf.constants import GGMLQuantizationType
 
 import kvjax
-from kvjax.config import ModelConfig
-from kvjax.params import AttentionParams, BlockParams, Params, init_params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import AttentionParams, BlockParams, Params, init_params
 from kvjax.quant.qweight import QuantizedWeight
 from kvjax.weights import gguf as gguf_weights
 from kvjax.weights.quantize import quantize_params, weight_scheme

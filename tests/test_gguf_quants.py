@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvjax import sharding
+from kvjax.parallel import sharding
 from kvjax.quant.qweight import QuantizedWeight
 from kvjax.weights import gguf_quants
 from kvjax.weights.quantize import weight_bytes

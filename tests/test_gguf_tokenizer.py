@@ -23,7 +23,7 @@ import transformers
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvjax.tokenizer import Tokenizer as TokenizerInterface
+from kvjax.text.tokenizer import Tokenizer as TokenizerInterface
 from kvjax.weights.gguf_tokenizer import load_gguf_tokenizer
 from kvjax.weights.gguf_vocab import byte_alphabet, merges_from_scores
 

@@ -12,7 +12,7 @@ import kvjax
 from configs import gpu_scale as gpu_scale_config
 from experiments import gpu_scale
 from experiments.hf_peer import hf_generate, to_hf_on_device
-from kvjax import bench_workloads
+from kvjax.server.bench import workloads as bench_workloads
 
 
 @pytest.fixture(scope="module")

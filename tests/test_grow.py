@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import model as model_lib
+from kvjax.model import decoder as model_lib
+from kvjax.model.params import count_params, init_params
+from kvjax.model.presets import get_preset
 from kvjax.training import train as train_lib
-from kvjax.presets import get_preset
-from kvjax.params import count_params, init_params
 from kvjax.weights.grow import grow
 
 SIZES = dict(hidden_size=224, intermediate_size=576, num_kv_heads=3, num_layers=5)

@@ -1,4 +1,4 @@
-"""HF tokenizer parity: kvjax.hf_tokenizer against transformers' own AutoTokenizer.
+"""HF tokenizer parity: kvjax.text.hf_tokenizer against transformers' own AutoTokenizer.
 
 Tokenizers are trained offline with the `tokenizers` package, wrapped in transformers'
 PreTrainedTokenizerFast and written with save_pretrained; transformers then loads each
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
-from kvjax.chat_template import render_chat_template
-from kvjax.hf_tokenizer import HFTokenizer, load_tokenizer
-from kvjax.tokenizer import Tokenizer as TokenizerInterface
+from kvjax.text.chat_template import render_chat_template
+from kvjax.text.hf_tokenizer import HFTokenizer, load_tokenizer
+from kvjax.text.tokenizer import Tokenizer as TokenizerInterface
 
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
@@ -353,7 +353,7 @@ def test_bad_files_are_errors_naming_them(dirs, tmp_path):
 
 
 def test_loading_needs_no_transformers(dirs):
-  code = ("import sys; from kvjax.hf_tokenizer import load_tokenizer; "
+  code = ("import sys; from kvjax.text.hf_tokenizer import load_tokenizer; "
           f"t = load_tokenizer({dirs['chatml']!r}); t.apply_chat_template([{{'role': 'user', "
           "'content': 'x'}]); assert 'transformers' not in sys.modules, 'transformers imported'")
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120,

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.requests import RequestOutput
+from kvjax.engine.requests import RequestOutput
 from kvjax.server import serve_in_thread
 from kvjax.server.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from tests.server_helpers import CONFIG, NAME, PROMPTS, ids_of, scrape, value

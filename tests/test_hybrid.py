@@ -17,7 +17,7 @@ import pytest
 
 import kvjax
 from kvjax.caches import clear_cache_pages, create_contiguous_cache, create_paged_cache
-from kvjax.params import init_params
+from kvjax.model.params import init_params
 
 MAX_NEW = 8
 # Two groups of (2 linear, 1 full): the KV rows and state rows each interleave.
@@ -257,9 +257,9 @@ def test_qwen35_9b_pool_reproduces_c4_and_the_ledger():
   """The engine's cache for the published shape (abstract arrays): 32 KiB of pages per
   token (C4's measured 32.3 KB within 2%), the ledger's constant state per request,
   and the ledger's parameter count equal to the random-init pytree's."""
-  from kvjax import ledger
-  from kvjax.cli_memory import allocated_pool
-  from kvjax.params import count_params
+  from kvjax.cli.memory import allocated_pool
+  from kvjax.model.params import count_params
+  from kvjax.parallel import ledger
 
   cfg = kvjax.get_preset("qwen3.5-9b")
   pool = allocated_pool(cfg, "bf16", "bf16")
@@ -279,8 +279,8 @@ def test_a_backend_record_supplies_the_delta_rule():
   path calls the record's rule (here the reference, wrapped to record its shapes)."""
   import dataclasses
 
+  from kvjax.attention.backends import get_backend
   from kvjax.attention.gated_delta import delta_rule
-  from kvjax.backends import get_backend
 
   seen = []
 

@@ -10,7 +10,7 @@ import pytest
 
 from configs import hybrid_bench as hybrid_bench_config
 from experiments import hybrid_bench
-from kvjax.presets import get_preset
+from kvjax.model.presets import get_preset
 from tests.test_gated_delta import naive_delta_rule
 
 

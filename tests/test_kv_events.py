@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.kv_events import KVEventPublisher, external_hash
+from kvjax.engine.kv_events import KVEventPublisher, external_hash
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import ledger
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches import KIVIPagedKVCache, PagedKVCache, create_paged_cache
+from kvjax.parallel import ledger
 from kvjax.quant.affine import quantize_affine
 from kvjax.quant.symmetric import pack_int4, quantize, unpack_int4
-from kvjax.step_batch import make_step_batch
-from kvjax.steps import prefill
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.steps import prefill
 
 L, K, N, H, G = 1, 2, 4, 16, 4  # layers, kv heads, q heads, head_dim, page size
 PAGES_PER_SEQ = 6

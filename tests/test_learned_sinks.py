@@ -1,4 +1,4 @@
-"""The "gqa_sinks" layer kind (kvjax/learned_sinks.py) against HF's GptOssAttention."""
+"""The "gqa_sinks" layer kind (kvjax/model/learned_sinks.py) against HF's GptOssAttention."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,11 +9,11 @@ gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
 from transformers import GptOssConfig  # noqa: E402
 
 import kvjax  # noqa: E402
-from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.layer_kinds import layer_kind  # noqa: E402
-from kvjax.learned_sinks import with_learned_sinks  # noqa: E402
-from kvjax.model import _dense_attend, _inv_freq, forward  # noqa: E402
-from kvjax.params import init_params  # noqa: E402
+from kvjax.model.config import ModelConfig  # noqa: E402
+from kvjax.model.decoder import _dense_attend, _inv_freq, forward  # noqa: E402
+from kvjax.model.layer_kinds import layer_kind  # noqa: E402
+from kvjax.model.learned_sinks import with_learned_sinks  # noqa: E402
+from kvjax.model.params import init_params  # noqa: E402
 
 D, N, K, H, T = 32, 4, 2, 8, 7
 

@@ -1,16 +1,17 @@
 """Ledger tests: the seeds' memory figures (claims C4-C6), exactly, in binary units.
 
 Every expected number below is the seed's, with its "GB" of cache or card read as
-GiB (see kvjax/ledger.py for why that convention reproduces them exactly).
+GiB (see kvjax/parallel/ledger.py for why that convention reproduces them exactly).
 """
 import argparse
 import json
 
 import pytest
 
-from kvjax import cli_memory, ledger
-from kvjax.presets import get_preset
-from kvjax.ledger import GIB, KIB
+from kvjax.cli import memory as cli_memory
+from kvjax.model.presets import get_preset
+from kvjax.parallel import ledger
+from kvjax.parallel.ledger import GIB, KIB
 
 MHA7, GQA8, GQA70 = get_preset("llama2-7b"), get_preset("llama3-8b"), get_preset("llama3-70b")
 
@@ -74,8 +75,8 @@ def test_param_counts_match_published_totals():
 
 def test_param_count_matches_initialized_pytree():
   jax = pytest.importorskip("jax")
-  params = pytest.importorskip("kvjax.params")
-  from kvjax.learned_sinks import with_learned_sinks
+  params = pytest.importorskip("kvjax.model.params")
+  from kvjax.model.learned_sinks import with_learned_sinks
 
   gpt_oss_like = with_learned_sinks(get_preset("tiny").replace(
       attention_bias=True, attention_out_bias=True, num_experts=4, num_experts_per_tok=2,

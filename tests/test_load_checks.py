@@ -20,7 +20,7 @@ import pytest
 
 import kvjax
 from kvjax.api import _forward
-from kvjax.cli import main
+from kvjax.cli.main import main
 from kvjax.weights import checkpoint, load_checks
 from tests import hf_models
 

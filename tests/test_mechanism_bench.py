@@ -12,8 +12,8 @@ import pytest
 
 from experiments import mechanism_counts as counts
 from experiments import report
-from kvjax.presets import get_preset
-from kvjax.params import init_params
+from kvjax.model.params import init_params
+from kvjax.model.presets import get_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

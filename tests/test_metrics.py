@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.metrics import RequestMetrics, StepLog, distribution, summarize
+from kvjax.engine.metrics import RequestMetrics, StepLog, distribution, summarize
 
 
 def _request(arrival, times, **kwargs):

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import kvjax
-from kvjax import ledger
 from kvjax.caches import MLAPagedCache, create_paged_cache
+from kvjax.parallel import ledger
 
 # Dense: first_k_dense_replace = num_hidden_layers, so no layer is MoE.  Wide init
 # so greedy argmax margins dwarf float32 rounding.

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 import kvjax
-from kvjax.model import forward_with_mtp
+from kvjax.model.decoder import forward_with_mtp
 from tests.moe_models import NEW_TOKENS, PROMPTS, build, hf_greedy
 
 _MTP = 3  # the trunk's num_hidden_layers: the MTP layer's index

@@ -1,5 +1,5 @@
 """Expert parallelism on kvjax.make_mesh(tp, ep) meshes (kvjax/moe/expert_parallel.py,
-kvjax/sharding.py) equals one device: ep 2 x tp 2, ep 4 x tp 2, ep 8 x tp 1.
+kvjax/parallel/sharding.py) equals one device: ep 2 x tp 2, ep 4 x tp 2, ep 8 x tp 1.
 
 The checks run in one subprocess (tests/moe_sharded_checks.py: XLA_FLAGS must be set
 before jax starts); each test here asserts on its report.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvjax import distributed
+from kvjax.parallel import distributed
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_sharded_checks.py")
 COMBOS = ["ep2_tp2", "ep4_tp2", "ep8_tp1"]
@@ -69,7 +69,7 @@ def test_one_all_reduce_per_moe_layer_over_the_replica(report, combo):
 
 @pytest.mark.parametrize("combo", COMBOS)
 def test_weight_bytes_per_device_equal_the_ledger(report, combo):
-  """kvjax.ledger_tp's per-device bytes equal the placed arrays' shards, on every device."""
+  """kvjax.parallel.ledger_tp's per-device bytes equal the placed arrays' shards, on every device."""
   got = report[combo]
   assert got["weight_bytes"] == [got["ledger_weight_bytes"]]
   assert got["expert_bytes"] == [got["ledger_expert_bytes"]]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.model import forward
+from kvjax.model.decoder import forward
+from kvjax.model.params import init_params
 from kvjax.moe.expert_parallel import stack_experts
-from kvjax.params import init_params
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import QuantizedWeight
 from kvjax.weights.quantize import quantize_params

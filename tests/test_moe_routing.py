@@ -11,13 +11,13 @@ import torch
 import transformers
 
 import kvjax
-from kvjax import ledger
-from kvjax.model import forward
+from kvjax.model.decoder import forward
+from kvjax.model.params import init_params
 from kvjax.moe.activation import ExpertGLU
 from kvjax.moe.grouped import grouped_experts, switched_experts
 from kvjax.moe.params import init_moe
 from kvjax.moe.routing import route
-from kvjax.params import init_params
+from kvjax.parallel import ledger
 
 D, NE = 16, 8
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.draft_policy import AdaptiveDrafts
-from kvjax.ngram import NgramDrafter, NgramIndex
-from kvjax.params import init_params
+from kvjax.engine.sched.draft_policy import AdaptiveDrafts
+from kvjax.engine.sched.ngram import NgramDrafter, NgramIndex
+from kvjax.model.params import init_params
 from tests import engine_helpers as h
 
 

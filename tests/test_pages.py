@@ -1,7 +1,7 @@
 """BlockAllocator: null page, all-or-nothing allocation, refcounts, LRU reclaim."""
 import pytest
 
-from kvjax.pages import NULL_PAGE, BlockAllocator, OutOfPagesError
+from kvjax.engine.sched.pages import NULL_PAGE, BlockAllocator, OutOfPagesError
 
 
 def _state(a: BlockAllocator):

@@ -1,8 +1,8 @@
 """PrefixCache (claim C8): full-block sharing, salts, token-mode reuse, LRU."""
 import pytest
 
-from kvjax.pages import BlockAllocator
-from kvjax.prefix_cache import PrefixCache, hash_block, root_hash
+from kvjax.engine.sched.pages import BlockAllocator
+from kvjax.engine.sched.prefix_cache import PrefixCache, hash_block, root_hash
 
 
 def _cache(num_pages=32, page_size=16, **kw):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.layers import dense
+from kvjax.model.layers import dense
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import QuantizedWeight, quantize_weight
 from kvjax.weights import gguf_quants
@@ -226,7 +226,7 @@ def test_quantized_model_logits_match_its_dequantized_float_model(tied_model, sc
   assert params.lm_head.bits == 8 and params.lm_head.scales.shape == (1, cfg.vocab_size)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16))
   model = kvjax.Model(cfg, params)
-  assert qmatmul.TARGET in _hlo(lambda p: kvjax.model.forward(p, cfg, jnp.asarray(tokens)),
+  assert qmatmul.TARGET in _hlo(lambda p: kvjax.model.decoder.forward(p, cfg, jnp.asarray(tokens)),
                                 params)
   got = np.asarray(kvjax.forward(model, tokens))
   want = np.asarray(kvjax.forward(kvjax.Model(cfg, _float_params(params)), tokens))

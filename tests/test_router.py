@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.router import Router
+from kvjax.engine.router import Router
 
 USERS, TURNS, NEW_TOKENS = 16, 10, 6
 ENGINE = dict(max_num_seqs=16, max_model_len=512, page_size=8, num_pages=1 + 16 * 40)
@@ -205,7 +205,8 @@ def test_constrained_counts_are_the_replicas_books_summed():
 _CLI_DP = r"""
 import argparse, json, sys
 import jax
-from kvjax import cli, distributed
+from kvjax.cli import main as cli
+from kvjax.parallel import distributed
 args = argparse.Namespace(tp=1, ep=1, dp=2, coordinator_address=None, num_processes=None,
                           process_id=None)
 models = distributed.load_replicas(args, None, "float32")
@@ -231,8 +232,8 @@ def test_cli_generate_dp_samples_once_per_replica_on_its_own_device():
 def test_bench_workload_through_a_router_equals_one_engine(tiny_model):
   """`kvjax bench --dp` drives cli_bench.run_workload with a Router: the same outputs
   as one Engine, its summary counted over both replicas."""
-  from kvjax.bench_workloads import make_workload
-  from kvjax.cli_bench import run_workload
+  from kvjax.cli.bench import run_workload
+  from kvjax.server.bench.workloads import make_workload
 
   sessions = make_workload("multi-turn-chat", vocab_size=tiny_model.config.vocab_size,
                            num_requests=4, input_len=20, output_len=4, num_turns=2, seed=0)

@@ -13,10 +13,10 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from kvjax.pages import NULL_PAGE
-from kvjax.batching import bucket, bucket_sizes
-from kvjax.requests import PageCopy, RequestStatus
-from kvjax.scheduler import Scheduler
+from kvjax.engine.requests import PageCopy, RequestStatus
+from kvjax.engine.sched.batching import bucket, bucket_sizes
+from kvjax.engine.sched.pages import NULL_PAGE
+from kvjax.engine.sched.scheduler import Scheduler
 
 VOCAB = 50
 

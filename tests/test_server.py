@@ -24,7 +24,7 @@ import openai
 import pytest
 
 import kvjax
-from kvjax.serve_steps import num_compiled
+from kvjax.runtime.serve_steps import num_compiled
 from kvjax.server import serve_in_thread
 from kvjax.server.handle import _warm_up
 from kvjax.server.protocol import (Limits, OpenAIError, engine_error_param, parse_chat,
@@ -126,7 +126,7 @@ def test_chat_on_a_base_model_is_a_400_naming_messages(model):
   front as vLLM refuses it, not as a template error, nor by rendering something else."""
   from tokenizers import Tokenizer, models
 
-  from kvjax.hf_tokenizer import HFTokenizer
+  from kvjax.text.hf_tokenizer import HFTokenizer
 
   base = HFTokenizer(Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")), {}, (),
                      None, clean_up=False)

@@ -228,7 +228,7 @@ def test_best_of_equal_to_n_and_truncate_prompt_tokens(http, tok, greedy):
 
 def test_chat_continue_final_message_and_no_generation_prompt(http, tok, greedy):
   messages = [{"role": "user", "content": "write f"}, {"role": "assistant", "content": "def f(x): "}]
-  # The byte model's template, written out by hand (kvjax/chat_template.py's docstring):
+  # The byte model's template, written out by hand (kvjax/text/chat_template.py's docstring):
   # continuing cuts after the last content, stripped; no generation prompt leaves the
   # assistant line closed and opens none.
   cases = [({"continue_final_message": True, "add_generation_prompt": False},

@@ -80,7 +80,8 @@ def test_json_object_and_pydantic_parse(client):
 def test_bench_structured_workload_over_http(server, tmp_path):
   # `kvjax bench --url --workload structured` asks for each session's schema as
   # response_format: every ended answer validates (jsonschema), and its counts agree.
-  from kvjax import bench_workloads, cli
+  from kvjax.cli import main as cli
+  from kvjax.server.bench import workloads as bench_workloads
 
   masks = value(scrape(server.root), "kvjax:structured_masks_total")
   assert cli.main(["bench", "--url", server.url, "--workload", "structured",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 import kvjax
-from kvjax.params import init_params
+from kvjax.model.params import init_params
 from kvjax.server import serve_in_thread
 from tests.test_tool_formats import MISTRAL_TEMPLATE, hf_tokenizer
 

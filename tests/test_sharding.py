@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 fake CPU devices (kvjax/sharding.py, backends.on_mesh).
+"""Tensor parallelism on 8 fake CPU devices (kvjax/parallel/sharding.py, backends.on_mesh).
 
 The checks run in one subprocess (tests/sharded_checks.py: XLA_FLAGS must be set
 before jax starts, and the rest of the suite runs on one device); each test
@@ -17,8 +17,9 @@ import jax
 import pytest
 
 import kvjax
-from kvjax import ledger_tp, sharding
-from kvjax.params import init_params
+from kvjax.model.params import init_params
+from kvjax.parallel import ledger_tp
+from kvjax.parallel import sharding
 from tests.run_once import once_per_run
 from kvjax.weights.checkpoint import save
 

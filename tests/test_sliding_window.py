@@ -15,8 +15,8 @@ import pytest
 
 import kvjax
 from kvjax.caches import create_paged_cache
-from kvjax.step_batch import make_step_batch
-from kvjax.steps import prefill
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.steps import prefill
 
 T = 40  # sequence length; the last position p = T - 1 carries the "question"
 BASE = [(7 * i + 3) % 500 for i in range(T)]

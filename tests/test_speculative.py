@@ -156,6 +156,6 @@ def test_float32_models_trace_every_matmul_at_full_precision(dtype):
   model = h.mtp_model()
   params = jax.tree.map(lambda x: x.astype(dtype), model.params)
   tokens = jnp.zeros((1, 4), jnp.int32)
-  jaxpr = jax.make_jaxpr(lambda p: kvjax.model.forward_with_mtp(p, model.config, tokens))(params)
+  jaxpr = jax.make_jaxpr(lambda p: kvjax.model.decoder.forward_with_mtp(p, model.config, tokens))(params)
   want = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
   assert _dot_precisions(jaxpr.jaxpr) == {(want, want)}

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import ledger
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches.layout import register
 from kvjax.caches.streaming import SinkWindowCache, streaming_layout
-from kvjax.cli_memory import allocated_pool
-from kvjax.pages import NULL_PAGE
-from kvjax.params import init_params
-from kvjax.step_batch import make_step_batch
+from kvjax.cli.memory import allocated_pool
+from kvjax.engine.sched.pages import NULL_PAGE
+from kvjax.model.params import init_params
+from kvjax.parallel import ledger
+from kvjax.runtime.step_batch import make_step_batch
 
 SINKS, WINDOW, Z, BUDGET = 4, 16, 8, 16
 LAYOUT = register(streaming_layout(SINKS, WINDOW, store="fp32"))  # "sinks4-window16"
@@ -159,7 +159,7 @@ def test_ledger_and_kvjax_memory_count_the_allocated_pool(capsys):
   assert allocated_pool(cfg, LAYOUT.name, "fp32")["kv_bytes_per_token"] == per_token
   # 200 tokens in the ledger's 16-token pages: pages 1..10 are released, 40 tokens held.
   assert ledger.kv_bytes_per_request(cfg, 200, LAYOUT.name) == 40 * per_token
-  from kvjax import cli
+  from kvjax.cli import main as cli
   assert cli.main(["memory", "--preset", "tiny", "--context", "200", "--kv-dtype",
                    LAYOUT.name, "--json"]) == 0
   printed = json.loads(capsys.readouterr().out)

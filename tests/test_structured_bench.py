@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from experiments import structured_bench as bench
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.text.tokenizer import ByteTokenizer
 
 RECORD = '{"name":"Ann Lee","age":31,"role":"admin"}'
 

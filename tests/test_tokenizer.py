@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.presets import get_preset
-from kvjax.tokenizer import ByteTokenizer, Tokenizer
+from kvjax.model.presets import get_preset
+from kvjax.text.tokenizer import ByteTokenizer, Tokenizer
 
 TEXTS = {
     "empty": "",

@@ -1,4 +1,4 @@
-"""Tool calls in chat text (kvjax/tool_calls.py, kvjax/tool_formats.py): the Hermes block
+"""Tool calls in chat text (kvjax/text/tool_calls.py, kvjax/text/tool_formats.py): the Hermes block
 parser, its streaming form against the whole-text parse over every split, templates with
 and without `tools` against transformers' renderer, and the enforcing grammar against
 jsonschema."""
@@ -12,10 +12,10 @@ import llguidance
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from kvjax import tool_formats
-from kvjax.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template, takes_tools
 from kvjax.constraints.vocabulary import constraint_vocabulary
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.text import tool_formats
+from kvjax.text.chat_template import BYTE_CHAT_TEMPLATE, render_chat_template, takes_tools
+from kvjax.text.tokenizer import ByteTokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -1,4 +1,4 @@
-"""The Llama 3.1 JSON and Mistral tool-call formats (kvjax/tool_formats.py): assistant
+"""The Llama 3.1 JSON and Mistral tool-call formats (kvjax/text/tool_formats.py): assistant
 call turns rendered by transformers' renderer from small templates in their conventions
 (tests/data/*_tools.jinja) parse back to exactly their calls; the streaming parse equals
 the whole-text parse over every split; the format is detected from a template's text and
@@ -14,12 +14,12 @@ import pytest
 import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from kvjax import tool_formats
-from kvjax.chat_template import render_chat_template, takes_tools
 from kvjax.constraints.vocabulary import constraint_vocabulary
-from kvjax.hf_tokenizer import load_tokenizer
-from kvjax.tokenizer import ByteTokenizer
-from kvjax.tool_formats import HERMES, LLAMA_JSON
+from kvjax.text import tool_formats
+from kvjax.text.chat_template import render_chat_template, takes_tools
+from kvjax.text.hf_tokenizer import load_tokenizer
+from kvjax.text.tokenizer import ByteTokenizer
+from kvjax.text.tool_formats import HERMES, LLAMA_JSON
 from tests.test_hf_tokenizer import _train_byte_level_bpe
 from tests.test_tool_calls import (ARGUMENTS, CLOCK, HERMES as HERMES_TEMPLATE, NAMES, WEATHER,
                                    accepts, check_stream_at_every_split, vocabulary)

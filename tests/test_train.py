@@ -10,11 +10,11 @@ import pytest
 
 from configs import tiny_code
 from experiments import train as launcher
+from kvjax.model.params import init_params
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import code_corpus
 from kvjax.training import corpus as corpus_lib
 from kvjax.training import train as train_lib
-from kvjax.params import init_params
-from kvjax.tokenizer import ByteTokenizer
 from kvjax.weights import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import serve_steps
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
+from kvjax.runtime import serve_steps
 from tests import engine_helpers as h
 from tests.device_checks import assert_no_host_callback
 

@@ -2,7 +2,7 @@
 
 Oracle: a float64 numpy greedy decoder over the full causal forward (kvjax.forward,
 no cache, no engine) that applies vLLM's apply_penalties semantics itself, written
-here from vLLM's definitions, not from kvjax/logit_processors.py.
+here from vLLM's definitions, not from kvjax/runtime/logit_processors.py.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.engine import Engine
-from kvjax.logit_processors import LogitProcessing
-from kvjax.params import init_params
+from kvjax.engine.engine import Engine
+from kvjax.model.params import init_params
+from kvjax.runtime.logit_processors import LogitProcessing
 
 MAX_NEW = 8
 ENGINE = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)

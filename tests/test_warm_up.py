@@ -1,6 +1,6 @@
 """Engine.warm_up: every step program compiled before serving, nothing a request reads changed.
 
-Oracles: kvjax.serve_steps.num_compiled (a step that meets a new program raises
+Oracles: kvjax.runtime.serve_steps.num_compiled (a step that meets a new program raises
 it), an engine that never warmed up (its tokens), the pages a fresh pool holds
 (zeros), random row groups within the scheduler's limits (every one packs to
 a listed shape), and shape counts worked out by hand from the bucketing rules.
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.batching import Packing, StepShape
-from kvjax.serve_steps import num_compiled
-from kvjax.warm_up import SERVER_VARIANTS
+from kvjax.engine.sched.batching import Packing, StepShape
+from kvjax.engine.warm_up import SERVER_VARIANTS
+from kvjax.model.params import init_params
+from kvjax.runtime.serve_steps import num_compiled
 from kvjax.server import serve_in_thread
-from kvjax.params import init_params
 from tests.test_hybrid import CONFIG as HYBRID
 
 # 4 rows, 16- and 32-token chunks, tables of 8 or 12 pages: 6 programs with bursts.
@@ -306,7 +306,7 @@ def test_a_mixed_stream_after_warm_up_compiles_nothing(warmed):
 
 def test_one_program_serves_every_sampling_option(tiny_model):
   """After a plain warm-up, requests with top-k, top-p, logprobs and all of them at once
-  compile nothing (runtime conds, kvjax/serve_steps.py), and their outputs equal a cold
+  compile nothing (runtime conds, kvjax/runtime/serve_steps.py), and their outputs equal a cold
   engine's (which compiles as it goes)."""
   options = [dict(top_k=3), dict(temperature=0.7, top_p=0.9, logprobs=2, seed=1), dict(logprobs=0),
              dict(temperature=1.0, top_k=5, top_p=0.8, logprobs=1, seed=9), {}]
@@ -350,7 +350,7 @@ def test_a_full_warm_up_server_serves_without_compiling(placed, warmed, released
 
 
 def test_progress_bar_adds_up(capsys):
-  from kvjax.warm_up import WarmUpPlan, warm_up
+  from kvjax.engine.warm_up import WarmUpPlan, warm_up
 
   shapes = [StepShape("burst", 4, 1, 8, 0), StepShape("prefill", 4, 16, 8, 0)]
   calls = []

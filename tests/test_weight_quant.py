@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import generation
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches import create_paged_cache
 from kvjax.quant import qmatmul
 from kvjax.quant.qweight import QuantizedWeight, quantize_weight
+from kvjax.runtime import generation
+from kvjax.runtime.sampling import SamplingParams
+from kvjax.runtime.step_batch import make_step_batch
 from kvjax.weights.quantize import (SCHEMES, decode_step_weight_bytes, quantize_params,
                                     weight_bytes)
-from kvjax.sampling import SamplingParams
-from kvjax.step_batch import make_step_batch
 
 # Relative Frobenius reconstruction error of a Gaussian [256, 64] weight: rounding
 # error is uniform, step/sqrt(12), step = absmax/qmax of each group.

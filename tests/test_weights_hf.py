@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvjax
-from kvjax.layers import rope_attention_factor, rope_inv_freq
+from kvjax.model.layers import rope_attention_factor, rope_inv_freq
 from kvjax.weights.checkpoint import config_from_dict, config_to_dict
 from kvjax.weights.hf import config_from_hf
 from tests import hf_models

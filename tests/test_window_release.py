@@ -1,7 +1,7 @@
 """Sliding-window page release through the Engine: bounded pages, same tokens.
 
 W = 32, G = 8.  A row of n positions starting at s holds pages (s - 31) // 8
-through (s + n - 1) // 8 (kvjax/scheduler.py), at most ceil((W + n - 2) / G) + 1:
+through (s + n - 1) // 8 (kvjax/engine/sched/scheduler.py), at most ceil((W + n - 2) / G) + 1:
 5 for decode rows (n = 1; within the issue's ceil(W / G) + 2 = 6) and 7 for
 16-token prefill chunks.  The oracle is the static contiguous cache, which has
 no pages at all.
@@ -14,8 +14,8 @@ import jax
 import pytest
 
 import kvjax
-from kvjax.pages import NULL_PAGE
-from kvjax.params import init_params
+from kvjax.engine.sched.pages import NULL_PAGE
+from kvjax.model.params import init_params
 
 W, G, BUDGET = 32, 8, 16
 DECODE_BOUND = -(-(W + 1 - 2) // G) + 1  # 5

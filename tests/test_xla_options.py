@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import serve_steps
-from kvjax.step_batch import make_step_batch
-from kvjax.xla_options import DECODE_COLUMNS, jit_step, step_compiler_options
+from kvjax.runtime import serve_steps
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.xla_options import DECODE_COLUMNS, jit_step, step_compiler_options
 from tests import engine_helpers as h
 
 

@@ -2,7 +2,7 @@
 chunk reads costs its rows' lengths, not the width of their block tables.
 
 The reference backend's gather (kvjax/attention/paged.py) reads every column of
-a block table, so the packing buckets table widths (kvjax/batching.py), and with
+a block table, so the packing buckets table widths (kvjax/engine/sched/batching.py), and with
 the gather alone each prefill chunk shape compiled once per width (96 of the
 default server's 101 step programs).  Here a `lax.fori_loop` walks the table Wb
 pages at a time, from the first block a row's window still sees to the last one
@@ -10,7 +10,7 @@ its kv_lens reach (both traced), keeping each query's running max, denominator
 and weighted sum.  A
 prefill program can then take the widest table whatever its rows hold: one
 program per chunk shape.  Decode and verify steps (a few columns) keep the one
-gather, which their short loops would not beat (kvjax/xla_options.py DECODE_COLUMNS).
+gather, which their short loops would not beat (kvjax/runtime/xla_options.py DECODE_COLUMNS).
 
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.variants import AttentionVariant, first_key, variant_mask, variant_scores
-from kvjax.invariance import ROW_TILE
+from kvjax.model.invariance import ROW_TILE
 
 __all__ = ["BLOCK_TOKENS", "block_pages", "blocked_attention", "query_tiles"]
 
@@ -113,7 +113,7 @@ def query_tiles(attend: Callable[..., jax.Array], qg: jax.Array, kv_lens: jax.Ar
                 ) -> jax.Array:
   """attend(q [K, B, Gq, ROW_TILE, H], kv_lens=) over qg [K, B, Gq, T, H]'s columns
   ROW_TILE at a time -> f32 [K, B, Gq, T, Hv]: every query's scores and weighted sums
-  are the same matmul shapes whatever T (batch-invariant steps, kvjax/invariance.py).
+  are the same matmul shapes whatever T (batch-invariant steps, kvjax/model/invariance.py).
   Columns padded in front sit at earlier positions (their output is dropped); a tile
   ending at column e reads as if its row's length were kv_lens - T + e: the keys
   past it are ones no query of the tile sees."""

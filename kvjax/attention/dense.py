@@ -42,7 +42,7 @@ def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
 
 def padded_positions(kv_lens: jax.Array, t: int, s: int) -> tuple[jax.Array, jax.Array]:
   """(q_positions [B, T], k_positions [B, S]) of kv_lens [B] padded rows: query t at
-  kv_lens - T + t, key j at j (kvjax/step_batch.py)."""
+  kv_lens - T + t, key j at j (kvjax/runtime/step_batch.py)."""
   b = kv_lens.shape[0]
   q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
   return q_positions, jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
@@ -52,7 +52,7 @@ def padded_visibility(kv_lens: jax.Array, t: int, s: int, window: Optional[int],
                       variant: Optional[AttentionVariant] = None) -> jax.Array:
   """[B, T, S] visibility of kv_lens [B] padded rows (padded_positions).
 
-  The layout every paged read shares (kvjax/step_batch.py): keys past kv_lens
+  The layout every paged read shares (kvjax/runtime/step_batch.py): keys past kv_lens
   are invalid, the rest causal, windowed and masked by the variant.
   """
   q_positions, k_positions = padded_positions(kv_lens, t, s)

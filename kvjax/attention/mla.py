@@ -1,6 +1,6 @@
 """Attention over MLA's latent pages, in pure jnp (the reference backend's `mla_attention`).
 
-Multi-head latent attention (DeepSeek-V2/V3; the block is kvjax/model.py
+Multi-head latent attention (DeepSeek-V2/V3; the block is kvjax/model/decoder.py
 `mla_attention`) caches one latent row [R + Hr] per token, shared by every
 head, instead of K and V: with the up-projections absorbed into the query and
 the output, attention is MQA over a single "kv head" whose keys are the whole
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from kvjax.attention.blocked import block_pages, blocked_attention
 from kvjax.attention.dense import masked_attention, padded_visibility
 from kvjax.attention.paged import block_of, padded_tables
-from kvjax.xla_options import DECODE_COLUMNS
+from kvjax.runtime.xla_options import DECODE_COLUMNS
 
 __all__ = ["mla_paged_attention"]
 

@@ -8,7 +8,7 @@ DECODE_COLUMNS columns) gather every column of the table at once; prefill
 chunks walk it a block at a time up to their rows' lengths
 (kvjax/attention/blocked.py), so their cost does not grow with the table's
 width.  Pallas backends receive the same call flattened into the ragged layout
-(see kvjax/backends.py).
+(see kvjax/attention/backends.py).
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax import invariance
 from kvjax.attention.blocked import block_pages, blocked_attention, query_tiles
 from kvjax.attention.dense import grouped_attention, padded_scores, padded_visibility
 from kvjax.attention.variants import AttentionVariant
-from kvjax.xla_options import DECODE_COLUMNS
+from kvjax.model import invariance
+from kvjax.runtime.xla_options import DECODE_COLUMNS
 
 __all__ = ["paged_attention", "gather_pages", "gathered_attention", "padded_tables", "block_of"]
 
@@ -79,7 +79,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   loop operand cannot fuse into the gather that reads it).
   """
   pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
-  # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/invariance.py).
+  # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/model/invariance.py).
   if q.shape[1] > DECODE_COLUMNS or invariance.is_on():
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 __all__ = ["AttentionVariant", "register_variant", "get_variant", "variant_names",
            "with_attention", "variant_mask", "variant_scores", "first_key",

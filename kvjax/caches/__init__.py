@@ -3,7 +3,7 @@
 Every cache is a frozen pytree with
   cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
 which writes the step's new k, v [B, T, K, H] for `batch` (a StepBatch,
-kvjax/step_batch.py) and attends q [B, T, N, H] over everything the rows can
+kvjax/runtime/step_batch.py) and attends q [B, T, N, H] over everything the rows can
 see; the cache goes in and comes out, nothing is mutated.  Paged caches also
 list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
 (`SLOT_ARRAYS`) for page copies and for clearing a failed request's pages.
@@ -39,7 +39,7 @@ from typing import Optional, Union
 import jax
 from jax.sharding import Mesh
 
-from kvjax.backends import Backend
+from kvjax.attention.backends import Backend
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.kivi import KIVIPagedKVCache
 from kvjax.caches.layout import (STORE_DTYPES, KVLayout, PoolSizes, get_layout, layout_names,
@@ -47,8 +47,8 @@ from kvjax.caches.layout import (STORE_DTYPES, KVLayout, PoolSizes, get_layout, 
 from kvjax.caches.mla import MLAPagedCache
 from kvjax.caches.paged import NULL_PAGE, PagedKVCache, clear_cache_pages, copy_cache_pages
 from kvjax.caches.recurrent import check_hybrid_engine, with_recurrent_state
-from kvjax.config import ModelConfig
-from kvjax.sharding import cache_shardings
+from kvjax.model.config import ModelConfig
+from kvjax.parallel.sharding import cache_shardings
 
 for _module in pkgutil.iter_modules(__path__):  # each layout module registers its records
   importlib.import_module(f"{__name__}.{_module.name}")
@@ -94,7 +94,7 @@ def create_paged_cache(cfg: ModelConfig, kv_dtype: KVDtype, num_slots: int,
   `num_slots` rows of per-slot state (int4's residual) sit beside the pages,
   and a hybrid's `num_snapshots` prefix-cache state snapshots and, with
   speculation, `num_verify_states` (J + 1) states per slot for rollback.
-  On a `mesh` each device allocates only its kv heads (kvjax/sharding.py).
+  On a `mesh` each device allocates only its kv heads (kvjax/parallel/sharding.py).
   """
   layout = get_layout(kv_dtype, cfg)
   sizes = PoolSizes(num_pages, page_size, num_slots, with_mtp, num_snapshots,

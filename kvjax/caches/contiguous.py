@@ -11,7 +11,7 @@ from flax import struct
 
 from kvjax.attention.dense import masked_attention, padded_scores, padded_visibility
 from kvjax.attention.variants import AttentionVariant
-from kvjax.step_batch import StepBatch
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["ContiguousKVCache"]
 
@@ -32,7 +32,7 @@ class ContiguousKVCache:
              window: Optional[int], backend=None, sinks: Optional[jax.Array] = None,
              variant: Optional[AttentionVariant] = None):
     """Write k [B, T, K, H], v [B, T, K, Hv] into each row's slot; q attends the slot's
-    buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/learned_sinks.py;
+    buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/model/learned_sinks.py;
     `variant`: an attention variant's mask and score, kvjax/attention/variants.py)."""
     del backend  # a contiguous buffer needs no page gather
     slots = batch.slot_ids[:, None]  # [B, 1]

@@ -3,7 +3,7 @@
 The jnp reference backend reads pages by gathering every row's pages into a
 dense [K, B, S, H] copy, in every layer of every step; at batch 32 on a CPU
 that gather is most of a decode step.  A device loop of decode steps over the
-same rows (a multi-step burst, kvjax/serve_steps.py; kvjax.generate's decode
+same rows (a multi-step burst, kvjax/runtime/serve_steps.py; kvjax.generate's decode
 loop) would gather the same pages each step for the few positions the steps
 before it wrote.  `decode_loop_cache` instead gathers every layer once before
 the loop; each step writes its K/V into the dense copy and attends it through
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.backends import get_backend
+from kvjax.attention.backends import get_backend
 from kvjax.caches.paged import PagedKVCache, physical_pages
-from kvjax.step_batch import StepBatch
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["GatheredKVCache", "decode_loop_cache", "MAX_GATHERED_BYTES"]
 

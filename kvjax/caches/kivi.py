@@ -29,15 +29,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.attention.backends import Backend
 from kvjax.attention.dense import masked_attention, padded_scores, padded_visibility
 from kvjax.attention.variants import AttentionVariant
-from kvjax.backends import Backend
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import NULL_PAGE, PagedLayout, physical_pages
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 from kvjax.quant.affine import quantize_affine
 from kvjax.quant.symmetric import pack_int4, unpack_int4
-from kvjax.step_batch import StepBatch
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["KIVIPagedKVCache"]
 
@@ -48,7 +48,7 @@ class KIVIPagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales", "k_offsets", "v_offsets")
   PAGE_AXIS = 2
   SLOT_ARRAYS = ("k_residual", "v_residual")
-  # kv-head axes, split over tp (kvjax/sharding.py)
+  # kv-head axes, split over tp (kvjax/parallel/sharding.py)
   HEAD_AXES = {**{name: 1 for name in PAGE_ARRAYS}, **{name: 3 for name in SLOT_ARRAYS}}
 
   k_pages: jax.Array  # [L, K, P, Z, H/2] int8, two int4 codes per byte

@@ -6,7 +6,7 @@ K/V (float pages, int8, KIVI int4, MLA latents, StreamingLLM's sinks + window):
       its shape, stored dtype and role ("page": pages on axis PAGE_AXIS, tokens on
       the next; "slot": slots on axis 1), so the pool is allocated from it
       (kvjax/caches/__init__.py) and the ledger and `kvjax memory` count bytes from
-      it (kvjax/ledger.py): no second formula anywhere;
+      it (kvjax/parallel/ledger.py): no second formula anywhere;
   cache: the pytree class built from those arrays; its `attend` is the layout's
       attention (the contract in kvjax/caches/__init__.py);
   capabilities: which backends read it (`check_backend`), whether a hybrid's
@@ -27,14 +27,14 @@ from typing import Callable, Optional, Union
 
 import jax.numpy as jnp
 
-from kvjax.backends import Backend
-from kvjax.config import ModelConfig, short_dtype_name
+from kvjax.attention.backends import Backend
+from kvjax.model.config import ModelConfig, short_dtype_name
 
 __all__ = ["ArraySpec", "PoolSizes", "KVLayout", "PageRelease", "WindowRelease", "register",
            "layout_names", "get_layout", "sizing_layout", "FLOAT_STORES", "STORE_DTYPES",
            "store_name", "allocate"]
 
-# Stored dtypes of cache arrays by short name (kvjax/config.py's vocabulary).
+# Stored dtypes of cache arrays by short name (kvjax/model/config.py's vocabulary).
 FLOAT_STORES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 STORE_DTYPES = {**FLOAT_STORES, "int8": jnp.int8}
 
@@ -107,7 +107,7 @@ class PageRelease:
 @dataclasses.dataclass(frozen=True)
 class WindowRelease(PageRelease):
   """A sliding window (every layer's): a query at p sees keys j > p - window, so pages
-  wholly before start - window + 1 are dead (kvjax/scheduler.py's module doc)."""
+  wholly before start - window + 1 are dead (kvjax/engine/sched/scheduler.py's module doc)."""
 
   window: Optional[int] = None
 
@@ -222,7 +222,7 @@ def layout_names() -> tuple:
 
 
 def sizing_layout(kv_dtype: Union[None, str, KVLayout], cfg: ModelConfig) -> KVLayout:
-  """The layout the ledger sizes (kvjax/ledger.py): a float dtype name means cfg's default
+  """The layout the ledger sizes (kvjax/parallel/ledger.py): a float dtype name means cfg's default
   layout storing that float (MLA latents at bf16 are what the seeds size), anything else
   the registered layout; None: the default at its store.  Checks only the name."""
   name = short_dtype_name(kv_dtype)

@@ -2,7 +2,7 @@
 
 What is cached per token and layer: the compressed latent c = RMSNorm(x W_dkv)
 [R] (R = kv_lora_rank) and one rope key k_r [Hr], R + Hr values against MHA's
-2 N H (DeepSeek-V2: 576 vs 32,768; claim C6).  The block (kvjax/model.py
+2 N H (DeepSeek-V2: 576 vs 32,768; claim C6).  The block (kvjax/model/decoder.py
 `mla_attention`) hands `attend` keys k [B, T, 1, R + Hr] with v = k[..., :R];
 only k is stored, one page array instead of two, and the backend's
 `mla_attention` reads it (kvjax/attention/mla.py for the reference).  Registered
@@ -15,12 +15,12 @@ from typing import Optional
 import jax
 from flax import struct
 
-from kvjax.backends import Backend
+from kvjax.attention.backends import Backend
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import PagedLayout, token_slots
-from kvjax.config import ModelConfig
-from kvjax.step_batch import StepBatch
+from kvjax.model.config import ModelConfig
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["MLAPagedCache"]
 

@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.backends import Backend
+from kvjax.attention.backends import Backend
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
-from kvjax.config import ModelConfig
-from kvjax.pages import NULL_PAGE
+from kvjax.engine.sched.pages import NULL_PAGE
+from kvjax.model.config import ModelConfig
 from kvjax.quant.symmetric import quantize
-from kvjax.step_batch import StepBatch
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_slots",
            "copy_cache_pages", "clear_cache_pages", "kv_page_arrays"]
@@ -79,7 +79,8 @@ class PagedKVCache(PagedLayout):
   PAGE_ARRAYS = ("k_pages", "v_pages", "k_scales", "v_scales")  # see copy_cache_pages
   PAGE_AXIS = 2
   GATHERS_ROWS = True  # float pages (see gathers_rows)
-  HEAD_AXES = {name: 1 for name in PAGE_ARRAYS}  # kv heads split over tp (kvjax/sharding.py)
+  # kv heads split over tp (kvjax/parallel/sharding.py)
+  HEAD_AXES = {name: 1 for name in PAGE_ARRAYS}
   k_pages: jax.Array  # [L, K, P, Z, H]
   v_pages: jax.Array  # [L, K, P, Z, H]
   k_scales: Optional[jax.Array] = None  # [L, K, P, Z] f32 (int8 pages only)
@@ -150,7 +151,7 @@ def clear_cache_pages(cache, pages: jax.Array, slots: jax.Array):
   weighs a masked position by exactly 0, but 0 * NaN is NaN, so a stale
   non-finite value in a reused page (or slot residual) would poison whoever
   reads that page next.  Clearing what only the failed request held keeps the
-  pool clean (kvjax/engine.py).
+  pool clean (kvjax/engine/engine.py).
   """
   page_lead = (slice(None),) * cache.PAGE_AXIS
 

@@ -1,6 +1,6 @@
 """Hybrid caches: per-slot recurrent state beside the KV of the full-attention layers.
 
-A hybrid model (Qwen3.5, Qwen3-Next; kvjax/hybrid.py) has two kinds of layer.
+A hybrid model (Qwen3.5, Qwen3-Next; kvjax/model/hybrid.py) has two kinds of layer.
 Its full-attention layers cache K/V exactly as a dense model's do (pages, or a
 contiguous buffer), indexed by their row among the attention layers; its Gated
 DeltaNet layers keep, per slot, a conv state (the last Kc - 1 conv inputs) and
@@ -23,7 +23,7 @@ held.  Padding columns and rows leave the states as they were.  The states are
 `SLOT_ARRAYS` (slots on axis 1, after the layer axis), so a failed request's
 slot is cleared like an int4 residual (kvjax/caches/paged.py clear_cache_pages).
 
-Prefix caching (kvjax/state_snapshots.py): a state cannot be rebuilt from KV
+Prefix caching (kvjax/engine/sched/state_snapshots.py): a state cannot be rebuilt from KV
 pages, so the paged twin also keeps Q snapshots, the states right after
 page boundaries.  A step's `snapshot_tables` [B, W] names, per logical page,
 the snapshot to write when a row's real columns reach that page's last
@@ -53,8 +53,8 @@ from kvjax.attention.gated_delta import LinearInputs, gated_delta_mix
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import ArraySpec, PoolSizes, allocate
 from kvjax.caches.paged import PagedKVCache
-from kvjax.config import ModelConfig
-from kvjax.step_batch import StepBatch
+from kvjax.model.config import ModelConfig
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["RecurrentState", "HybridPagedCache", "HybridContiguousCache", "state_shapes",
            "state_arrays", "with_recurrent_state", "check_hybrid_engine"]

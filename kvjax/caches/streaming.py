@@ -8,7 +8,7 @@ its quality far past the window, at a bounded cache.
 Pages.  The pages holding the sinks (logical pages 0 .. ceil(sinks / Z) - 1)
 are kept; a page wholly after them and wholly before the window of a request's
 next query is dead and released (`SinkWindowRelease`), exactly as the sliding
-window releases pages before its window (kvjax/scheduler.py): the page returns
+window releases pages before its window (kvjax/engine/sched/scheduler.py): the page returns
 to the allocator, a cached one stays cached (evictable), and its block-table
 entry becomes the null page, which the mask hides.  A request then holds at
 most ceil(sinks / Z) + ceil((window + n - 2) / Z) + 1 pages for a row of n
@@ -36,8 +36,8 @@ from kvjax.attention.dense import masked_attention
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import KVLayout, PageRelease, register
 from kvjax.caches.paged import PagedKVCache, kv_page_arrays
-from kvjax.config import ModelConfig
-from kvjax.step_batch import StepBatch
+from kvjax.model.config import ModelConfig
+from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["sink_window_visibility", "SinkWindowCache", "SinkWindowContiguousCache",
            "SinkWindowRelease", "streaming_layout"]

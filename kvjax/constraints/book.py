@@ -20,7 +20,7 @@ ends its request.  A matcher that fails (llguidance's error state: a rule
 past 2,000 alternatives, a grammar that leads nowhere) also allows only EOS,
 which would end its request as if the output were complete: `masks` lists
 it in `failed` with llguidance's reason, and the engine finishes its request
-with "error" (kvjax/output_processor.py).  Shapes: docs/DIMENSIONS.md.
+with "error" (kvjax/engine/output_processor.py).  Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class ConstraintBook:
   def masks(self, rows: Sequence, columns: int, drafts: Optional[Sequence[list[int]]] = None):
     """Masks of one row group -> (mask [len(rows), columns, Vb] int32 or None, drafts).
 
-    rows: the group's ScheduledRows (kvjax/requests.py); one that samples nothing
+    rows: the group's ScheduledRows (kvjax/engine/requests.py); one that samples nothing
     or has no constraint is all ones.  drafts[b] (host drafts, at most columns - 1
     each) come back cut at the first one the grammar forbids; where the grammar
     forces the next tokens (JSON keys and punctuation, the rest of an enum value),
@@ -157,7 +157,7 @@ class ConstraintBook:
     rows up to num_rows (a packed batch's B), or, for a group with no constrained row
     (mask None), the shared all-ones mask [B, columns, Vb]: every step program takes
     one, so a request's first constraint compiles nothing (the device skips an
-    all-ones mask: kvjax/sampling.py apply_token_mask)."""
+    all-ones mask: kvjax/runtime/sampling.py apply_token_mask)."""
     if mask is None:
       return _open_mask(num_rows, columns, -(-vocab_size // 32))
     if mask.shape[0] == num_rows:

@@ -1,7 +1,7 @@
 """A kvjax tokenizer's vocabulary as llguidance sees it (built once per model).
 
-The byte tokenizer (kvjax/tokenizer.py) is one token per byte plus its
-specials; an HF tokenizer (kvjax/hf_tokenizer.py, also what a GGUF file's
+The byte tokenizer (kvjax/text/tokenizer.py) is one token per byte plus its
+specials; an HF tokenizer (kvjax/text/hf_tokenizer.py, also what a GGUF file's
 metadata builds: kvjax/weights/gguf_tokenizer.py) hands llguidance its
 tokenizer.json, from which llguidance reads every token's bytes.  The EOS is
 the model's (`eos_token_id`): the id a finished grammar allows, and the one
@@ -14,8 +14,8 @@ from typing import Optional
 import llguidance
 
 from kvjax.constraints.book import ConstraintBook
-from kvjax.hf_tokenizer import HFTokenizer
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.text.hf_tokenizer import HFTokenizer
+from kvjax.text.tokenizer import ByteTokenizer
 
 __all__ = ["constraint_vocabulary", "constraint_book"]
 

@@ -8,5 +8,5 @@ One module per task, each over any kvjax.Model and the engine options it serves 
   sandbox.py     runs an untrusted Python program contained (bubblewrap, rlimits)
   needle.py      needle retrieval (claim C16): accuracy by context length and depth
   choice.py      multiple choice by loglikelihood (lm-eval's multiple_choice): acc, acc_norm
-`python -m kvjax eval` (kvjax/cli_eval.py) runs them and writes JSON + PNG.
+`python -m kvjax eval` (kvjax/cli/eval.py) runs them and writes JSON + PNG.
 """

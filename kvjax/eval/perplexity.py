@@ -30,12 +30,12 @@ import numpy as np
 
 from kvjax.api import Model
 from kvjax.caches import create_paged_cache
-from kvjax.config import ModelConfig
 from kvjax.eval.variant import kv_bytes_per_token, resolved_engine_config, with_window
-from kvjax.model import lm_logits
-from kvjax.params import Params
-from kvjax.step_batch import make_step_batch
-from kvjax.steps import model_step
+from kvjax.model.config import ModelConfig
+from kvjax.model.decoder import lm_logits
+from kvjax.model.params import Params
+from kvjax.runtime.step_batch import make_step_batch
+from kvjax.runtime.steps import model_step
 
 __all__ = ["segments", "score_segments", "perplexity"]
 

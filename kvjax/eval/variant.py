@@ -18,7 +18,7 @@ from typing import Optional
 from kvjax.api import Model
 from kvjax.caches.layout import PoolSizes, get_layout, register, store_name
 from kvjax.caches.streaming import streaming_layout
-from kvjax.engine_config import EngineConfig
+from kvjax.engine.config import EngineConfig
 
 __all__ = ["parse_variant", "with_window", "resolved_engine_config", "kv_bytes_per_token"]
 

@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 __all__ = ["ExpertGLU", "SWIGLU"]
 

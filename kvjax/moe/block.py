@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 from kvjax.moe.activation import ExpertGLU
 from kvjax.moe.expert_parallel import expert_parallel
 from kvjax.moe.grouped import routed_experts, swiglu

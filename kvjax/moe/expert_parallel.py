@@ -1,7 +1,7 @@
 """Expert parallelism: each MoE layer's routed experts split over the mesh axis "expert".
 
 On a mesh made with ep > 1 (kvjax.make_mesh: axes "data", "expert", "model";
-kvjax/mesh_axes.py) placement (kvjax/sharding.py) runs `stack_experts` on every
+kvjax/parallel/mesh_axes.py) placement (kvjax/parallel/sharding.py) runs `stack_experts` on every
 MoE layer: its experts become one `ExpertParams` of [Ne, ...] leaves laid out
 `EXPERT_SPECS`, so device (i, j) of the (expert, model) grid holds experts
 i Ne / ep .. (i + 1) Ne / ep - 1 and, of each, the j-th 1 / tp of its width Fe:
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kvjax.mesh_axes import EXPERT, MODEL
 from kvjax.moe.activation import SWIGLU, ExpertGLU
 from kvjax.moe.grouped import ragged_expert_mlp
 from kvjax.moe.params import ExpertParams, MoEParams
+from kvjax.parallel.mesh_axes import EXPERT, MODEL
 from kvjax.quant.qweight import QuantizedWeight
 
 __all__ = ["EXPERT_SPECS", "stack_experts", "expert_parallel"]

@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax.layers import dense
+from kvjax.model.layers import dense
 from kvjax.moe.activation import SWIGLU, ExpertGLU
 from kvjax.moe.params import ExpertParams
 

@@ -6,7 +6,7 @@ place (kvjax/moe/grouped.py `switched_experts`), where slicing one stacked array
 by a traced index copies the slice first on XLA:CPU (3x the bytes).  The grouped
 path stacks them for `jax.lax.ragged_dot`, and so does placement on a mesh with an
 "expert" axis, once (kvjax/moe/expert_parallel.py).  Leaf names follow the dense
-MLP's (`w_gate`, `w_up`, `w_down`), so tensor parallelism (kvjax/sharding.py)
+MLP's (`w_gate`, `w_up`, `w_down`), so tensor parallelism (kvjax/parallel/sharding.py)
 splits each expert's width Fe over "model" and weight quantization finds them by name.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 
 __all__ = ["ExpertParams", "MoEParams", "init_moe"]
 

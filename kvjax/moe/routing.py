@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 from kvjax.moe.topk import top_k_experts
 
 __all__ = ["route"]

@@ -24,7 +24,7 @@ def quantize(x: jax.Array, bits: int, axis) -> tuple[jax.Array, jax.Array]:
 
   A slice holding NaN or inf gets a NaN scale (and codes 0), so it dequantizes to NaN:
   codes alone would turn a non-finite slice into finite values and hide it from the
-  engine's non-finite check (kvjax/serve_steps.py) behind an int8/int4 KV cache.
+  engine's non-finite check (kvjax/runtime/serve_steps.py) behind an int8/int4 KV cache.
   """
   top = qmax(bits)
   x = x.astype(jnp.float32)

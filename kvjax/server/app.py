@@ -31,12 +31,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from kvjax.engine.warm_up import BackgroundWarmUp
 from kvjax.server.engine_loop import EngineLoop, Failed, Submission
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import (MAX_BODY_BYTES, Limits, OpenAIError, parse_chat,
                                    parse_completion, parse_json)
 from kvjax.server.responses import Responses, sse
-from kvjax.warm_up import BackgroundWarmUp
 
 __all__ = ["ServerState", "create_app"]
 
@@ -79,7 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
   async def health():
     """200 while the server answers: {"status": "ready"}, or "warming" with the background
     warm-up's progress (requests are served; one may compile), or "ready" with the progress
-    of a warm-up that stopped early (kvjax/warm_up.py); 503 once it stopped."""
+    of a warm-up that stopped early (kvjax/engine/warm_up.py); 503 once it stopped."""
     if not (state.ready and state.loop.alive):
       return JSONResponse({"status": "unavailable"}, status_code=503)
     warm_up = state.warm_up

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from kvjax.requests import RequestStatus
+from kvjax.engine.requests import RequestStatus
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import GenerationRequest, OpenAIError, engine_error_param
 from kvjax.server.text import TextStream
@@ -55,7 +55,7 @@ class Delta:
   token_ids: list  # the new completion ids this text came from
   num_tokens: int  # completion tokens of the choice so far
   finish_reason: Optional[str]  # None until the choice's last delta
-  logprobs: Optional[list] = None  # a kvjax.requests.TokenLogprob per id, if asked
+  logprobs: Optional[list] = None  # a kvjax.engine.requests.TokenLogprob per id, if asked
   prompt_logprobs: Optional[list] = None  # the engine's, on a choice's first delta, if asked
 
 

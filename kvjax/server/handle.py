@@ -6,7 +6,7 @@ one Engine), warms it up, starts the engine thread and uvicorn, and
 returns once the socket listens.  Port 0 picks a free port; `handle.port` is the
 real one.  The warm-up decides what the first clients pay in XLA compilation:
 "full" compiles every step program the engine can run, bursts in every stop-id
-width (Engine.warm_up, kvjax/warm_up.py SERVER_VARIANTS), so no request waits on a
+width (Engine.warm_up, kvjax/engine/warm_up.py SERVER_VARIANTS), so no request waits on a
 compile; "background" compiles the same programs in a thread while the server
 already answers, whenever no request is running (a request meeting a program not
 yet compiled compiles it; /health says "warming" until the last one ran, then
@@ -24,16 +24,16 @@ from typing import Optional, Sequence, Union
 import uvicorn
 
 from kvjax.constraints.vocabulary import constraint_book
-from kvjax.engine import Engine
-from kvjax.engine_config import EngineConfig
-from kvjax.kv_events import KVEventPublisher, replica_endpoint
-from kvjax.router import Router
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.engine import Engine
+from kvjax.engine.kv_events import KVEventPublisher, replica_endpoint
+from kvjax.engine.router import Router
+from kvjax.engine.validation import check_int
+from kvjax.engine.warm_up import SERVER_VARIANTS, WARM_UP_MODES, BackgroundWarmUp, WarmUp
 from kvjax.server.app import ServerState, create_app
 from kvjax.server.engine_loop import EngineLoop
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import Limits
-from kvjax.validation import check_int
-from kvjax.warm_up import SERVER_VARIANTS, WARM_UP_MODES, BackgroundWarmUp, WarmUp
 
 __all__ = ["ServerHandle", "serve_in_thread"]
 
@@ -45,7 +45,7 @@ class ServerHandle:
   """A running server: `.url` (the OpenAI base URL, ending in /v1), `.root` (where
   /health and /metrics live), `.port`, `.engine` (the Engine or the replicas' Router; to
   inspect, not to drive), `.stop()`,
-  `.warm_up` (a full or finished background warm-up's kvjax.warm_up.WarmUp: programs
+  `.warm_up` (a full or finished background warm-up's kvjax.engine.warm_up.WarmUp: programs
   compiled, seconds; None after a minimal one or while a background one runs),
   `.wait_ready(timeout_s)`.  Also a context manager that stops the server on exit."""
 
@@ -53,7 +53,7 @@ class ServerHandle:
                state: ServerState, host: str, port: int, warm_up: Optional[WarmUp] = None):
     self._server, self._thread, self._loop, self.state = server, thread, loop, state
     self._warm_up = warm_up
-    self.kv_events: list = []  # kvjax.kv_events.KVEventPublisher per replica
+    self.kv_events: list = []  # kvjax.engine.kv_events.KVEventPublisher per replica
     self.port = port
     self.root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     self.url = self.root + "/v1"
@@ -106,7 +106,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   "minimal" (see the module doc).
   vllm_metrics: /metrics also under vLLM's vllm: names (kvjax/server/prom.py).
   kv_events: a ZMQ endpoint where each replica's prefix cache publishes vLLM's KV events
-  (kvjax/kv_events.py; replica i at kv_events.replica_endpoint(kv_events, i)).
+  (kvjax/engine/kv_events.py; replica i at kv_events.replica_endpoint(kv_events, i)).
   """
   check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
@@ -141,7 +141,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len,
                                    max_choices=loop.capacity),
                       tokenizer, metrics, created=int(time.time()))
-  if warm_up == "background":  # the engine thread's requests go first (kvjax/warm_up.py)
+  if warm_up == "background":  # the engine thread's requests go first (kvjax/engine/warm_up.py)
     state.warm_up = BackgroundWarmUp([e.warm_up_plan(**SERVER_VARIANTS) for e in engines],
                                      busy=lambda: engine.has_unfinished or loop.num_waiting > 0)
   server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port,

@@ -7,12 +7,12 @@ vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc).
 it doubles the series, and a fleet dashboard summing vllm: series would count kvjax
 servers as vLLM ones.  kvjax:max_num_seqs, not a vLLM metric, keeps its one name.
 
-Gauges follow the engine's stats (kvjax/engine_stats.py, a Router's summed over its
+Gauges follow the engine's stats (kvjax/engine/stats.py, a Router's summed over its
 replicas) after every engine step and admission; counters of its cumulative totals
 (prefix cache, preemptions) advance by their deltas; token counters advance as
 tokens reach clients (a stop string's completion ends at the token that
 completed it); request histograms and request_success come
-from kvjax/metrics.py's RequestMetrics of each finished request.  Every
+from kvjax/engine/metrics.py's RequestMetrics of each finished request.  Every
 series carries a model_name label, as vLLM's do.  `kvjax:max_num_seqs` is the
 configured concurrency (what C18's diagnosis compares running requests with).
 """
@@ -22,8 +22,8 @@ from typing import Optional
 
 import prometheus_client as prom
 
-from kvjax.engine_stats import EngineStats
-from kvjax.metrics import RequestMetrics
+from kvjax.engine.metrics import RequestMetrics
+from kvjax.engine.stats import EngineStats
 
 __all__ = ["ServerMetrics"]
 

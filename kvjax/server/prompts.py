@@ -12,9 +12,9 @@ import dataclasses
 import numbers
 from typing import Optional
 
+from kvjax.engine.validation import check_int
 from kvjax.server.openai_error import OpenAIError
 from kvjax.server.tools import tool_message_fields
-from kvjax.validation import check_int
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "Limits", "checked", "checked_text", "is_token_id",
            "prompt_items", "truncation", "cut_after_final_message", "prompt_ids",

@@ -3,7 +3,7 @@
 Every check runs before anything reaches the engine, and every error names
 the request field (`param`) it is about, as OpenAI's error JSON does:
   {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
-Sampling fields go through kvjax/validation.py, the Engine's own checks.
+Sampling fields go through kvjax/engine/validation.py, the Engine's own checks.
 Prompts and chat messages become checked token ids in kvjax/server/prompts.py (text:
 UTF-8 without NUL; lengths before tokenizing); a body is bounded before it is parsed
 (kvjax/server/request_body.py); errors are OpenAIError (kvjax/server/openai_error.py).
@@ -14,7 +14,7 @@ random seed when none is given), so n > 1 choices differ and a seeded request
 is reproducible offline.
 vLLM's request extensions are honoured: ignore_eos, min_tokens, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens, repetition_penalty, min_p (and OpenAI's
-presence_penalty, frequency_penalty, logit_bias; kvjax/logit_processors.py),
+presence_penalty, frequency_penalty, logit_bias; kvjax/runtime/logit_processors.py),
 truncate_prompt_tokens (the prompt's last k tokens), best_of equal to n, and for chat
 add_generation_prompt and continue_final_message (the reply continues the last
 message: the rendered text is cut right after its content, as transformers cuts it).
@@ -36,6 +36,7 @@ import secrets
 from typing import Optional
 
 from kvjax.constraints import Constraint
+from kvjax.engine.validation import EXTENSIONS, SEED_RANGE, check_int, sampling_options, stop_ids
 from kvjax.server.openai_error import OpenAIError
 from kvjax.server.prompts import (MAX_CHARS_PER_TOKEN, Limits, check_text_fits, checked,
                                   checked_text, chat_message, cut_after_final_message,
@@ -43,7 +44,6 @@ from kvjax.server.prompts import (MAX_CHARS_PER_TOKEN, Limits, check_text_fits, 
 from kvjax.server.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth, parse_json
 from kvjax.server.structured import parse_constraint
 from kvjax.server.tools import ToolUse, parse_tools
-from kvjax.validation import EXTENSIONS, SEED_RANGE, check_int, sampling_options, stop_ids
 
 __all__ = ["OpenAIError", "Limits", "GenerationRequest", "parse_json", "parse_completion",
            "parse_chat", "engine_error_param", "json_depth", "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
@@ -146,7 +146,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
     raise OpenAIError(f"the chat template rejected the messages: {error}", "messages")
   if continued:
     text = cut_after_final_message(text, rendered[-1]["content"])
-  # Templates write their own BOS text (kvjax/tokenizer.py): no special tokens added.
+  # Templates write their own BOS text (kvjax/text/tokenizer.py): no special tokens added.
   ids = token_ids(tokenizer.encode(text, add_special_tokens=False), limits, "messages", keep)
   return _request(body, limits, [ids], chat=True, param="messages", tool_use=tool_use)
 

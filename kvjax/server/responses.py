@@ -15,7 +15,7 @@ the first, which nothing predicts); vLLM's prompt_logprobs comes as the choice's
 `prompt_logprobs`: None, then {id: {logprob, rank, decoded_token}} per prompt position (rank
 where the id is among the likeliest asked for).  A request with
 tools (kvjax/server/tools.py) has its tool calls parsed out of each choice's text
-(in the model's format: kvjax/tool_formats.py) into `message.tool_calls`
+(in the model's format: kvjax/text/tool_formats.py) into `message.tool_calls`
 (streamed: `delta.tool_calls`, one complete call per entry), the rest is the
 content (null when only calls remain), and a choice that ended on its own with
 calls finishes with "tool_calls".

@@ -3,10 +3,10 @@
 OpenAI's `tools` (function definitions), `tool_choice` ("none", "auto" (the
 default with tools), "required", or {"type": "function", "function": {"name"}})
 and `parallel_tool_calls` (default true).  Calls are written in the loaded
-model's tool-call format (its tokenizer's `tool_format`, kvjax/tool_formats.py:
+model's tool-call format (its tokenizer's `tool_format`, kvjax/text/tool_formats.py:
 Hermes, Llama 3.1 JSON or Mistral, from its chat template and special tokens).
 The definitions go into the prompt through the chat template
-(kvjax/chat_template.py; as the format's text when the template takes no tools)
+(kvjax/text/chat_template.py; as the format's text when the template takes no tools)
 and calls are parsed from the output into `message.tool_calls`.  "auto" leaves
 the model free and parses what it writes (as vLLM's tool parsers do); "required"
 and a named function are enforced by the format's grammar whose sentences are
@@ -23,7 +23,7 @@ import re
 from typing import Optional
 
 from kvjax.constraints import Constraint
-from kvjax.tool_calls import ToolFormat
+from kvjax.text.tool_calls import ToolFormat
 
 __all__ = ["ToolUse", "parse_tools", "tool_message_fields"]
 

@@ -46,9 +46,9 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from kvjax.text.tokenizer import ByteTokenizer
 from kvjax.training import corpus as stdlib_corpus
 from kvjax.training import near_duplicates
-from kvjax.tokenizer import ByteTokenizer
 
 __all__ = ["Source", "KeptFile", "Removed", "CodeCorpus", "STDLIB", "SPLITS",
            "wheel_sources", "stdlib_source", "strip_license_header", "normalize",

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.text.tokenizer import ByteTokenizer
 
 __all__ = ["SourceFile", "Corpus", "stdlib_dir", "load_corpus", "split_tokens",
            "heldout_slice", "tokens_sha256", "sample_batch"]

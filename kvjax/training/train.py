@@ -2,7 +2,7 @@
 
 A batch is int32 [B, T+1] windows of the byte stream: inputs are the first T
 tokens, the trunk predicts tokens 1..T and MTP module k (1-based) predicts
-tokens k+1..T from its first T-k positions (`kvjax.model.forward_with_mtp`).
+tokens k+1..T from its first T-k positions (`kvjax.model.decoder.forward_with_mtp`).
 
   loss = CE(trunk) + mtp_weight * sum_k CE(mtp module k)
 
@@ -26,10 +26,10 @@ import numpy as np
 import optax
 from flax import struct
 
-from kvjax.config import ModelConfig
-from kvjax.model import forward, forward_with_mtp
-from kvjax.params import Params, init_params
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.model.config import ModelConfig
+from kvjax.model.decoder import forward, forward_with_mtp
+from kvjax.model.params import Params, init_params
+from kvjax.text.tokenizer import ByteTokenizer
 
 __all__ = ["TrainState", "make_optimizer", "init_train_state", "loss_fn", "make_train_step",
            "bits_per_byte", "greedy_continuation", "mtp_acceptance"]

@@ -20,9 +20,9 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from kvjax.config import ModelConfig, RopeScaling, YarnScaling
-from kvjax.params import Params, init_params
-from kvjax.sharding import ep_size, param_shardings, shard_params
+from kvjax.model.config import ModelConfig, RopeScaling, YarnScaling
+from kvjax.model.params import Params, init_params
+from kvjax.parallel.sharding import ep_size, param_shardings, shard_params
 
 __all__ = ["DEFAULT_MODEL_DIR", "config_to_dict", "config_from_dict", "save", "read_config",
            "restore", "read_metadata", "train_state_manager", "save_train_state",
@@ -52,7 +52,7 @@ def config_from_dict(d: dict) -> ModelConfig:
 
 def _abstract_params(cfg: ModelConfig, dtype, mesh=None) -> Params:
   """Restore target on this process's default device, or shard by shard on `mesh`
-  (kvjax/sharding.py): a checkpoint written on a CPU must load on a GPU (orbax
+  (kvjax/parallel/sharding.py): a checkpoint written on a CPU must load on a GPU (orbax
   would otherwise ask for the saving topology)."""
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
   shardings = (param_shardings(shapes, mesh) if mesh is not None else jax.tree_util.tree_map(
@@ -96,7 +96,7 @@ def read_config(path: str) -> ModelConfig:
 def restore(path: str = DEFAULT_MODEL_DIR, dtype=None, mesh=None) -> tuple[ModelConfig, Params]:
   """-> (config, params); params cast to `dtype` (default: as stored), restored straight
   into their shardings on `mesh` if given (on an ep mesh the experts restore whole on
-  each "expert" row, then move to their split: kvjax/sharding.py `shard_params`)."""
+  each "expert" row, then move to their split: kvjax/parallel/sharding.py `shard_params`)."""
   path = os.path.abspath(path)
   cfg = read_config(path)
   params_dir = os.path.join(path, "params")

@@ -25,11 +25,11 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
-from kvjax.params import AttentionParams, BlockParams, Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import quantize_weight
 from kvjax.weights.config_checks import (MAX_CONTEXT, MAX_LAYERS, count_field,
-                                          positive_real_field)
+                                         positive_real_field)
 from kvjax.weights.gguf_header import check_gguf_header
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
 from kvjax.weights.gguf_registry import REGISTRY, gguf_path, is_gguf, resolve_registry_name

@@ -47,7 +47,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from kvjax.hf_tokenizer import HFTokenizer
+from kvjax.text.hf_tokenizer import HFTokenizer
 from kvjax.weights.gguf_vocab import (byte_alphabet, byte_level_bpe, gemma_bpe, llama_bpe,
                                       phi3_bpe)
 

@@ -31,8 +31,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
-from kvjax.params import AttentionParams, BlockParams, MTPParams, Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import AttentionParams, BlockParams, MTPParams, Params
 
 __all__ = ["grow"]
 

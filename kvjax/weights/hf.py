@@ -4,7 +4,7 @@ Supported `model_type`s: llama (incl. Llama-3.1 rope scaling), mistral (sliding
 window), qwen2 (qkv bias, optional per-layer sliding window), qwen3 (q/k norm),
 deepseek_v2 with MLA and dense MLPs only (MoE layers raise), deepseek_v3 (MLA,
 MoE), mixtral and qwen3_moe (MoE layers: kvjax/weights/hf_moe.py), gpt_oss (fused
-experts with biases and clamped SwiGLU, learned attention sinks: kvjax/learned_sinks.py,
+experts with biases and clamped SwiGLU, learned attention sinks: kvjax/model/learned_sinks.py,
 o_proj bias, alternating sliding / full layers, YaRN rope), qwen3_5 / qwen3_5_text /
 dense qwen3_next hybrids (kvjax/weights/hf_qwen3_5.py).
 Torch stores projections as [out, in]; kvjax keeps them input-major with heads
@@ -22,11 +22,11 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, RopeScaling, YarnScaling
-from kvjax.layer_kinds import layer_kind
-from kvjax.learned_sinks import LEARNED_SINKS, SinkAttentionParams, with_learned_sinks
-from kvjax.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
-from kvjax.sharding import place_host_params
+from kvjax.model.config import ModelConfig, RopeScaling, YarnScaling
+from kvjax.model.layer_kinds import layer_kind
+from kvjax.model.learned_sinks import LEARNED_SINKS, SinkAttentionParams, with_learned_sinks
+from kvjax.model.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params
+from kvjax.parallel.sharding import place_host_params
 from kvjax.weights.config_checks import check_hf_fields
 from kvjax.weights.hf_contract import check_hf_tensors, mtp_copies
 from kvjax.weights.hf_moe import MOE_MODEL_TYPES, moe_config, moe_params
@@ -205,7 +205,7 @@ def _deepseek_config(hf: dict[str, Any], name: str, theta: float,
 def _mla_params(cfg: ModelConfig, get: Callable[[str], jnp.ndarray], pre: str,
                 interleaved_rope: bool) -> MLAParams:
   """HF MLA tensors -> MLAParams; interleaved rope columns become evens-then-odds
-  (kvjax/model.py mla_attention explains why that equals HF's interleaved rope)."""
+  (kvjax/model/decoder.py mla_attention explains why that equals HF's interleaved rope)."""
   d, n, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
   hn, hr, hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
   rope_perm = np.concatenate([np.arange(0, hr, 2), np.arange(1, hr, 2)])
@@ -291,7 +291,7 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   tensor with a NaN or inf (counted on device as each tensor loads).
 
   On a `mesh` the tensors are memory-mapped, rearranged as host views and
-  placed shard by shard (kvjax/sharding.py), each device reading its slice;
+  placed shard by shard (kvjax/parallel/sharding.py), each device reading its slice;
   `check_finite` then names the first kvjax parameter with a NaN or inf.
   """
   hf_config, cfg = read_hf_config(path)

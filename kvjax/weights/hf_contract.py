@@ -26,9 +26,9 @@ import re
 import warnings
 from typing import Any
 
-from kvjax.config import ModelConfig
-from kvjax.layer_kinds import layer_kind
-from kvjax.learned_sinks import LEARNED_SINKS
+from kvjax.model.config import ModelConfig
+from kvjax.model.layer_kinds import layer_kind
+from kvjax.model.learned_sinks import LEARNED_SINKS
 from kvjax.weights.hf_moe import moe_tensors
 
 __all__ = ["FLOAT_DTYPES", "safetensors_headers", "expected_tensors", "mtp_copies",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvjax.config import ModelConfig
+from kvjax.model.config import ModelConfig
 from kvjax.moe.params import ExpertParams, MoEParams
 
 __all__ = ["MOE_MODEL_TYPES", "moe_config", "moe_tensors", "moe_params"]

@@ -1,7 +1,7 @@
 """HF Qwen3.5 (`qwen3_5`, `qwen3_5_text`) and dense Qwen3-Next (`qwen3_next`) checkpoints.
 
 Hybrids: `layer_types` marks each layer "linear_attention" (Gated DeltaNet,
-kvjax/hybrid.py) or "full_attention" (gated attention: q_proj packs each head's
+kvjax/model/hybrid.py) or "full_attention" (gated attention: q_proj packs each head's
 query and its sigmoid output gate, q/k RMSNorm, rope on the first
 partial_rotary_factor of each head).  Tensor names read, per layer
 `{p}layers.{i}.` with p = "model." (`qwen3_5_text`, `qwen3_next`) or
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from kvjax.config import ModelConfig
-from kvjax.params import AttentionParams, BlockParams, GatedDeltaParams, MTPParams, Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import AttentionParams, BlockParams, GatedDeltaParams, MTPParams, Params
 
 __all__ = ["QWEN3_5_MODEL_TYPES", "qwen3_5_config", "load_qwen3_5", "hf_eos_id"]
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import ledger
-from kvjax.config import DTYPE_SHORT_NAMES, ModelConfig
+from kvjax.model.config import DTYPE_SHORT_NAMES, ModelConfig
+from kvjax.parallel import ledger
 
 __all__ = ["MIN_KV_TOKENS", "available_device_bytes", "needed_bytes", "check_fits",
            "nonfinite_count", "raise_first_nonfinite", "check_finite_tree"]

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig
-from kvjax.params import AttentionParams, BlockParams, Params
+from kvjax.model.config import ModelConfig
+from kvjax.model.params import AttentionParams, BlockParams, Params
 from kvjax.quant.qweight import ActivationProbe, QuantizedWeight, quantize_weight
 
 __all__ = ["SCHEMES", "AWQ_ALPHAS", "weight_scheme", "quantize_params", "tied_head",
@@ -73,7 +73,7 @@ def _map_weights(params: Params, fn: Callable) -> Params:
 
 def _calibrate(params: Params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
   """name -> [rows, I] float32 inputs of that projection on `tokens` [B, T]."""
-  from kvjax.model import forward_with_mtp  # kept lazy: model imports kvjax.layers
+  from kvjax.model.decoder import forward_with_mtp  # kept lazy: model imports kvjax.model.layers
 
   probes = {}
 

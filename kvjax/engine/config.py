@@ -1,0 +1,301 @@
+"""`EngineConfig`: every option of a serving engine, frozen, validated in one place.
+
+Built once at the boundary (Engine, `kvjax.generate`'s engine path, the CLI
+and the benchmarks) and read everywhere else; `resolve(model)` checks it
+against the model and fills the model-dependent defaults, so a bad option is a
+ValueError naming it before anything is allocated.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional, Union
+
+from kvjax.attention.backends import Backend, get_backend, invariant, on_mesh
+from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
+from kvjax.caches.layout import PageRelease
+from kvjax.engine.sched.ngram import DEFAULT_NGRAM_N, check_ngram
+from kvjax.engine.validation import check_int
+from kvjax.model.config import ModelConfig, short_dtype_name
+from kvjax.parallel.sharding import mesh_of
+from kvjax.runtime import speculative as spec
+
+_MAX_INT32 = 2**31 - 1  # positions and page ids are int32 on the device and in the tables
+
+__all__ = ["EngineConfig", "add_engine_flags", "engine_config_from_flags"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Options of kvjax.Engine.
+
+  Attributes:
+    page_size: tokens per KV page.
+    num_pages: KV pages in the pool, null page included (None: every slot can
+      hold the most pages a max_model_len request holds at once, fewer than it
+      spans when every layer has a sliding window).
+    max_num_seqs: running requests (rows) at most.
+    max_num_batched_tokens: token budget per step (draft slots included).
+    max_model_len: prompt + max_new_tokens cap (None: the model context).
+    prefix_cache: share computed full blocks across requests (C8).
+    prefix_match: "block" (vLLM) or "token" (also a partial last block; a
+      hybrid model resumes at the hit's last page boundary instead, since its
+      recurrent state is kept only there).
+    prefix_snapshots: a hybrid model's bound on recurrent-state snapshots kept
+      for the prefix cache (one per cached page boundary, LRU;
+      kvjax/engine/sched/state_snapshots.py); None: 8 per running request, 0 with the
+      prefix cache off.  Dense models keep none.
+    min_cacheable_tokens: shorter prefix hits are ignored.
+    speculative: None, "mtp" (draft with the model's MTP modules), "ngram"
+      (prompt lookup: the tokens that followed the latest occurrence of the
+      longest recent n-gram of the request's own tokens, kvjax/engine/sched/ngram.py) or a
+      kvjax.Model of the same vocabulary (a draft model with its own paged KV).
+    num_draft: draft tokens per verify step (J; None: 2, or 4 with "ngram"), or
+      "auto": the drafter's most (the MTP modules, or 4 for a draft model and
+      for "ngram") with draft_policy "adaptive".
+    ngram_n: with speculative "ngram", the longest n-gram looked up (n from
+      ngram_n down to 1; None: 3).
+    draft_policy: None (always num_draft drafts), "adaptive" (choose 0..num_draft
+      per step from measured step costs and acceptance, kvjax/engine/sched/draft_policy.py),
+      or a policy object with that module's interface.
+    backend: attention and verification backend, a name or a Backend record
+      (kvjax/attention/backends.py).
+    num_scheduler_steps: most decode steps one device call runs (multi-step
+      scheduling): when every running request decodes and nothing could be
+      admitted meanwhile, emitted tokens feed the next step on device, so host
+      scheduling and dispatch are paid once per burst.  Outputs do not change;
+      a burst's tokens stream out together.  1: one step per call.
+    kv_dtype: the KV layout, by name or as a KVLayout record (kvjax/caches/layout.py):
+      None (the model dtype), "fp32", "bf16", "fp16", "int8", "int4" or any
+      registered layout (e.g. "streaming": attention sinks + a window).  A layout
+      declares what it refuses: int4 (KIVI) keeps each slot's incomplete page in
+      a per-slot full-precision residual, not in the pool, so it refuses what
+      would resume a slot mid-page on stale residual data: token-mode prefix hits
+      and speculative decoding.  Its outputs also depend on chunking (a query
+      reads its own incomplete page in full precision), so they match the static
+      batch only for unchunked prompts; int8 matches it always.
+    attention: an attention variant (kvjax.AttentionVariant, a registered name, or a
+      function (cfg, layer) -> variant or None; kvjax/attention/variants.py) every
+      step applies on top of the model's attention: prefill chunks, decode, bursts,
+      verification, prefix hits.  None: the model's own.
+    batch_invariant: a request's tokens and logprobs are bitwise the same whatever
+      shares its steps, however its prompt is chunked and whether or not it hits the
+      prefix cache: matmuls in fixed row tiles, attention in fixed key blocks and
+      query tiles (kvjax/model/invariance.py).  Reference backend, dense GQA models, no
+      speculation; cost: docs/GUIDE.md "Batch-invariant decoding".
+  """
+
+  page_size: int = 16
+  num_pages: Optional[int] = None
+  max_num_seqs: int = 8
+  max_num_batched_tokens: int = 512
+  max_model_len: Optional[int] = None
+  prefix_cache: bool = True
+  prefix_match: str = "block"
+  prefix_snapshots: Optional[int] = None
+  min_cacheable_tokens: int = 0
+  speculative: Any = None
+  num_draft: Union[int, str, None] = None
+  ngram_n: Optional[int] = None
+  draft_policy: Any = None
+  backend: Union[str, Backend] = "reference"
+  num_scheduler_steps: int = 16
+  kv_dtype: Union[str, KVLayout, None] = None
+  attention: Any = None
+  batch_invariant: bool = False
+
+  @property
+  def draft_model(self):
+    """The separate draft model, or None (no speculation, or MTP drafting)."""
+    return None if isinstance(self.speculative, (str, type(None))) else self.speculative
+
+  @property
+  def drafts_per_step(self) -> int:
+    """J of the step programs: num_draft with speculation, 0 without."""
+    return self.num_draft if self.speculative is not None else 0
+
+  def resolve(self, model) -> "EngineConfig":
+    """Validated against `model`, defaults filled; ValueError naming a bad option."""
+    cfg: ModelConfig = model.config
+    backend = on_mesh(get_backend(self.backend), mesh_of(model.params))  # its kernels per device
+    layout = check_cache_support(self.kv_dtype, cfg, "paged", backend)
+    check_hybrid_engine(speculative=self.speculative)
+    if not isinstance(self.prefix_cache, bool):
+      raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+    if not isinstance(self.batch_invariant, bool):
+      raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+    if self.batch_invariant:
+      backend = self._invariant_backend(backend, cfg)
+    config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
+    config._check_layout(layout)
+    config = config._resolve_drafts(model)
+    draft = config.draft_model
+    if draft is not None:
+      if not (hasattr(draft, "config") and hasattr(draft, "params")):
+        raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
+                         f"{type(draft).__name__}")
+      spec.check_draft_model(cfg, draft.config, config.num_draft)
+    elif self.speculative not in (None, "mtp", "ngram"):
+      raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
+                       f"{self.speculative!r}")
+    elif self.speculative == "ngram":
+      check_ngram(config.ngram_n, config.num_draft)
+    elif self.speculative:
+      spec.check_mtp(cfg, model.params, config.num_draft)
+    if self.prefix_match not in ("block", "token"):
+      raise ValueError(f"prefix_match must be 'block' or 'token', got {self.prefix_match!r}")
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    max_model_len = cfg.max_position_embeddings if self.max_model_len is None else \
+        check_int("max_model_len", self.max_model_len, 1)
+    if not 1 <= max_model_len <= cfg.max_position_embeddings:
+      raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
+                       f"(the model context), got {max_model_len}")
+    num_pages = self.num_pages
+    if num_pages is not None:
+      check_int("num_pages", num_pages, 2)  # the null page and one to hold a request
+    else:  # a windowed model's requests hold a bounded number of pages
+      num_pages = 1 + self.max_num_seqs * self.page_release(cfg).max_pages_held(
+          max_model_len, self.max_num_batched_tokens)
+    if num_pages >= _MAX_INT32 or max_model_len >= _MAX_INT32:
+      source = "" if self.max_model_len else " (the model's max_position_embeddings)"
+      raise ValueError(f"max_model_len={max_model_len}{source} with num_pages={num_pages} "
+                       f"is past the int32 positions and page ids the steps use; pass a "
+                       f"smaller max_model_len (and num_pages)")
+    return dataclasses.replace(config, backend=backend, max_model_len=max_model_len,
+                               num_pages=num_pages, kv_dtype=short_dtype_name(self.kv_dtype))
+
+  def _invariant_backend(self, backend: Backend, cfg: ModelConfig) -> Backend:
+    """backend's batch-invariant record; ValueError naming what it cannot cover."""
+    if self.speculative is not None:  # verify steps score tokens in wider programs
+      raise ValueError(f"batch_invariant needs speculative=None, got {self.speculative!r}")
+    if cfg.attention_type != "gqa" or cfg.is_hybrid or cfg.num_experts:
+      raise ValueError(f"batch_invariant covers dense GQA models; {cfg.name!r} has "
+                       f"attention_type={cfg.attention_type!r}, hybrid={cfg.is_hybrid}, "
+                       f"num_experts={cfg.num_experts}")
+    return invariant(backend)
+
+  def _resolve_drafts(self, model) -> "EngineConfig":
+    """num_draft None -> its default, "auto" -> the drafter's most drafts with the
+    adaptive policy; ngram_n None -> its default with "ngram"."""
+    if isinstance(self.num_draft, bool) or not (self.num_draft in ("auto", None)
+                                                or isinstance(self.num_draft, int)):
+      raise ValueError(f"num_draft must be an int or 'auto', got {self.num_draft!r}")
+    ngram = self.speculative == "ngram"
+    if self.ngram_n is not None and not ngram:
+      raise ValueError(f"ngram_n={self.ngram_n!r} needs speculative='ngram', got "
+                       f"speculative={self.speculative!r}")
+    config = dataclasses.replace(self, ngram_n=DEFAULT_NGRAM_N if ngram and self.ngram_n is None
+                                 else self.ngram_n)
+    if self.num_draft is None:
+      config = dataclasses.replace(config, num_draft=_NGRAM_DRAFTS if ngram else 2)
+    if self.speculative is None:
+      if self.draft_policy is not None:
+        raise ValueError(f"draft_policy={self.draft_policy!r} needs speculative decoding "
+                         "(speculative='mtp', 'ngram' or a draft model)")
+      return config
+    if config.num_draft != "auto":
+      return config
+    if self.speculative == "mtp":
+      most = min(model.config.mtp_num_hidden_layers, len(model.params.mtp))
+    else:
+      most = _NGRAM_DRAFTS if ngram else _AUTO_DRAFT_MODEL_DRAFTS
+    return dataclasses.replace(config, num_draft=most,
+                               draft_policy=self.draft_policy or "adaptive")
+
+  def page_release(self, cfg: ModelConfig) -> PageRelease:
+    """The layout's host-side page manager: which pages a request may release."""
+    return get_layout(self.kv_dtype, cfg).page_release(self.page_size, self.widest_window(cfg))
+
+  def prefill_full_width(self, cfg: ModelConfig) -> bool:
+    """Whether prefill chunks may take the widest block table (kvjax/engine/sched/batching.py): the
+    layout attends through the backend and the backend reads only as far as kv_lens."""
+    return get_layout(self.kv_dtype, cfg).prefill_full_width and \
+        self.backend.prefill_full_width
+
+  def widest_window(self, cfg: ModelConfig) -> Optional[int]:
+    """Widest window over every layer reading the pages; None if one sees everything."""
+    draft = self.draft_model
+    windows = [cfg.kv_window] + ([draft.config.kv_window] if draft is not None else [])
+    return None if None in windows else max(windows)
+
+  def _snapshots(self, cfg: ModelConfig) -> int:
+    """prefix_snapshots resolved: the bound given, or the default (see the field)."""
+    given = self.prefix_snapshots
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)
+                              or given < 0):
+      raise ValueError(f"prefix_snapshots must be an int >= 0 or None, got {given!r}")
+    if not (cfg.is_hybrid and self.prefix_cache):
+      if given:
+        raise ValueError(f"prefix_snapshots={given} needs a hybrid model with the prefix "
+                         f"cache on ({cfg.name!r} is {'hybrid' if cfg.is_hybrid else 'dense'})")
+      return 0
+    return 8 * self.max_num_seqs if given is None else given
+
+  def _check_layout(self, layout: KVLayout) -> None:
+    """ValueError for what the KV layout declares it cannot serve; see kv_dtype."""
+    if self.speculative is not None and layout.no_speculation:
+      drafter = self.speculative if isinstance(self.speculative, str) else "a draft model"
+      raise ValueError(f"kv_dtype {layout.name!r} cannot verify drafts (speculative="
+                       f"{drafter!r}): {layout.no_speculation}")
+    if self.prefix_cache and self.prefix_match == "token" and layout.no_token_prefix:
+      raise ValueError(f"kv_dtype {layout.name!r} cannot reuse partial pages "
+                       f"(prefix_match='token'): {layout.no_token_prefix}")
+
+
+_AUTO_DRAFT_MODEL_DRAFTS = 4  # num_draft "auto" with a separate draft model
+_NGRAM_DRAFTS = 4  # num_draft None or "auto" with speculative "ngram"
+
+
+def _int_or_auto(text: str):
+  """--num-draft: an int or 'auto'."""
+  return text if text == "auto" else int(text)
+
+# Command-line form of each field (kvjax bench, kvjax serve): flag -> (type, choices, help).
+_FLAGS = {
+    "page_size": (int, None, "tokens per KV page"),
+    "num_pages": (int, None, "KV pages in the pool (default: sized from max_model_len)"),
+    "max_num_seqs": (int, None, "running requests at most"),
+    "max_num_batched_tokens": (int, None, "token budget per step"),
+    "max_model_len": (int, None, "prompt + new tokens cap (default: the model context)"),
+    "prefix_cache": (bool, None, "share computed blocks across requests"),
+    "prefix_match": (str, ("block", "token"), "prefix hits: whole blocks or tokens"),
+    "prefix_snapshots": (int, None, "hybrid models: recurrent-state snapshots kept for the "
+                                    "prefix cache (default: 8 per running request)"),
+    "min_cacheable_tokens": (int, None, "shorter prefix hits are ignored"),
+    "speculative": (str, ("mtp", "ngram"), "draft with the model's MTP modules, or by "
+                                           "prompt lookup (n-gram) (default: off)"),
+    "num_draft": (_int_or_auto, None, "draft tokens per verify step, or auto (adaptive) "
+                                      "(default: 2, 4 with ngram)"),
+    "ngram_n": (int, None, "speculative ngram: longest n-gram looked up (default: 3)"),
+    "draft_policy": (str, ("adaptive",), "choose 0..num_draft drafts per step from measured "
+                                         "costs and acceptance (default: off, a "
+                                         "fixed num_draft)"),
+    "backend": (str, None, "attention + verification backend"),
+    "num_scheduler_steps": (int, None, "most decode steps per device call"),
+    "kv_dtype": (str, None, "KV layout: fp32 | bf16 | fp16 (or float32 ...), int8, int4, "
+                            "or another registered layout (kvjax/caches/layout.py; "
+                            "default: the weights' dtype)"),
+    "batch_invariant": (bool, None, "bitwise the same tokens and logprobs for a request "
+                                    "whatever shares its steps (reference backend)"),
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+  """One --flag per EngineConfig field, defaults from EngineConfig (shown in --help)."""
+  defaults = EngineConfig()
+  for name, (kind, choices, text) in _FLAGS.items():
+    flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+    text = text if "default:" in text else f"{text} (default: %(default)s)"
+    if kind is bool:
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                          help=text)
+    else:
+      parser.add_argument(flag, type=kind, choices=choices, default=default, help=text)
+
+
+def engine_config_from_flags(args: argparse.Namespace, **overrides) -> EngineConfig:
+  """The EngineConfig the flags of add_engine_flags describe (overrides win)."""
+  return EngineConfig(**{**{name: getattr(args, name) for name in _FLAGS}, **overrides})

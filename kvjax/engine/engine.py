@@ -1,0 +1,395 @@
+"""Engine: continuous batching over the pure steps, prefix caching, speculative decoding.
+
+The host loop per `step()`:
+  1. `Scheduler.schedule()` picks rows (decodes first, then prefill chunks),
+     slots and pages (kvjax/engine/sched/scheduler.py owns every policy decision);
+  2. token-mode prefix hits are page copies, applied first (`copy_pages`);
+  3. decode rows and prefill rows are packed (kvjax/engine/sched/batching.py) into one
+     StepBatch each and run as two calls of the jitted `serve_step`
+     (kvjax/runtime/serve_steps.py); splitting them keeps a 1-token decode row from
+     being padded to a 256-token prefill chunk.  A multi-step plan (decode rows
+     only) runs `serve_burst`, a device loop of the same step;
+  4. one host sync reads the emitted ids (kvjax/engine/output_processor.py sorts them by
+     request), `update_from_output` appends them, applies stops and frees pages,
+     and the output processor turns them into RequestOutputs with their metrics.
+The host owns every length and block table; the device state holds only K/V
+and each slot's pending drafts.
+
+Sampling matches kvjax.generate: the token at sequence index p of a request
+is drawn with fold_in(PRNGKey(seed), p), so greedy and sampled outputs do not
+depend on batching, chunking or preemption (with speculation, greedy only;
+see kvjax/runtime/speculative.py).
+
+A request for which the model gives non-finite logits (NaN or inf weights or
+activations) at any position it feeds, its drafts included, finishes with
+finish_reason "error" after the tokens it emitted before; the pages only it
+held are cleared and leave the prefix cache, so the other requests, now and
+later, are unaffected.  So does a constrained request whose grammar matcher
+fails (RequestOutput.error says why; kvjax/constraints/book.py).
+
+Threading: an Engine is safe to share between threads.  One re-entrant lock
+covers `add_request`, `abort`, `step` and `generate` (which holds it for its
+whole run, so concurrent `generate` calls run one after another); a step's
+outputs go to whichever thread called `step`, and `generate` hands other
+callers' outputs on to the next `step`.  A server still gives the engine loop
+one thread of its own (kvjax/server/).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention.variants import with_attention
+from kvjax.caches import PagedKVCache, create_paged_cache
+from kvjax.constraints import Constraint, ConstraintBook
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.dispatch import dispatch
+from kvjax.engine.generate import EngineGenerate
+from kvjax.engine.metrics import RequestMetrics, StepLog
+from kvjax.engine.output_processor import StepResult, record_prompt_logprobs, request_outputs
+from kvjax.engine.requests import Request, RequestOutput, SchedulerOutput
+from kvjax.engine.sched.batching import Packing, burst_limits
+from kvjax.engine.sched.draft_choice import decode_drafts, prefill_drafts
+from kvjax.engine.sched.draft_policy import policy_from
+from kvjax.engine.sched.ngram import NgramDrafter, with_drafts
+from kvjax.engine.sched.prefix_cache import PrefixCache
+from kvjax.engine.sched.scheduler import Scheduler
+from kvjax.engine.sched.state_snapshots import SnapshotPool
+from kvjax.engine.stats import EngineStats
+from kvjax.engine.validation import (check_arrival, check_cache_salt, check_int,
+                                     check_request_id, prompt_ids, sampling_options, stop_ids)
+from kvjax.engine.warm_up_engine import EngineWarmUp
+from kvjax.runtime.logit_processors import with_processing
+from kvjax.runtime.serve_steps import EngineState, clear_pages, copy_pages, num_compiled
+
+__all__ = ["Engine", "EngineConfig", "RequestOutput"]
+
+
+class Engine(EngineWarmUp, EngineGenerate):
+  """Continuous-batching inference engine over one model.
+
+  `Engine(model, config)` or `Engine(model, **options)`: the options are the
+  fields of `EngineConfig` (kvjax/engine/config.py says what each does), and
+  keywords override a given config.  The engine keeps its pages and prefix
+  cache across `generate` calls, and forgets a request once its final
+  RequestOutput (which carries its metrics) has been returned, so a
+  long-running engine holds no per-request history.  When every layer (MTP
+  modules and a draft model too) has a sliding window, pages behind a
+  request's window return to the pool as it runs (kvjax/engine/sched/scheduler.py).
+  """
+
+  def __init__(self, model, config: Optional[EngineConfig] = None, **options):
+    config = dataclasses.replace(config or EngineConfig(), **options)
+    model = with_attention(model, config.attention)  # its config carries the variant
+    config = config.resolve(model)
+    cfg = model.config
+    self.model = model
+    self.config = config
+    self.model_config = cfg
+    self.draft_model = config.draft_model
+    self.num_draft = config.drafts_per_step  # the most drafts a step verifies (J)
+    self.draft_policy = policy_from(config.draft_policy, self.num_draft) if self.num_draft \
+        else None
+    self._fresh_drafts: dict[str, int] = {}  # drafts a request's slot holds for its next step
+    # Prompt lookup drafts on the host, from each request's tokens (kvjax/engine/sched/ngram.py).
+    self.ngram = NgramDrafter(config.ngram_n) if config.speculative == "ngram" else None
+    self.scheduler = Scheduler(
+        num_pages=config.num_pages, page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, enable_prefix_caching=config.prefix_cache,
+        prefix_match=config.prefix_match, min_cacheable_tokens=config.min_cacheable_tokens,
+        num_lookahead_slots=self.num_draft, num_scheduler_steps=config.num_scheduler_steps,
+        eos_token_id=cfg.eos_token_id, sliding_window=config.widest_window(cfg),
+        page_release=config.page_release(cfg))
+    self.packing = Packing.create(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,
+        num_draft=self.num_draft, max_model_len=config.max_model_len,
+        prefill_full_width=config.prefill_full_width(cfg))
+    slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
+    cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
+                               model.dtype, with_mtp=config.speculative == "mtp",
+                               mesh=config.backend.mesh, num_snapshots=config.prefix_snapshots,
+                               num_verify_states=self.num_draft + 1 if self.num_draft else 0)
+    # A hybrid's prefix hits also need its recurrent state there
+    # (kvjax/engine/sched/state_snapshots.py).
+    self.snapshots = SnapshotPool(self.scheduler.prefix_cache, config.prefix_snapshots,
+                                  config.num_pages) if config.prefix_snapshots else None
+    draft_cache = None
+    if self.draft_model is not None:
+      d = self.draft_model.config
+      draft_cache = PagedKVCache.create(d.num_layers, d.num_kv_heads, config.num_pages,
+                                        config.page_size, d.head_dim, self.draft_model.dtype)
+    k = 0 if self.ngram else self.num_draft  # n-gram drafts ride in the batch, not the slots
+    self.state = EngineState(cache=cache, drafts=jnp.zeros((slots, k), jnp.int32),
+                             draft_probs=jnp.zeros((slots, k, cfg.vocab_size), jnp.float32),
+                             draft_cache=draft_cache)
+    self._ids = itertools.count()
+    self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
+    self._pending: list[RequestOutput] = []  # returned by the next step()
+    # Prompt logprobs of requests that asked, filled chunk by chunk until their first output.
+    self._prompt_scores: dict[str, list] = {}
+    self.steps = StepLog()
+    self._lock = threading.RLock()
+    self.constraints = ConstraintBook()  # with a vocabulary: kvjax/constraints/vocabulary.py
+
+  # -- requests ---------------------------------------------------------------
+
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *,
+                  temperature: float = 0.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None, seed: Optional[int] = None,
+                  stop: Union[None, int, Sequence[int]] = None,
+                  cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
+                  prompt_logprobs: Optional[int] = None, arrival_s: Optional[float] = None,
+                  constraint: Optional[Constraint] = None, **extensions) -> str:
+    """Queue one request -> its id.  ValueError (nothing queued) on bad input.
+
+    `stop`: token id(s) that end the request (kept as its last output id), in
+    addition to the model's EOS.  `cache_salt` isolates a tenant's prefix
+    blocks from everyone else's.  `logprobs` n (0..20): every RequestOutput
+    carries each new id's log-probability and its n likeliest alternatives
+    (kvjax/engine/requests.py TokenLogprob).  `prompt_logprobs` k (0..20): its first RequestOutput
+    carries vLLM's prompt_logprobs, [None, then a TokenLogprob with k alternatives per prompt
+    position after the first], scored in the prefill chunks it runs anyway.  `arrival_s`:
+    when the request arrived (time.perf_counter; default now), e.g. a server's receipt time,
+    so TTFT and queue time include the wait before this call.  `constraint`: outputs follow
+    its grammar (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's
+    ignore_eos, min_tokens, repetition/presence/frequency_penalty, logit_bias
+    (kvjax/engine/validation.py).
+    """
+    with self._lock:
+      return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               arrival_s=arrival_s, constraint=constraint, **extensions)
+
+  def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
+                   cache_salt, logprobs=None, prompt_logprobs=None, arrival_s=None,
+                   constraint=None, **extensions) -> str:
+    request_id = str(next(self._ids))
+    try:  # every argument checked before anything is queued
+      ids = prompt_ids(prompt, self.model_config.vocab_size)
+      max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+      sampling = sampling_options(self.model_config.vocab_size, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs,
+                                  max_tokens=max_new_tokens, prompt_logprobs=prompt_logprobs,
+                                  **extensions)
+      stops = stop_ids(stop, self.model_config.vocab_size)
+      cache_salt = check_cache_salt(cache_salt)
+      arrival_s = check_arrival(arrival_s)
+      if sampling.processed and self.num_draft:  # drafts are verified unprocessed
+        raise ValueError("min_tokens, penalties and logit_bias need an engine without "
+                         f"speculative decoding (this one: {self.config.speculative})")
+      matcher = None if constraint is None else self.constraints.compile(constraint)
+    except ValueError as error:
+      raise ValueError(f"request {request_id!r}: {error}") from None
+    scored = sampling.prompt_logprobs is not None
+    # A prefix hit's positions are never computed, so they could not be scored: a request
+    # asking for prompt logprobs takes none and computes its whole prompt.
+    self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
+                               stop_token_ids=list(stops), cache_salt=cache_salt,
+                               sampling=sampling, ignore_eos=sampling.ignore_eos,
+                               takes_prefix_hits=not scored)
+    if scored:
+      self._prompt_scores[request_id] = [None] * int(ids.size)
+    self.constraints.attach(request_id, matcher)
+    now = time.perf_counter()
+    arrival = now if arrival_s is None else min(arrival_s, now)
+    self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Finish a waiting or running request now; its pages are freed.  False: no such
+    request (any more); ValueError: request_id is no string.
+
+    Its final RequestOutput (finish_reason "abort") comes with the next step().
+    """
+    with self._lock:
+      return self._abort(request_id)
+
+  def _abort(self, request_id: str) -> bool:
+    req = self.scheduler.requests.get(check_request_id(request_id))
+    if req is None or not self.scheduler.abort(request_id):
+      return False
+    metrics = self.metrics.pop(request_id)
+    metrics.finish_s = time.perf_counter()
+    self._fresh_drafts.pop(request_id, None)
+    self.constraints.forget(request_id)
+    self._prompt_scores.pop(request_id, None)
+    self._pending.append(RequestOutput(request_id, [], list(req.output_ids), True,
+                                       req.status.value, metrics))
+    return True
+
+  @property
+  def has_unfinished(self) -> bool:
+    """Requests still running or waiting, or final outputs not yet returned."""
+    return self.scheduler.has_unfinished or bool(self._pending)
+
+  # -- what it reports (a Router reports the same over its replicas) ----------
+
+  def stats(self) -> EngineStats:
+    """Its scheduler's and constraint book's numbers now (kvjax/engine/stats.py)."""
+    return EngineStats.of(self.scheduler, self.constraints)
+
+  def request(self, request_id: str) -> Optional[Request]:
+    """An unfinished request (waiting or running) by id; None once it finished."""
+    return self.scheduler.requests.get(request_id)
+
+  def prefix_caches(self) -> list[PrefixCache]:
+    """Its prefix cache, if it has one (what publishes KV events, kvjax/engine/kv_events.py)."""
+    cache = self.scheduler.prefix_cache
+    return [] if cache is None else [cache]
+
+  # -- stepping ---------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Run one scheduled step -> outputs of the requests that got tokens.
+
+    Also returns outputs held back since the last step (aborts, and other
+    requests' outputs produced while `generate` ran).
+    """
+    with self._lock:
+      return self._step()
+
+  def _step(self) -> list[RequestOutput]:
+    start = time.perf_counter()
+    outputs, self._pending = self._pending, []
+    # The decode rows' J comes before planning, prefill rows' after
+    # (kvjax/engine/sched/draft_choice.py); host drafts cannot feed a burst's later steps,
+    # so n-gram rows burst only at J = 0, and nor can masks (of tokens not sampled yet), so
+    # no burst while a constrained request runs.
+    k = decode_drafts(self.draft_policy, self.scheduler, self.packing, self.metrics,
+                      self.num_draft)
+    plan = self.scheduler.schedule(k, multi_step=not (self.ngram and k or self.constraints))
+    waiting = len(self.scheduler.waiting)
+    if not plan.rows and waiting and not self.scheduler.running and not plan.preempted_ids:
+      # Every waiting request fits an idle pool (add_request checks): a bug, not a wait.
+      raise RuntimeError(f"the scheduler admitted none of {waiting} waiting requests into "
+                         f"an idle pool of {self.scheduler.allocator.num_usable} pages")
+    if plan.copies:
+      self._copy_pages(plan.copies)
+    decode = [i for i, r in enumerate(plan.rows) if r.is_decode]
+    prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
+    k_prefill = prefill_drafts(self.draft_policy, self.scheduler, self.packing, self.num_draft,
+                               self.ngram is not None) if prefill else self.num_draft
+    # One program for the decode rows; the prefill rows in pieces that pad less.
+    groups = [(decode, k)] if decode else []
+    groups += [([prefill[j] for j in piece], k_prefill)
+               for piece in self.packing.prefill_pieces([plan.rows[i] for i in prefill])]
+    programs = num_compiled()
+    snapshots = self.snapshots and self.snapshots.plan(plan.rows)
+    launched = [(group, self._launch(plan, group, j, snapshots)) for group, j in groups]
+    result, steps_run = StepResult(), 1
+    for group, (_, emitted, drafted, steps) in launched:
+      # device_get is the step's host sync.
+      emitted, drafted, steps_run = jax.device_get((emitted, drafted, steps))
+      rows = [plan.rows[i] for i in group]
+      if emitted.prompt is not None:
+        record_prompt_logprobs(rows, emitted.prompt, self._prompt_scores)
+      for row in rows:
+        if row.start == row.request.num_cached_tokens and not row.is_decode:
+          self.metrics[row.request_id].prefix_hit_tokens = row.request.num_cached_tokens
+        self._fresh_drafts[row.request_id] = (
+            (k if row.is_decode else k_prefill) if row.sample else 0)
+      result.read(rows, emitted, drafted, steps_run, self.constraints.failed)
+    before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in result.new_ids}
+    sampled = {rid: self.scheduler.requests[rid] for rid in result.new_ids}
+    for req, good in result.broken:
+      self._clear(*self.scheduler.fail(req.request_id, good))
+    self.scheduler.update_from_output(plan, result.new_ids)
+    if self.snapshots:
+      self.snapshots.settle()
+    now = time.perf_counter()
+    for rid, num_draft, num_accepted in result.verified:
+      self.metrics[rid].record_verify(num_draft, num_accepted, self.num_draft)
+      self.draft_policy.observe_verify(num_draft, num_accepted)
+    produced = request_outputs(result, sampled, before, self.metrics, self.constraints, now,
+                               self._prompt_scores)
+    for out in produced:
+      if out.finished:
+        self._fresh_drafts.pop(out.request_id, None)
+    outputs += produced
+    decode_only = bool(plan.rows) and all(r.is_decode for r in plan.rows)
+    if decode_only and self.draft_policy is not None and num_compiled() == programs:
+      self.draft_policy.observe_step(launched[0][1][0][0], k, now - start, steps_run)
+    stats = self.stats()
+    self.steps.record(waiting=stats.waiting, running=stats.running,
+                      utilization=stats.utilization, pages_used=stats.pages_used,
+                      batched_tokens=plan.num_batched_tokens, step_s=now - start,
+                      decode_only=decode_only, num_steps=steps_run,
+                      row_shapes=[shape for _, (shape, *_) in launched],
+                      num_draft=k if decode else 0)
+    return outputs
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Step until every request finishes, yielding each step's outputs."""
+    while self.has_unfinished:
+      yield from self.step()
+
+  __iter__ = stream
+
+  def _copy_pages(self, copies) -> None:
+    """Apply token-mode prefix hits' page copies (none: the null page onto itself)."""
+    # At most one copy per admitted row: pad to max_num_seqs, one shape.
+    src, dst = (np.zeros(self.config.max_num_seqs, np.int32) for _ in range(2))
+    src[:len(copies)] = [cp.src for cp in copies]
+    dst[:len(copies)] = [cp.dst for cp in copies]
+    self.state = copy_pages(self.state, src, dst)
+
+  def _clear(self, pages: list[int], slot: int) -> None:
+    """Zero a failed request's own pages, the null page and its slot on the device."""
+    # One shape for every failure: the widest block table plus the null page.
+    padded = np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32)
+    padded[:len(pages)] = pages
+    self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
+
+  def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int, snapshots):
+    """Pack one row group and dispatch serve_step or serve_burst (no host sync).
+
+    Rows verify at most the fresh drafts their slot holds and num_draft; every
+    sampling row drafts num_draft anew.  An n-gram row verifies what its history
+    proposes, and counts its every draft slot as drafted (one it could not fill
+    is a rejection to the metrics and the draft policy).  -> ((B, T), Emitted
+    [U, B, ...], drafted [U, B], steps run), U = 1 unless the plan is a burst.
+    """
+    rows = [plan.rows[i] for i in group]
+    drafts = self.ngram and self.ngram.propose([r.request for r in rows], num_draft,
+                                               self.scheduler.requests)
+    # Masks per verified position; device drafts are not read back: constrained rows skip them.
+    mask, drafts = self.constraints.masks(rows, num_draft + 1, drafts)
+    if self.ngram is not None:
+      verify = [len(d) for d in drafts]
+    else:
+      verify = [0 if r.request_id in self.constraints else
+                min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
+    batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
+    if self.ngram is not None:
+      batch = with_drafts(batch, drafts)
+    batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
+    logprobs = any(r.request.sampling.logprobs is not None for r in rows)
+    score_prompt = any(not r.is_decode and r.request_id in self._prompt_scores for r in rows)
+    burst = None if plan.num_steps == 1 else (
+        *burst_limits(rows, batch.tokens.shape[0]), plan.num_steps)
+    emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask, score_prompt)
+    if self.ngram is not None and burst is None:
+      drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
+    return batch.tokens.shape, emitted, drafted, steps
+
+  def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
+           score_prompt: bool = False):
+    """One row group's program on this engine's state (kvjax/engine/dispatch.py)
+    -> (Emitted [U, B, ...], drafted [U, B], steps run)."""
+    self.state, emitted, drafted, steps = dispatch(
+        self.model, self.draft_model, self.state, batch, backend=self.config.backend,
+        num_draft=num_draft, host_drafts=bool(self.ngram and num_draft),
+        max_steps=self.scheduler.num_scheduler_steps, logprobs=logprobs, burst=burst,
+        mask=mask, score_prompt=score_prompt)
+    return emitted, drafted, steps
