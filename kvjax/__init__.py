@@ -22,8 +22,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      engine/output_processor, engine/dispatch             grammar matchers, step outputs ->
                                                          RequestOutputs, one row group's run
   8  engine/config, engine/engine, engine/router,         the engine's request API, warm-up
-     engine/warm_up, engine/warm_up_engine,               and one-shot generate, data-parallel
-     engine/generate, engine/kv_events                    replicas, prefix-cache KV events
+     engine/warm_up, engine/generate, engine/kv_events    and one-shot generate, data-parallel
+                                                         replicas, prefix-cache KV events
   9  api, weights/, text/, constraints/vocabulary,        public surface, loading, tokenizers,
      training/, parallel/distributed, eval/               chat and tool text, training,
                                                          multi-host start-up, quality evals

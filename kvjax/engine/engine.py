@@ -49,15 +49,14 @@ import numpy as np
 from kvjax.attention.variants import with_attention
 from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.constraints import Constraint, ConstraintBook
+from kvjax.engine import generate as one_shot
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.dispatch import dispatch
-from kvjax.engine.generate import EngineGenerate
 from kvjax.engine.metrics import RequestMetrics, StepLog
 from kvjax.engine.output_processor import StepResult, record_prompt_logprobs, request_outputs
 from kvjax.engine.requests import Request, RequestOutput, SchedulerOutput
 from kvjax.engine.sched.batching import Packing, burst_limits
-from kvjax.engine.sched.draft_choice import decode_drafts, prefill_drafts
-from kvjax.engine.sched.draft_policy import policy_from
+from kvjax.engine.sched.draft_policy import decode_drafts, policy_from, prefill_drafts
 from kvjax.engine.sched.ngram import NgramDrafter, with_drafts
 from kvjax.engine.sched.prefix_cache import PrefixCache
 from kvjax.engine.sched.scheduler import Scheduler
@@ -65,14 +64,15 @@ from kvjax.engine.sched.state_snapshots import SnapshotPool
 from kvjax.engine.stats import EngineStats
 from kvjax.engine.validation import (check_arrival, check_cache_salt, check_int,
                                      check_request_id, prompt_ids, sampling_options, stop_ids)
-from kvjax.engine.warm_up_engine import EngineWarmUp
+from kvjax.engine.warm_up import WarmUp, WarmUpPlan, engine_plan, warm_up
+from kvjax.runtime.generation import GenerateResult
 from kvjax.runtime.logit_processors import with_processing
 from kvjax.runtime.serve_steps import EngineState, clear_pages, copy_pages, num_compiled
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
 
-class Engine(EngineWarmUp, EngineGenerate):
+class Engine:
   """Continuous-batching inference engine over one model.
 
   `Engine(model, config)` or `Engine(model, **options)`: the options are the
@@ -140,6 +140,41 @@ class Engine(EngineWarmUp, EngineGenerate):
     self.steps = StepLog()
     self._lock = threading.RLock()
     self.constraints = ConstraintBook()  # with a vocabulary: kvjax/constraints/vocabulary.py
+
+  # -- whole runs: one-shot generation and warm-up (collaborator modules) -------------
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               temperature: float = 0.0, top_k: Optional[int] = None,
+               top_p: Optional[float] = None, seed: Union[int, Sequence[int]] = 0,
+               stop: Union[None, int, Sequence[int]] = None,
+               cache_salt: Optional[str] = None) -> GenerateResult:
+    """Run `prompts` to completion -> GenerateResult(tokens per prompt, stats)
+    (kvjax/engine/generate.py).
+
+    Every prompt is validated before any is queued, so bad input changes
+    nothing.  `seed` is one int or one per prompt.  stats["finish_reasons"]
+    says how each request ended ("stop", "length", or "error": see the module doc).
+    """
+    with self._lock:
+      return one_shot.generate(self, prompts, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                               cache_salt=cache_salt)
+
+  def warm_up(self, *, progress: Optional[str] = None, **variants) -> WarmUp:
+    """Compile every step program this engine can run, before it serves -> WarmUp
+    (programs compiled, programs run, seconds); kvjax/engine/warm_up.py.
+
+    variants: WarmUpPlan's stop_widths (the bursts of requests with stop ids), map_budget
+    and prompt_logprobs (the prefill programs that score prompts).  progress: a progress
+    bar's label.
+    """
+    with self._lock:
+      return warm_up(self.warm_up_plan(**variants), progress)
+
+  def warm_up_plan(self, **variants) -> WarmUpPlan:
+    """`warm_up`'s programs, to run one at a time (a server's warm-up thread: between
+    requests)."""
+    return engine_plan(self, **variants)
 
   # -- requests ---------------------------------------------------------------
 
@@ -263,7 +298,7 @@ class Engine(EngineWarmUp, EngineGenerate):
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
     # The decode rows' J comes before planning, prefill rows' after
-    # (kvjax/engine/sched/draft_choice.py); host drafts cannot feed a burst's later steps,
+    # (kvjax/engine/sched/draft_policy.py); host drafts cannot feed a burst's later steps,
     # so n-gram rows burst only at J = 0, and nor can masks (of tokens not sampled yet), so
     # no burst while a constrained request runs.
     k = decode_drafts(self.draft_policy, self.scheduler, self.packing, self.metrics,

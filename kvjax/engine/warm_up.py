@@ -1,5 +1,8 @@
 """Compile an engine's step programs before it serves (`Engine.warm_up`).
 
+`engine_plan(engine)` forms one engine's plan (its packing's shapes, its draft policy's
+counts, the page programs); the rest of this module plans and paces runs of any plan.
+
 An engine runs one serve_step or serve_burst program (kvjax/runtime/serve_steps.py) per
 packed shape (kvjax/engine/sched/batching.py `Packing.shapes`: rows, columns, table width)
 and per draft count J its policy may pick (kvjax/engine/sched/draft_policy.py); one program
@@ -47,14 +50,18 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+import jax
+import numpy as np
 from absl import logging
 
-from kvjax.engine.sched.batching import StepShape
+from kvjax.engine.sched.batching import StepShape, burst_limits
 from kvjax.engine.sched.draft_policy import FixedDrafts
+from kvjax.engine.sched.ngram import host_draft_shapes
+from kvjax.runtime.logit_processors import with_processing
 from kvjax.runtime.serve_steps import num_compiled
 
 __all__ = ["WARM_UP_MODES", "WarmUp", "WarmUpPlan", "BackgroundWarmUp", "SERVER_VARIANTS",
-           "draft_counts", "warm_up"]
+           "draft_counts", "warm_up", "engine_plan"]
 
 # A server's choices (kvjax/server/handle.py): every program while it already serves,
 # every program before it serves, or two short requests' programs only.
@@ -224,3 +231,41 @@ class BackgroundWarmUp:
       self.error = error
     finally:
       self._finished.set()
+
+
+def engine_plan(engine, **variants) -> WarmUpPlan:
+  """`engine`'s warm-up (kvjax/engine/engine.py Engine; this module is its collaborator and
+  uses its lock and its run / copy / clear methods): a run per shape its packing can
+  form (Packing.shapes), per draft count its policy may pick and per burst stop width, on
+  padding-only batches, and the page copy / clear programs on the null page, so no
+  request waits on XLA and nothing a request reads changes.  variants: WarmUpPlan's."""
+  counts = draft_counts(engine.draft_policy, engine.num_draft)
+  shapes = engine.packing.shapes((0, *counts) if engine.ngram else counts,
+                                 bursts=engine.scheduler.num_scheduler_steps > 1)
+  if engine.ngram is not None:
+    shapes = host_draft_shapes(shapes, counts)
+  return WarmUpPlan(shapes, lambda *run: _run_padding(engine, *run),
+                    prepare=lambda: _warm_up_pages(engine),
+                    finish=lambda: jax.block_until_ready(engine.state), **variants)
+
+
+def _warm_up_pages(engine) -> None:
+  with engine._lock:
+    if engine.config.prefix_cache and engine.config.prefix_match == "token":
+      engine._copy_pages([])
+    engine._clear([], engine.config.max_num_seqs)  # the scratch slot
+
+
+def _run_padding(engine, shape: StepShape, stop_width: int = 1,
+                 score_prompt: bool = False) -> None:
+  """One step program of `shape` on padding rows (a burst's: none runs a step), its
+  stop-id array `stop_width` wide (score_prompt: the prefill program scoring prompts)."""
+  with engine._lock:
+    batch = with_processing(
+        engine.packing.padding(shape, snapshots=engine.snapshots is not None), [],
+        engine.model_config.vocab_size)  # neutral, as every group's
+    burst = None
+    if shape.kind == "burst":
+      left, _ = burst_limits([], shape.rows)
+      burst = (left, np.full((shape.rows, stop_width), -1, np.int32), 1)
+    engine._run(batch, shape.num_draft, False, burst, score_prompt=score_prompt)

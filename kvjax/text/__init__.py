@@ -1,5 +1,5 @@
 """Text: tokenizers, chat templates, and tool calls in the formats models write them.
 
-All at layer 9, beside the loaders: imports the engine's request types and below, and is
-imported by the server, the evals and the command lines only.
+Layer 9, beside the loaders; imports nothing of kvjax outside text/ (the server, the
+evals, the constraints' vocabularies and the command lines import it).
 """
