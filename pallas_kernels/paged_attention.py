@@ -7,10 +7,11 @@ oracle (`ragged_paged_attention_reference`), with the same shapes.
 
 Semantics.  Query token i of sequence s (of q_len_s tokens) sits at position
 p = kv_lens[s] - q_len_s + i and sees key j iff j <= p and, with a window W,
-j > p - W.  Scores are sm_scale * q.k, then soft_cap * tanh(score / soft_cap);
-int8 K/V are dequantized as value * scale (per token, per kv head).  Tokens at
-or past cu_q_lens[-1] are padding and come back as zeros; sequences with
-q_len 0 (empty slots) cost nothing.  Preconditions the wrapper cannot check on
+j > p - W, and mask_fn(p, j) where an attention variant gives one.  Scores are
+sm_scale * q.k, then soft_cap * tanh(score / soft_cap), then score_fn(score, p, j,
+query head n) where given; int8 K/V are dequantized as value * scale (per token,
+per kv head).  Tokens at or past cu_q_lens[-1] are padding and come back as zeros;
+sequences with q_len 0 (empty slots) cost nothing.  Preconditions the wrapper cannot check on
 traced values: cu_q_lens is non-decreasing from 0, q_len_s <= kv_lens[s] <=
 pages_per_seq * page_size, and the first cdiv(kv_lens[s], page_size) entries of
 block_tables[s] are valid page ids (others may hold anything, -1 included:
@@ -31,7 +32,10 @@ head, H head_dim, P pages, Z page size, S key positions).
     sum) are merged by log-sum-exp in the wrapper.
   * Each program loops only over the pages that intersect [first key any of
     its rows can see, last row's position] within its chunk: causal limits and
-    the sliding window skip whole pages; the mask handles the ragged edges.
+    the sliding window skip whole pages; the mask handles the ragged edges.  A
+    variant's kv_range_fn narrows that range the same way; its mask_fn is
+    evaluated per step (positions only, before any load), and a step it hides
+    from every row of the tile reads no page (lax.cond).
   * Pages are gathered inside the kernel through the block table (vector page
     index into the per-kv-head page pool), `pages_per_block` pages per step.
 
@@ -62,7 +66,7 @@ Hopper path decision: Pallas-Triton, decided by trying both on the H200 (jax
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 from jax import lax
@@ -71,12 +75,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention_reference import check_inputs, segment_of
+from pallas_kernels.position_rules import TileRules, check_rules, lift
 
 __all__ = ["ragged_paged_attention", "default_block_sizes"]
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_ROWS = 16  # Triton's tl.dot needs M >= 16.
 _MIN_KEYS = 16  # ... and K >= 16.
+_FAR = 1 << 30  # past any key position: a column outside the tile bounds nothing
 
 
 def _next_pow2(x: int) -> int:
@@ -112,15 +118,16 @@ def _rpa_kernel(
     sm_scale: float,
     soft_cap: Optional[float],
     sliding_window: Optional[int],
+    rules: TileRules,
+    group: int,
     block_q: int,
     pages_per_block: int,
     pages_per_split: int,
     quantized: bool,
 ):
-  if quantized:
-    ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest  # scales: [P, Z] f32
-  else:
-    acc_ref, m_ref, l_ref = rest  # [rows, H] f32, [rows] f32, [rows] f32
+  scale_refs, rest = (rest[:2], rest[2:]) if quantized else ((), rest)  # [P, Z] f32 each
+  mask_consts, score_consts, range_consts, outs = rules.split_refs(rest)
+  acc_ref, m_ref, l_ref = outs  # [rows, H] f32, [rows] f32, [rows] f32
   _, group_p, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
   rows = block_q * group_p  # query rows of a tile: block_q columns x group_p heads
@@ -137,6 +144,9 @@ def _rpa_kernel(
   row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group_p  # [rows]
   row_ok = row_q < n_rows  # [rows]
   row_pos = pos0 + row_q  # [rows]
+  # Query head of each row (padding heads of a group reuse its last head).
+  row_head = pl.program_id(1) * group + jnp.minimum(
+      lax.broadcasted_iota(jnp.int32, (rows,), 0) % group_p, group - 1)  # [rows]
 
   chunk_lo = split * (pages_per_split * page_size)
   chunk_hi = chunk_lo + pages_per_split * page_size
@@ -144,37 +154,40 @@ def _rpa_kernel(
   if sliding_window is not None:
     lo = jnp.maximum(lo, pos0 - sliding_window + 1)
   hi = jnp.minimum(chunk_hi, pos0 + n_rows)  # exclusive; n_rows 0 -> empty
+  if rules.kv_range is not None:  # the variant's hint narrows the page walk
+    col_pos = pos0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [block_q]
+    col_ok = col_pos < pos0 + n_rows
+    first, last = (jnp.broadcast_to(b, (block_q,))
+                   for b in rules.kv_range(range_consts, col_pos))
+    lo = jnp.maximum(lo, jnp.min(jnp.where(col_ok, first, _FAR)))
+    hi = jnp.minimum(hi, jnp.max(jnp.where(col_ok, last, 0)))
   lo_page = lo // page_size
   n_steps = jnp.where(hi > lo, pl.cdiv(pl.cdiv(hi, page_size) - lo_page,
                                        pages_per_block), 0)
   precision = (lax.Precision.HIGHEST if compute_dtype == jnp.float32
                else lax.Precision.DEFAULT)
 
-  def body(step, carry):
+  def attend(pages, key, key_ok, mask, carry):
     acc, m_prev, l_prev = carry  # [rows, H], [rows], [rows]
-    page0 = lo_page + step * pages_per_block
-    pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [ppb]
     k = k_ref[pages].reshape(block_k, head_dim).astype(compute_dtype)  # [block_k, H]
     v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, H]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # [rows, block_k]
     if quantized:
-      s = s * ks_ref[pages].reshape(1, block_k)
+      s = s * scale_refs[0][pages].reshape(1, block_k)
     s = s * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    key = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    key_ok = (key >= chunk_lo) & (key < hi)  # [block_k]
-    mask = key_ok[None, :] & row_ok[:, None] & (key[None, :] <= row_pos[:, None])
-    if sliding_window is not None:
-      mask = mask & (key[None, :] > row_pos[:, None] - sliding_window)
+    if rules.score is not None:
+      s = jnp.broadcast_to(rules.score(score_consts, s, row_pos[:, None], key[None, :],
+                                       row_head[:, None])[0], s.shape).astype(jnp.float32)
     s = jnp.where(mask, s, MASK_VALUE)  # [rows, block_k]
     m_next = jnp.maximum(m_prev, s.max(axis=1))  # [rows]
     alpha = jnp.exp(m_prev - m_next)  # [rows]
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [rows, block_k]
     l_next = alpha * l_prev + p.sum(axis=1)
     if quantized:
-      p = p * vs_ref[pages].reshape(1, block_k)
+      p = p * scale_refs[1][pages].reshape(1, block_k)
     # Stale slots of partly used pages must not leak NaN/inf through 0 * x.
     v = jnp.where(key_ok[:, None], v.astype(compute_dtype),
                   jnp.zeros((), compute_dtype))
@@ -183,6 +196,21 @@ def _rpa_kernel(
                          preferred_element_type=jnp.float32)  # [rows, H]
     return alpha[:, None] * acc + pv, m_next, l_next
 
+  def body(step, carry):
+    page0 = lo_page + step * pages_per_block
+    pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [ppb]
+    key = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    key_ok = (key >= chunk_lo) & (key < hi)  # [block_k]
+    mask = key_ok[None, :] & row_ok[:, None] & (key[None, :] <= row_pos[:, None])
+    if sliding_window is not None:
+      mask = mask & (key[None, :] > row_pos[:, None] - sliding_window)
+    if rules.mask is None:
+      return attend(pages, key, key_ok, mask, carry)
+    mask = mask & rules.mask(mask_consts, row_pos[:, None], key[None, :])[0].astype(bool)
+    # A step whose keys the variant hides from every row of the tile reads no page.
+    return lax.cond(jnp.any(mask), functools.partial(attend, pages, key, key_ok, mask),
+                    lambda carry: carry, carry)
+
   init = (jnp.zeros((rows, head_dim), jnp.float32),
           jnp.full((rows,), MASK_VALUE, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
@@ -190,6 +218,22 @@ def _rpa_kernel(
   acc_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
+
+
+def _whole_spec(ndim: int, shape: tuple) -> pl.BlockSpec:
+  """Every program reads the whole array (a rule's constant)."""
+  return pl.BlockSpec(shape, lambda t, h, c: (0,) * ndim)
+
+
+def _lift_rules(mask_fn, score_fn, kv_range_fn, rows: int, block_k: int, block_q: int):
+  """The rules traced at the shapes the kernel body calls them with -> (TileRules, the
+  arrays they close over, kernel inputs in TileRules.split_refs order)."""
+  pos = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  mask, mask_consts = lift(mask_fn, pos((rows, 1)), pos((1, block_k)))
+  score, score_consts = lift(score_fn, jax.ShapeDtypeStruct((rows, block_k), jnp.float32),
+                             pos((rows, 1)), pos((1, block_k)), pos((rows, 1)))
+  kv_range, range_consts = lift(kv_range_fn, pos((block_q,)))
+  return TileRules(mask, score, kv_range), mask_consts + score_consts + range_consts
 
 
 def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
@@ -215,7 +259,8 @@ def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_fn", "score_fn",
+                     "kv_range_fn", "interpret",
                      "block_q", "pages_per_block", "pages_per_split",
                      "num_warps", "num_stages"))
 def ragged_paged_attention(
@@ -231,6 +276,9 @@ def ragged_paged_attention(
     soft_cap: Optional[float] = None,
     k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
     v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
+    mask_fn: Optional[Callable] = None,
+    score_fn: Optional[Callable] = None,
+    kv_range_fn: Optional[Callable] = None,
     interpret: bool = False,
     block_q: Optional[int] = None,
     pages_per_block: Optional[int] = None,
@@ -242,10 +290,14 @@ def ragged_paged_attention(
 
   The tuning knobs (block_q, pages_per_block, pages_per_split, num_warps,
   num_stages) default to `default_block_sizes`; results do not depend on them
-  beyond float rounding.
+  beyond float rounding.  mask_fn / score_fn / kv_range_fn: an attention variant's
+  position rules (pallas_kernels/position_rules.py), applied per tile on logical
+  positions; kv_range_fn narrows each tile's page walk, and a step whose keys mask_fn
+  hides from the whole tile reads no page.
   """
   quantized = check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                             sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+  check_rules(mask_fn, score_fn, kv_range_fn)
   total_q, num_q_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   num_seqs, pages_per_seq = block_tables.shape
@@ -278,10 +330,12 @@ def ragged_paged_attention(
   q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
   q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, group_p, H]
 
+  rules, rule_consts = _lift_rules(mask_fn, score_fn, kv_range_fn, rows,
+                                   pages_per_block * page_size, block_q)
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
-      sliding_window=sliding_window, block_q=block_q,
+      sliding_window=sliding_window, rules=rules, group=group, block_q=block_q,
       pages_per_block=pages_per_block, pages_per_split=pages_per_split,
       quantized=quantized)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
@@ -297,6 +351,8 @@ def ragged_paged_attention(
     scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda t, h, c: (h, 0, 0))
     in_specs += [scale_spec, scale_spec]
     operands += [k_scales, v_scales]
+  in_specs += [_whole_spec(c.ndim, c.shape) for c in rule_consts]
+  operands += rule_consts
   part_shape = (num_tiles, num_kv_heads, num_splits, rows)
   compiler_params = None
   if not interpret:

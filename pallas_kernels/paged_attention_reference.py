@@ -6,11 +6,13 @@ semantics (paged_attention.py's docstring).  Dimension letters: docs/DIMENSIONS.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from pallas_kernels.position_rules import check_rules
 
 __all__ = ["ragged_paged_attention_reference", "check_q_and_pages", "check_inputs",
            "segment_of"]
@@ -95,7 +97,8 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
   return quantized
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "mask_fn", "score_fn"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, P, Z, H]
@@ -109,8 +112,12 @@ def ragged_paged_attention_reference(
     soft_cap: Optional[float] = None,
     k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
     v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
+    mask_fn: Optional[Callable] = None,
+    score_fn: Optional[Callable] = None,
 ) -> jax.Array:  # [T, N, H], q.dtype
   """Pure-jnp oracle: per token, gather its sequence's pages and softmax densely.
+  mask_fn / score_fn: an attention variant's rules (pallas_kernels/position_rules.py);
+  a kv_range hint has nothing to skip here.
 
   Jit-able with traced kv_lens/block_tables/cu_q_lens.  Tokens are processed in
   chunks (lax.map) so memory stays at chunk * kv_len * K * H; work is linear in
@@ -119,6 +126,7 @@ def ragged_paged_attention_reference(
   """
   check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                 sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+  check_rules(mask_fn, score_fn, None)
   total_q, num_q_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   num_seqs, pages_per_seq = block_tables.shape
@@ -126,6 +134,7 @@ def ragged_paged_attention_reference(
   max_kv = pages_per_seq * page_size
   tables = jnp.clip(block_tables, 0, num_pages - 1)
   f32 = jnp.float32
+  heads = jnp.arange(num_q_heads, dtype=jnp.int32).reshape(num_kv_heads, group, 1)
 
   tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
   tseq = segment_of(cu_q_lens[1:], tok)
@@ -146,10 +155,14 @@ def ragged_paged_attention_reference(
     s = jnp.einsum("kgh,ksh->kgs", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    key = jnp.arange(max_kv)  # [S]
+    key = jnp.arange(max_kv, dtype=jnp.int32)  # [S]
+    if score_fn is not None:
+      s = jnp.broadcast_to(score_fn(s, pos, key, heads), s.shape).astype(f32)
     mask = key <= pos
     if sliding_window is not None:
       mask = mask & (key > pos - sliding_window)
+    if mask_fn is not None:
+      mask = mask & jnp.broadcast_to(mask_fn(pos, key), mask.shape).astype(bool)
     s = jnp.where(mask, s, -jnp.inf)
     s = s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
     p = jnp.where(mask, jnp.exp(s), 0.0)  # [K, Gq, S]

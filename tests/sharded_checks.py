@@ -26,6 +26,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -165,6 +166,21 @@ def check_llama_engine() -> dict:
     assert engine.config.backend.mesh is load(path, 4).mesh
     out[backend] = dict(k_pages_shard=list(k_pages.addressable_shards[0].data.shape))
   return out
+
+
+def check_variant() -> dict:
+  """An attention variant whose score reads the head index (ALiBi, 8 heads) on tp 4: each
+  device's score sees its heads' global indices, reference and Pallas kernels alike."""
+  path = hf_family("llama", num_attention_heads=8, head_dim=16)
+  slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, 9) / 8), jnp.float32)
+  alibi = kvjax.AttentionVariant("alibi8", score=lambda s, q, k, h: s - 8 * slopes[h] * (q - k))
+  want = kvjax.generate(load(path, 1), PROMPTS, NEW_TOKENS, attention=alibi).tokens
+  assert want != kvjax.generate(load(path, 1), PROMPTS, NEW_TOKENS).tokens, "no change"
+  for backend in ("reference", "pallas_interpret"):
+    engine = kvjax.Engine(load(path, 4), max_num_seqs=4, max_model_len=64, page_size=8,
+                          backend=backend, attention=alibi)
+    got = engine.generate(PROMPTS, NEW_TOKENS).tokens
+    assert got == want, (backend, got, want)
 
 
 def check_families() -> dict:
@@ -320,8 +336,8 @@ def check_router_submeshes() -> dict:
   return dict(replicas=result.stats["replicas"], devices=[sorted(d) for d in devices])
 
 
-CHECKS = [check_memory_ledger, check_llama_gqa, check_llama_engine, check_families,
-          check_int8_kv, check_mtp, check_collectives, check_transfer_guard,
+CHECKS = [check_memory_ledger, check_llama_gqa, check_llama_engine, check_variant,
+          check_families, check_int8_kv, check_mtp, check_collectives, check_transfer_guard,
           check_router_submeshes]
 
 

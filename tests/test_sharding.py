@@ -61,6 +61,10 @@ def test_engine_on_a_sharded_model_reference_and_pallas(report):
     assert entry[backend]["k_pages_shard"][1] == 1  # [L, K'/tp, P, Z, H]: one head a device
 
 
+def test_a_variant_scores_global_heads_on_a_mesh(report):
+  _ok(report, "check_variant")  # ALiBi on tp 4: reference and Pallas, single-device greedy
+
+
 def test_qwen3_mistral_window_and_mla(report):
   entry = _ok(report, "check_families")
   assert entry["mistral"]["kv_heads"] == 2  # MQA replicated to tp

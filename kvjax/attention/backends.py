@@ -29,9 +29,10 @@ step call through it and never compare functions by identity:
       that replaces `attention` of a record that has it replaces it too (or
       sets None), or bursts bypass the new `attention`.
   variants: `attention` and `gathered_attention` take `variant=` (an attention variant,
-      kvjax/attention/variants.py) and apply its mask and score (the reference); False:
-      a model with a variant is refused (the Pallas kernels do not trace them yet), never
-      served as if it had none.
+      kvjax/attention/variants.py) and apply its mask and score (every built-in: the
+      Pallas kernels trace them per tile; on a mesh each device's score sees global
+      head indices); False: a model with a variant is refused, never served as if it
+      had none.
   prefill_full_width: a prefill chunk's `attention` (and `mla_attention`) reads each
       row's pages only as far as its kv_lens, whatever the block table's width (the
       reference backend walks blocks, kvjax/attention/blocked.py; the ragged kernels
@@ -125,12 +126,19 @@ def _padded_mla(q, pages, batch, **kwargs):
                              **kwargs)
 
 
-def _ragged(kernel: Callable) -> Callable:
-  """Padded [B, T] rows -> the ragged kernel's flattened [B*T] layout (cu_q_lens = b*T)."""
+def _ragged(kernel: Callable, skips_pages: bool = True) -> Callable:
+  """Padded [B, T] rows -> the ragged kernel's flattened [B*T] layout (cu_q_lens = b*T);
+  an attention variant -> the kernel's position rules (its kv_range only where the kernel
+  skips pages)."""
 
-  def attention(q, k_pages, v_pages, batch, *, layer, k_scales=None, v_scales=None, **kwargs):
+  def attention(q, k_pages, v_pages, batch, *, layer, k_scales=None, v_scales=None,
+                variant=None, **kwargs):
     b, t, n, h = q.shape
     scales = {} if k_scales is None else dict(k_scales=k_scales[layer], v_scales=v_scales[layer])
+    if variant is not None:
+      kwargs = dict(kwargs, mask_fn=variant.mask, score_fn=variant.score)
+      if skips_pages:
+        kwargs["kv_range_fn"] = variant.kv_range
     out = kernel(q.reshape(b * t, n, h), k_pages[layer], v_pages[layer], batch.kv_lens,
                  batch.block_tables, batch.cu_q_lens, **scales, **kwargs)
     return out.reshape(b, t, n, h)
@@ -145,16 +153,28 @@ BACKENDS = types.MappingProxyType({
         gathered_attention=_gathered_reference, prefill_full_width=True, variants=True),
     "pallas": Backend(
         "pallas", _ragged(pallas_kernels.ragged_paged_attention),
-        pallas_kernels.rejection_sample, prefill_full_width=True),
+        pallas_kernels.rejection_sample, prefill_full_width=True, variants=True),
     "pallas_interpret": Backend(
         "pallas_interpret",
         _ragged(functools.partial(pallas_kernels.ragged_paged_attention, interpret=True)),
         functools.partial(pallas_kernels.rejection_sample, interpret=True),
-        prefill_full_width=True),
+        prefill_full_width=True, variants=True),
     "pallas_reference": Backend(
-        "pallas_reference", _ragged(pallas_kernels.ragged_paged_attention_reference),
-        pallas_kernels.rejection_sample_reference),
+        "pallas_reference",
+        _ragged(pallas_kernels.ragged_paged_attention_reference, skips_pages=False),
+        pallas_kernels.rejection_sample_reference, variants=True),
 })
+
+
+def _global_heads(variant, local_heads: int):
+  """variant whose score sees this device's query heads by their global index: under
+  shard_map a device holds heads [i * local_heads, (i + 1) * local_heads) of the mesh's
+  model axis and indexes them from 0.  Traced inside the shard_map body."""
+  if variant.score is None:
+    return variant
+  offset = jax.lax.axis_index(MODEL) * local_heads
+  score = variant.score
+  return dataclasses.replace(variant, score=lambda s, q, k, h: score(s, q, k, h + offset))
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,10 +192,12 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
     raise ValueError(f"backend {backend.name!r} already runs on another mesh")
   heads, pages, whole = P(None, None, MODEL, None), P(None, MODEL), P()  # pages [L, K, ...]
 
-  def attention(q, k_pages, v_pages, batch, *, layer, sm_scale, sliding_window=None, **scales):
+  def attention(q, k_pages, v_pages, batch, *, layer, sm_scale, sliding_window=None,
+                variant=None, **scales):
     def local(q, k_pages, v_pages, batch, scales):
+      options = {} if variant is None else dict(variant=_global_heads(variant, q.shape[2]))
       return backend.attention(q, k_pages, v_pages, batch, layer=layer, sm_scale=sm_scale,
-                               sliding_window=sliding_window, **scales)
+                               sliding_window=sliding_window, **scales, **options)
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, pages),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, batch, scales)
 
@@ -193,8 +215,8 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
   return dataclasses.replace(
       backend, name=f"{backend.name}@tp{mesh.shape[MODEL]}", attention=attention,
       verify=verify, mla_attention=backend.mla_attention and mla_attention,
-      gathered_attention=None, variants=False,  # a variant's head index is global
-      mesh=mesh)  # sharded pages are read per device, per step
+      gathered_attention=None,  # sharded pages are read per device, per step
+      mesh=mesh)
 
 
 @functools.lru_cache(maxsize=None)
