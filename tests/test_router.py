@@ -126,6 +126,7 @@ def _replicas_summed(router) -> dict:
                          ("constrained", len(book.matchers)),
                          ("masks_filled", book.masks_filled), ("mask_seconds", book.mask_s)):
       total[name] += number
+  total["expert_tokens"] = None  # dense replicas: no expert counts
   return total
 
 

@@ -138,6 +138,9 @@ class Engine:
     # Prompt logprobs of requests that asked, filled chunk by chunk until their first output.
     self._prompt_scores: dict[str, list] = {}
     self.steps = StepLog()
+    # MoE models: the tokens each layer routed to each expert over the steps it ran, [L, Ne].
+    self.expert_tokens = (np.zeros((cfg.num_layers, cfg.num_experts), np.int64)
+                          if cfg.num_experts else None)
     self._lock = threading.RLock()
     self.constraints = ConstraintBook()  # with a vocabulary: kvjax/constraints/vocabulary.py
 
@@ -272,7 +275,7 @@ class Engine:
 
   def stats(self) -> EngineStats:
     """Its scheduler's and constraint book's numbers now (kvjax/engine/stats.py)."""
-    return EngineStats.of(self.scheduler, self.constraints)
+    return EngineStats.of(self.scheduler, self.constraints, self.expert_tokens)
 
   def request(self, request_id: str) -> Optional[Request]:
     """An unfinished request (waiting or running) by id; None once it finished."""
@@ -327,6 +330,8 @@ class Engine:
       # device_get is the step's host sync.
       emitted, drafted, steps_run = jax.device_get((emitted, drafted, steps))
       rows = [plan.rows[i] for i in group]
+      if emitted.expert_tokens is not None:  # [U, L, Ne]: a burst's steps, 0 past the last
+        self.expert_tokens += emitted.expert_tokens.sum(0)
       if emitted.prompt is not None:
         record_prompt_logprobs(rows, emitted.prompt, self._prompt_scores)
       for row in rows:

@@ -10,6 +10,9 @@ they drive, never a scheduler.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+import numpy as np
 
 __all__ = ["EngineStats"]
 
@@ -26,11 +29,13 @@ class EngineStats:
   constrained: int = 0  # requests decoding under a constraint (kvjax/constraints)
   masks_filled: int = 0  # (row, position) token masks their matchers filled
   mask_seconds: float = 0.0  # host seconds spent filling them
+  # MoE models: tokens each layer routed to each expert, cumulative [L, Ne] (else None)
+  expert_tokens: Optional[np.ndarray] = None
 
   @classmethod
-  def of(cls, scheduler, constraints=None) -> EngineStats:
+  def of(cls, scheduler, constraints=None, expert_tokens=None) -> EngineStats:
     """The numbers of a kvjax/engine/sched/scheduler.py Scheduler and, when given, the engine's
-    ConstraintBook (kvjax/constraints/book.py) now."""
+    ConstraintBook (kvjax/constraints/book.py) and its expert token counts now."""
     cache = scheduler.prefix_cache
     book = {} if constraints is None else dict(
         constrained=len(constraints.matchers), masks_filled=constraints.masks_filled,
@@ -40,7 +45,8 @@ class EngineStats:
                pages_usable=scheduler.allocator.num_usable,
                num_preemptions=scheduler.num_preemptions,
                prefix_hit_tokens=cache.hit_tokens if cache else 0,
-               prefix_queried_tokens=cache.queried_tokens if cache else 0, **book)
+               prefix_queried_tokens=cache.queried_tokens if cache else 0,
+               expert_tokens=None if expert_tokens is None else expert_tokens.copy(), **book)
 
   @property
   def utilization(self) -> float:
@@ -48,8 +54,10 @@ class EngineStats:
     return self.pages_used / self.pages_usable if self.pages_usable else 0.0
 
   def __add__(self, other: EngineStats) -> EngineStats:
-    """Two pools' stats as one (a Router's replicas)."""
-    return EngineStats(*(getattr(self, f.name) + getattr(other, f.name)
+    """Two pools' stats as one (a Router's replicas; None expert counts add as zeros)."""
+    def add(a, b):
+      return a if b is None else b if a is None else a + b
+    return EngineStats(*(add(getattr(self, f.name), getattr(other, f.name))
                          for f in dataclasses.fields(self)))
 
   def counted_since(self, before: EngineStats) -> dict[str, int]:

@@ -32,7 +32,8 @@ from kvjax.model.layers import apply_rope, dense, matmul_precision, rms_norm, \
     rope_attention_factor, rope_inv_freq
 from kvjax.model.params import AttentionParams, BlockParams, MLAParams, MTPParams, Params, \
     gqa_init, moe_init, swiglu_init
-from kvjax.moe.block import moe_mlp
+from kvjax.moe.block import moe_mlp, moe_mlp_routed
+from kvjax.moe.routing import expert_token_counts
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "decoder", "embed_tokens", "lm_logits",
            "mtp_block", "forward_hidden", "forward", "forward_with_mtp", "Attend",
@@ -157,7 +158,8 @@ MLA = register_layer_kind(LayerKind(
 SWIGLU = register_mlp_kind(MLPKind(name="swiglu", init=swiglu_init, apply=swiglu))
 # Routed (+ shared) experts on the layers the config makes sparse (kvjax/moe/).
 MOE = register_mlp_kind(MLPKind(name="moe", init=moe_init,
-                                apply=lambda cfg, p, h: moe_mlp(cfg, p.moe, h)))
+                                apply=lambda cfg, p, h: moe_mlp(cfg, p.moe, h),
+                                routed=lambda cfg, p, h: moe_mlp_routed(cfg, p.moe, h)))
 register_selector(lambda cfg, layer: "moe" if cfg.is_moe_layer(layer) else None,
                   registry="mlp")
 
@@ -166,6 +168,13 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
            inv_freq: jax.Array, cache: Any, layer: int, attend: Attend):
   """One pre-norm decoder block (its sublayer outputs normed too where it has post
   norms); x [B, T, D] -> (cache, x)."""
+  return _routed_block(cfg, p, x, positions, inv_freq, cache, layer, attend, False)[:2]
+
+
+def _routed_block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
+                  inv_freq: jax.Array, cache: Any, layer: int, attend: Attend, routing: bool):
+  """_block -> (cache, x, each token's experts [Bt, Ke] where `routing` and the layer
+  routes, else None)."""
   h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
   cache, out = layer_kind(cfg, layer).step(cfg, p.attn, h, positions, inv_freq, cache, layer,
                                            attend)
@@ -173,20 +182,35 @@ def _block(cfg: ModelConfig, p: BlockParams, x: jax.Array, positions: jax.Array,
     out = rms_norm(out, p.post_attn_norm, cfg.rms_norm_eps)
   x = x + out
   h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-  out = mlp_kind(cfg, layer).apply(cfg, p, h)
+  kind, experts = mlp_kind(cfg, layer), None
+  if routing and kind.routed is not None:
+    out, experts = kind.routed(cfg, p, h)
+  else:
+    out = kind.apply(cfg, p, h)
   if p.post_mlp_norm is not None:
     out = rms_norm(out, p.post_mlp_norm, cfg.rms_norm_eps)
-  return cache, x + out
+  return cache, x + out, experts
 
 
 def decoder(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: Any, attend: Attend):
-  """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm."""
+            cache: Any, attend: Attend, valid: Optional[jax.Array] = None):
+  """tokens, positions [B, T] -> (cache, hidden [B, T, D]) before the final norm.
+
+  With `valid` [B, T] bool (False on padding): (cache, hidden, expert_tokens [L, Ne]
+  int32), the valid tokens each layer routed to each expert (zero rows on layers
+  without experts; Ne = 0 in a model without them).
+  """
   x = embed_tokens(params, cfg, tokens)
+  counts = []
   with matmul_precision(params.embed.dtype):
     for layer, block in enumerate(params.blocks):
-      cache, x = _block(cfg, block, x, positions, _inv_freq(cfg, layer), cache, layer, attend)
-  return cache, x
+      cache, x, experts = _routed_block(cfg, block, x, positions, _inv_freq(cfg, layer), cache,
+                                        layer, attend, valid is not None)
+      counts.append(jnp.zeros(cfg.num_experts, jnp.int32) if experts is None else
+                    expert_token_counts(experts, valid.reshape(-1), cfg.num_experts))
+  if valid is None:
+    return cache, x
+  return cache, x, jnp.stack(counts)
 
 
 def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -45,10 +45,12 @@ class LayerKind:
 @dataclasses.dataclass(frozen=True)
 class MLPKind:
   """The block's channel mixer: init(cfg, key, dtype, std, layer) -> params;
-  apply(cfg, params, h [B, T, D]) -> [B, T, D]."""
+  apply(cfg, params, h [B, T, D]) -> [B, T, D]; a kind that routes tokens to experts
+  also has routed(cfg, params, h) -> (the same, each token's experts [Bt, Ke])."""
   name: str
   init: Callable
   apply: Callable
+  routed: Optional[Callable] = None
 
 
 LAYER_KINDS: dict = {}

@@ -18,11 +18,16 @@ from kvjax.moe.grouped import routed_experts, swiglu
 from kvjax.moe.params import MoEParams
 from kvjax.moe.routing import route
 
-__all__ = ["moe_mlp"]
+__all__ = ["moe_mlp", "moe_mlp_routed"]
 
 
 def moe_mlp(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> jax.Array:
   """h [B, T, D] -> [B, T, D]."""
+  return moe_mlp_routed(cfg, p, h)[0]
+
+
+def moe_mlp_routed(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> tuple:
+  """h [B, T, D] -> ([B, T, D], each token's chosen experts [Bt, Ke] int32)."""
   x = h.reshape(-1, h.shape[-1])  # [Bt, D]: the B T tokens
   logits = jnp.matmul(x.astype(jnp.float32), p.router.astype(jnp.float32))  # [Bt, Ne]
   if p.router_bias is not None:
@@ -35,4 +40,4 @@ def moe_mlp(cfg: ModelConfig, p: MoEParams, h: jax.Array) -> jax.Array:
     out = routed_experts(p.experts, x, weights, chosen, glu).reshape(h.shape)
   if p.shared is not None:
     out = out + swiglu(p.shared, h)
-  return out
+  return out, chosen

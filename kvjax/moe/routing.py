@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kvjax.model.config import ModelConfig
 from kvjax.moe.topk import top_k_experts
 
-__all__ = ["route"]
+__all__ = ["expert_token_counts", "route"]
 
 
 def _limit_groups(cfg: ModelConfig, choice: jax.Array) -> jax.Array:
@@ -57,3 +57,10 @@ def route(cfg: ModelConfig, logits: jax.Array, score_bias: Optional[jax.Array] =
   if cfg.norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + eps)
   return weights * cfg.routed_scaling_factor, experts
+
+
+def expert_token_counts(experts: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+  """experts [Bt, Ke] (route's), valid [Bt] bool (padding tokens False) -> [Ne] int32:
+  the real tokens routed to each expert (they sum to valid tokens x Ke)."""
+  hits = jnp.broadcast_to(valid[:, None], experts.shape).astype(jnp.int32)
+  return jnp.zeros(num_experts, jnp.int32).at[experts].add(hits)

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "qmatmul_kernel.h"
 
@@ -171,72 +172,90 @@ inline void Unit(const Problem& p, int64_t i, int64_t end, int64_t o0, I e[4]) {
   e[2] = Vec::Lo16(b, d), e[3] = Vec::Hi16(b, d);
 }
 
-// Group g of rows [r0, r0 + kRows) on the Vec::kWidth columns at o0, added into y.
+constexpr int64_t kLanes = Vec::kWidth / 4;  // floats a vector: one Unit's e[j]
+
+// Input rows [begin, end) (block s of group g) on the Vec::kWidth columns at o0, rows
+// [r0, r0 + kRows): acc[r * stride + j * kLanes] (row r's e[j] lanes) += the block's
+// integer dot times its activation scale.
 template <int64_t kRows>
-void RunGroup(const Problem& p, int64_t g, int64_t o0, int64_t r0) {
-  const int64_t g_end = std::min(p.in, (g + 1) * p.group);
-  F acc[kRows][4];
+void RunBlock(const Problem& p, int64_t g, int64_t s, int64_t begin, int64_t end, int64_t o0,
+              int64_t r0, float* acc, int64_t stride) {
+  int64_t block[kRows];
+  I dot[kRows][4];
   for (int64_t r = 0; r < kRows; ++r) {
-    for (int64_t j = 0; j < 4; ++j) acc[r][j] = Vec::SetF(0.f);
+    block[r] = (r0 + r) * Blocks(p) + g * p.blocks_per_group + s;
+    for (int64_t j = 0; j < 4; ++j) dot[r][j] = Vec::Set32(0);
   }
-  for (int64_t begin = g * p.group, s = 0; begin < g_end; begin += kBlock, ++s) {
-    const int64_t end = std::min(g_end, begin + kBlock);
-    int64_t block[kRows];
-    I dot[kRows][4];
+  for (int64_t i = begin; i < end; i += 4) {
+    I e[4];
+    Unit(p, i, end, o0, e);
     for (int64_t r = 0; r < kRows; ++r) {
-      block[r] = (r0 + r) * Blocks(p) + g * p.blocks_per_group + s;
-      for (int64_t j = 0; j < 4; ++j) dot[r][j] = Vec::Set32(0);
-    }
-    for (int64_t i = begin; i < end; i += 4) {
-      I e[4];
-      Unit(p, i, end, o0, e);
-      for (int64_t r = 0; r < kRows; ++r) {
-        int32_t four;
-        std::memcpy(&four, p.xq + block[r] * kBlock + (i - begin), sizeof(four));
-        const I q = Vec::Set32(four);
-        for (int64_t j = 0; j < 4; ++j) {
-          const I terms = p.bits == 8 ? Vec::DotS(e[j], q) : Vec::DotU(e[j], q);
-          dot[r][j] = Vec::Add(dot[r][j], terms);
-        }
-      }
-    }
-    for (int64_t r = 0; r < kRows; ++r) {
-      const I bias = Vec::Set32(p.bits == 4 ? 8 * p.xsum[block[r]] : 0);
-      const F scale = Vec::SetF(p.xscale[block[r]]);
+      int32_t four;
+      std::memcpy(&four, p.xq + block[r] * kBlock + (i - begin), sizeof(four));
+      const I q = Vec::Set32(four);
       for (int64_t j = 0; j < 4; ++j) {
-        acc[r][j] = Vec::Fma(Vec::Float(Vec::Sub(dot[r][j], bias)), scale, acc[r][j]);
+        const I terms = p.bits == 8 ? Vec::DotS(e[j], q) : Vec::DotU(e[j], q);
+        dot[r][j] = Vec::Add(dot[r][j], terms);
       }
     }
   }
-  constexpr int64_t kLanes = Vec::kWidth / 4;
   for (int64_t r = 0; r < kRows; ++r) {
-    Vec::Order(acc[r]);
+    const I bias = Vec::Set32(p.bits == 4 ? 8 * p.xsum[block[r]] : 0);
+    const F scale = Vec::SetF(p.xscale[block[r]]);
     for (int64_t j = 0; j < 4; ++j) {
-      const int64_t o = o0 + j * kLanes;
-      float* out = p.y + (r0 + r) * p.out + o;
-      F y = Vec::Fma(Vec::LoadF(p.scales + g * p.out + o), acc[r][j], Vec::LoadF(out));
-      if (p.offsets != nullptr) {
-        y = Vec::Fma(Vec::LoadF(p.offsets + g * p.out + o),
-                     Vec::SetF(p.group_sums[(r0 + r) * p.groups + g]), y);
-      }
-      Vec::StoreF(out, y);
+      float* a = acc + r * stride + j * kLanes;
+      Vec::StoreF(a, Vec::Fma(Vec::Float(Vec::Sub(dot[r][j], bias)), scale, Vec::LoadF(a)));
     }
   }
 }
 
-// Group by group, the band's blocks walk along each code row (adjacent lines), and a
-// group's codes stay in cache for every pair of rows.
-void RunBandVector(const Problem& p, int64_t o_begin, int64_t o_end) {
-  for (int64_t g = 0; g < p.groups; ++g) {
-    for (int64_t o0 = o_begin; o0 < o_end; o0 += Vec::kWidth) {
-      if (o0 + Vec::kWidth > p.out) {
-        GroupColumns(p, g, o0, o_end);
-        continue;
-      }
-      int64_t r = 0;
-      for (; r + 2 <= p.rows; r += 2) RunGroup<2>(p, g, o0, r);
-      if (r < p.rows) RunGroup<1>(p, g, o0, r);
+// Group g's sums acc (RunBlock's layout) on the Vec::kWidth columns at o0, row r, into y.
+void Finish(const Problem& p, int64_t g, int64_t o0, int64_t r, const float* acc) {
+  F sums[4];
+  for (int64_t j = 0; j < 4; ++j) sums[j] = Vec::LoadF(acc + j * kLanes);
+  Vec::Order(sums);
+  for (int64_t j = 0; j < 4; ++j) {
+    const int64_t o = o0 + j * kLanes;
+    float* out = p.y + r * p.out + o;
+    F y = Vec::Fma(Vec::LoadF(p.scales + g * p.out + o), sums[j], Vec::LoadF(out));
+    if (p.offsets != nullptr) {
+      y = Vec::Fma(Vec::LoadF(p.offsets + g * p.out + o),
+                   Vec::SetF(p.group_sums[r * p.groups + g]), y);
     }
+    Vec::StoreF(out, y);
+  }
+}
+
+// Block by block, the band's columns inside: each of a block's kBlock code rows is read
+// along the band (adjacent lines), never down a column block's rows, which lie a whole
+// code row apart (48 KB on the tied head, where a per-channel group is every row); a
+// group's f32 sums wait in a per-thread buffer, in the order the register sums had.
+void RunBandVector(const Problem& p, int64_t o_begin, int64_t o_end) {
+  const int64_t chunks = (o_end - o_begin) / Vec::kWidth, stride = chunks * Vec::kWidth;
+  const int64_t vector_end = o_begin + stride;  // a ragged tail goes to GroupColumns
+  thread_local std::vector<float> sums;
+  sums.resize(p.rows * stride);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    std::fill(sums.begin(), sums.end(), 0.f);
+    const int64_t g_end = std::min(p.in, (g + 1) * p.group);
+    for (int64_t begin = g * p.group, s = 0; begin < g_end; begin += kBlock, ++s) {
+      const int64_t end = std::min(g_end, begin + kBlock);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t o0 = o_begin + c * Vec::kWidth;
+        float* acc = sums.data() + c * Vec::kWidth;
+        int64_t r = 0;
+        for (; r + 2 <= p.rows; r += 2) {
+          RunBlock<2>(p, g, s, begin, end, o0, r, acc + r * stride, stride);
+        }
+        if (r < p.rows) RunBlock<1>(p, g, s, begin, end, o0, r, acc + r * stride, stride);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        Finish(p, g, o_begin + c * Vec::kWidth, r, sums.data() + r * stride + c * Vec::kWidth);
+      }
+    }
+    if (vector_end < o_end) GroupColumns(p, g, vector_end, o_end);
   }
 }
 

@@ -57,6 +57,9 @@ class Emitted:
   # Prompt logprobs (a score_prompt program only, else None): token_logprobs of each
   # column's following known id ([B, T], [B, T, A], [B, T, A]; see _prompt_scores).
   prompt: Optional[tuple] = None
+  # MoE models only: the fed tokens (every real column, drafts included) each trunk
+  # layer routed to each expert, [L, Ne] int32 (kvjax/model/decoder.py decoder's).
+  expert_tokens: Optional[jax.Array] = None
 
 
 def _prompt_scores(params: Params, config: ModelConfig, hidden: jax.Array,
@@ -81,7 +84,7 @@ def _prompt_scores(params: Params, config: ModelConfig, hidden: jax.Array,
 
 
 def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array,
-             prompt: Optional[tuple] = None) -> Emitted:
+             prompt: Optional[tuple] = None, expert_tokens=None) -> Emitted:
   """tokens [B, J+1], logits [B, J+1, V] -> Emitted; a failed row emits nothing."""
   counts = jnp.where(failed, 0, counts)
   b, r, v = logits.shape
@@ -91,7 +94,7 @@ def _emitted(tokens, counts, failed, logits, want_logprobs: jax.Array,
   chosen, top_ids, top_logprobs = jax.lax.cond(
       want_logprobs, lambda: token_logprobs(logits, tokens), lambda: none)
   return Emitted(tokens=tokens, counts=counts, failed=failed, logprobs=chosen, top_ids=top_ids,
-                 top_logprobs=top_logprobs, prompt=prompt)
+                 top_logprobs=top_logprobs, prompt=prompt, expert_tokens=expert_tokens)
 
 
 @struct.dataclass
@@ -134,8 +137,9 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     pending = state.drafts[batch.slot_ids, :num_draft]  # [B, J]
     if num_draft:
       batch = batch.replace(tokens=spec.fill_drafts(batch.tokens, pending, batch.num_draft))
-  cache, hidden = model_step(params, state.cache, batch, config=config,
-                             backend=backend)  # hidden [B, T, D]
+  cache, hidden, *routed = model_step(params, state.cache, batch, config=config,
+                                      backend=backend, expert_tokens=config.num_experts > 0)
+  expert_tokens = routed[0] if routed else None  # [L, Ne]
   prompt = _prompt_scores(params, config, hidden, batch) if score_prompt else None
   first = batch.starts + base + 1  # sequence index of the first emitted token
   if not num_draft:
@@ -144,7 +148,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     new = sample(masked, batch.sampling, first, use_filter=True)  # [B]
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
     return state.replace(cache=cache), _emitted(new[:, None], jnp.ones_like(new), failed,
-                                                logits[:, None], want_logprobs, prompt)
+                                                logits[:, None], want_logprobs, prompt,
+                                                expert_tokens)
 
   raw = lm_logits(params, config, spec.gather_rows(hidden, base, num_draft + 1))
   verified = jnp.arange(num_draft + 1)[None, :] <= batch.num_draft[:, None]  # [B, J+1]
@@ -157,7 +162,7 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
   cache = cache.keep_accepted(batch, accepted)  # a recurrent state forgets rejected drafts
   if host_drafts:
     return state.replace(cache=cache), _emitted(emitted, accepted + 1, failed, raw,
-                                                want_logprobs, prompt)
+                                                want_logprobs, prompt, expert_tokens)
   last = base + accepted  # [B] column whose logits emitted the last token
   last_token = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
   following = jnp.where(batch.next_tokens >= 0, batch.next_tokens, last_token)
@@ -175,7 +180,8 @@ def _serve_rows(params: Params, draft_params: Optional[Params], state: EngineSta
     state = state.replace(cache=cache)
   state = state.replace(drafts=state.drafts.at[batch.slot_ids, :num_draft].set(drafts),
                         draft_probs=state.draft_probs.at[batch.slot_ids, :num_draft].set(probs))
-  return state, _emitted(emitted, accepted + 1, failed, raw, want_logprobs, prompt)
+  return state, _emitted(emitted, accepted + 1, failed, raw, want_logprobs, prompt,
+                         expert_tokens)
 
 
 _STATIC = ("config", "draft_config", "backend", "num_draft", "host_drafts")
@@ -183,13 +189,16 @@ serve_step = jit_step(_serve_rows, batch_argnum=3, static_argnames=_STATIC + ("s
                       donate_argnames=("state",))
 
 
-def _empty_history(u: int, b: int, t: int, vocab: int) -> Emitted:
+def _empty_history(u: int, b: int, t: int, config: ModelConfig) -> Emitted:
   """U steps of Emitted for B rows of T columns, nothing emitted yet."""
-  a = min(MAX_LOGPROBS, vocab)
+  a = min(MAX_LOGPROBS, config.vocab_size)
+  expert_tokens = None
+  if config.num_experts:
+    expert_tokens = jnp.zeros((u, config.num_layers, config.num_experts), jnp.int32)
   return Emitted(tokens=jnp.full((u, b, t), -1, jnp.int32), counts=jnp.zeros((u, b), jnp.int32),
                  failed=jnp.zeros((u, b), bool), logprobs=jnp.zeros((u, b, t), jnp.float32),
                  top_ids=jnp.zeros((u, b, t, a), jnp.int32),
-                 top_logprobs=jnp.zeros((u, b, t, a), jnp.float32))
+                 top_logprobs=jnp.zeros((u, b, t, a), jnp.float32), expert_tokens=expert_tokens)
 
 
 @jit_step(static_argnames=_STATIC + ("max_steps",), donate_argnames=("state",))
@@ -251,7 +260,7 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
             drafted_all.at[step].set(drafted),
             None if processing is None else processing.advance(emitted))  # penalties' counts
 
-  history = _empty_history(max_steps, b, t, config.vocab_size)
+  history = _empty_history(max_steps, b, t, config)
   # The rows' K/V gathered once, not per step (where the backend allows): the trunk's, and
   # the MTP modules' only if the loop drafts (a draft model keeps its own cache).
   drafting = num_draft and draft_config is None

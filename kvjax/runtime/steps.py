@@ -52,10 +52,15 @@ def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> 
 
 
 def model_step(params: Params, cache, batch: StepBatch, *, config: ModelConfig,
-               backend: BackendArg):
-  """Feed batch.tokens [B, T] at batch.positions -> (cache, hidden [B, T, D] pre-norm)."""
+               backend: BackendArg, expert_tokens: bool = False):
+  """Feed batch.tokens [B, T] at batch.positions -> (cache, hidden [B, T, D] pre-norm),
+  and with `expert_tokens` the fed tokens each layer routed to each expert [L, Ne]
+  (decoder's; a row's columns from q_lens on are padding)."""
+  valid = None
+  if expert_tokens:
+    valid = jnp.arange(batch.tokens.shape[1])[None, :] < batch.q_lens[:, None]  # [B, T]
   return decoder(params, config, batch.tokens, batch.positions, cache,
-                 cache_attend(config, batch, backend))
+                 cache_attend(config, batch, backend), valid)
 
 
 def last_rows(x: jax.Array, q_lens: jax.Array) -> jax.Array:

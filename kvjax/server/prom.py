@@ -15,12 +15,19 @@ completed it); request histograms and request_success come
 from kvjax/engine/metrics.py's RequestMetrics of each finished request.  Every
 series carries a model_name label, as vLLM's do.  `kvjax:max_num_seqs` is the
 configured concurrency (what C18's diagnosis compares running requests with).
+An MoE model's expert load (kvjax-only names, built at each scrape from the engine's
+cumulative [L, Ne] counts since the first look): kvjax:moe_expert_tokens_total{layer,
+expert}, the tokens a layer routed to an expert, and kvjax:moe_expert_load_imbalance
+{layer}, the most any expert got over the mean (1: even; Ne / Ke: every token chose the
+same Ke experts); only layers that routed a token appear.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvjax.engine.metrics import RequestMetrics
 from kvjax.engine.stats import EngineStats
@@ -47,7 +54,39 @@ def _one_two_five(maximum: int) -> list[int]:
     scale *= 10
 
 
-_KVJAX_ONLY = ("max_num_seqs",)  # no vLLM metric of that name: no vllm: view of it
+# No vLLM metric of these names: no vllm: view of them.
+_KVJAX_ONLY = ("max_num_seqs", "moe_expert_tokens", "moe_expert_load_imbalance")
+
+
+class _ExpertLoad:
+  """A collector: the expert load families (module doc) from the counts last observed,
+  less the first ones observed (the baseline, as observe_engine's counters)."""
+
+  def __init__(self, model_name: str):
+    self._model_name, self._first, self._now = model_name, None, None
+
+  def observe(self, counts: np.ndarray) -> None:
+    if self._first is None:
+      self._first = counts
+    self._now = counts
+
+  def collect(self):
+    if self._now is None:
+      return
+    since = self._now - self._first  # [L, Ne]
+    tokens = CounterMetricFamily("kvjax:moe_expert_tokens",
+                                 "Tokens a layer routed to an expert (MoE models).",
+                                 labels=["model_name", "layer", "expert"])
+    imbalance = GaugeMetricFamily("kvjax:moe_expert_load_imbalance",
+                                  "Most tokens any expert of a layer got over the mean.",
+                                  labels=["model_name", "layer"])
+    for layer in np.flatnonzero(since.sum(1)):
+      for expert, count in enumerate(since[layer]):
+        tokens.add_metric([self._model_name, str(layer), str(expert)], float(count))
+      imbalance.add_metric([self._model_name, str(layer)],
+                           float(since[layer].max() / since[layer].mean()))
+    yield tokens
+    yield imbalance
 
 
 class _Renamed:
@@ -128,6 +167,8 @@ class ServerMetrics:
     self.masks = make(prom.Counter, "structured_masks",
                       "Grammar token masks filled (one per row and verified position).")
     self._totals = None  # the engine's cumulative counters last seen (observe_engine)
+    self._expert_load = _ExpertLoad(model_name)
+    self.registry.register(self._expert_load)
 
   def observe_engine(self, stats: EngineStats) -> None:
     """Gauges from the engine's stats now; counters by their totals' growth since last time.
@@ -146,6 +187,8 @@ class ServerMetrics:
       for counter, now, before in zip(counters, totals, self._totals):
         counter.inc(now - before)
     self._totals = totals
+    if stats.expert_tokens is not None:
+      self._expert_load.observe(stats.expert_tokens)
 
   def record_finished(self, metrics: RequestMetrics, finish_reason: str,
                       num_generated: int, queue_s: Optional[float]) -> None:
