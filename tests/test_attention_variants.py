@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.attention.backends import get_backend
 from kvjax.attention.paged import paged_attention
 from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
+from kvjax.caches import PagedKVCache
+from kvjax.runtime.step_batch import make_step_batch
 from tests.test_blocked_attention import _brute_force, pages  # noqa: F401 (a fixture)
 
 
@@ -152,3 +155,53 @@ def test_a_backend_that_cannot_apply_a_variant_is_refused(model):
     kvjax.generate(model, [PROMPT], 2, kv_dtype="streaming", attention=LANDMARK)
   with pytest.raises(ValueError, match="unknown attention variant 'nope'"):
     kvjax.forward(model, np.array([PROMPT]), attention="nope")
+
+
+def _paged_steps(variant, dtype, steps=(21, 9, 1)):
+  """One row through a PagedKVCache of `dtype` pages (Z = 4, shuffled physical pages), the
+  chunks `steps` each attending what the earlier ones stored -> (q, k, v, out) float64."""
+  num_kv, n, h, t_all = 2, 4, 16, sum(steps)
+  cache = PagedKVCache.create(1, num_kv, 12, 4, h, dtype)
+  tables = np.array([[3, 7, 1, 9, 4, 11, 2, 8]], np.int32)
+  rng = np.random.default_rng(1)
+  q_all, k_all, v_all = (rng.normal(size=(t_all, heads, h)) for heads in (n, num_kv, num_kv))
+  out, start = [], 0
+  for t in steps:
+    batch = make_step_batch(np.zeros((1, t)), [start], [t], tables, [0])
+    cache, o = cache.attend(0, *(jnp.asarray(x[None, start:start + t], jnp.float32)
+                                 for x in (q_all, k_all, v_all)),
+                            batch, sm_scale=h ** -0.5, window=None,
+                            backend=get_backend("reference"), variant=variant)
+    out.append(np.asarray(o[0], np.float64))
+    start += t
+  return q_all, k_all, v_all, np.concatenate(out)
+
+
+def _dense_float64(q, k, v, rules):
+  """The float64 attention of every position of q [T, N, H] over k, v [T, K, H] under
+  `rules` (RULES' numpy rules applied in turn) -> [T, N, H]."""
+  t, n, h = q.shape
+  group = n // k.shape[1]
+  q_pos, k_pos = _positions(t)
+  s = np.einsum("tnh,snh->nts", q, np.repeat(k, group, axis=1)) * h ** -0.5
+  visible = k_pos <= q_pos
+  for rule in rules:
+    visible, s = rule(visible, s, q_pos, k_pos)
+  s = np.where(visible, s, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("nts,snh->tnh", w / w.sum(-1, keepdims=True), np.repeat(v, group, axis=1))
+
+
+def test_int8_pages_with_a_variant_agree_as_closely_as_without_one():
+  """int8 pages' error against the float64 attention, with the landmark mask + ALiBi score
+  and without a variant: of the same size (and float32 pages exact)."""
+  rules = (RULES["landmark"][1], RULES["alibi"][1])
+  err = {}
+  for name, variant, rule in (("full", None, ()), ("variant", BOTH, rules)):
+    for dtype in (jnp.float32, jnp.int8):
+      q, k, v, out = _paged_steps(variant, dtype)
+      err[name, dtype] = np.abs(out - _dense_float64(q, k, v, rule)).max()
+  changed = np.abs(_dense_float64(q, k, v, rules) - _dense_float64(q, k, v, ())).max()
+  assert err["full", jnp.float32] < 1e-5 and err["variant", jnp.float32] < 1e-5
+  assert 1e-3 < err["full", jnp.int8] < 0.1 * changed  # int8 is lossy, the variant matters
+  assert err["variant", jnp.int8] <= 1.5 * err["full", jnp.int8], err

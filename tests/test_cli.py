@@ -114,3 +114,39 @@ def test_help_states_every_default_in_words_and_no_claim_ids(command, capsys):
       continue  # flags: off unless given
     # "this or": one of a required pair, which has no default.
     assert "default" in action.help or "this or" in action.help, action.option_strings
+
+
+CLI_TEST_WINDOW = kvjax.register_variant(
+    kvjax.AttentionVariant("cli-test-window", mask=lambda q, k: q - k < 4))
+
+
+@pytest.mark.parametrize("command", ["serve", "eval"])
+def test_an_unknown_attention_name_exits_2_naming_it_and_the_known_ones(command, monkeypatch,
+                                                                         capsys):
+  monkeypatch.setattr(kvjax, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+  task = ["perplexity"] if command == "eval" else []
+  with pytest.raises(SystemExit) as exited:
+    main([command, *task, "--attention", "landmrak"])
+  assert exited.value.code == 2
+  err = capsys.readouterr().err
+  assert "--attention" in err and "'landmrak'" in err
+  assert "cli-test-window" in err and "sinks<S>-window<W>" in err
+
+
+def test_serve_attention_reaches_the_engine_and_its_page_release(tiny_model, monkeypatch):
+  from kvjax.attention.variants import sinks_window
+  from kvjax.engine.sched.mask_release import MaskRelease
+  import kvjax.server
+
+  configs = []
+
+  def capture(models, config, **kwargs):
+    configs.append(config)
+    raise ValueError("captured")
+
+  monkeypatch.setattr(kvjax.server, "serve_in_thread", capture)
+  assert main(["serve", "--checkpoint", "tiny", "--attention", "sinks4-window8",
+               "--page-size", "4", "--max-model-len", "64"]) == 2
+  engine = kvjax.Engine(tiny_model, configs[0])
+  assert engine.model.config.attention_variant == sinks_window(4, 8)
+  assert isinstance(engine.scheduler.page_release, MaskRelease)

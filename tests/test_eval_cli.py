@@ -80,3 +80,20 @@ def test_an_unwritable_out_dir_fails_before_any_model_loads(tmp_path, monkeypatc
   assert code == 2
   err = capsys.readouterr().err
   assert "--out-dir" in err and out_dir in err
+
+
+def test_eval_attention_reaches_the_model_every_task_runs(tmp_path, monkeypatch):
+  from kvjax.attention.variants import sliding_window
+  from kvjax.eval import perplexity
+
+  models = []
+
+  def capture(model, *args, **kwargs):
+    models.append(model)
+    raise ValueError("captured")
+
+  monkeypatch.setattr(perplexity, "perplexity", capture)
+  code = cli.main(["eval", "perplexity", "--checkpoint", "tiny-code", "--attention", "window8",
+                   "--out-dir", str(tmp_path)])
+  assert code == 2
+  assert models[0].config.attention_variant == sliding_window(8)

@@ -13,20 +13,23 @@ the mask is ANDed in, so it can only hide keys (a prefill's block walk may still
 where the window lets it; `kv_range` can start it later).  The score runs after the
 model's soft-cap, before the softmax.
 
-  monotone   declares that a key hidden from a query stays hidden from later ones (page
-             release derived from the mask is a later stage; stage 1 only records it)
+  monotone   declares that a key hidden from a query stays hidden from later ones: the
+             Engine releases the pages it hides (kvjax/engine/sched/mask_release.py)
   kv_range   (q_pos) -> (lo, hi): no key outside [lo, hi) is visible to q_pos; the
              reference backend's prefill block walk starts at the lowest lo (hi unused)
 
 Parameters (a window, ALiBi slopes) are closed over as Python or numpy constants at this
 stage, so a new value is a new record and compiles anew; pytree parameters that change
 without recompiling are a later stage.  The built-ins are cached, so the same arguments
-give the same record (one compilation).  Names resolve through `register_variant`.
+give the same record (one compilation).  Names resolve through `register_variant`, and
+the built-ins by their records' names ("window512"; `get_variant`).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import re
 from typing import Callable, Optional, Union
 
 import jax
@@ -36,7 +39,8 @@ from kvjax.model.config import ModelConfig
 
 __all__ = ["AttentionVariant", "register_variant", "get_variant", "variant_names",
            "with_attention", "variant_mask", "variant_scores", "first_key",
-           "sliding_window", "sinks_window", "soft_cap"]
+           "sliding_window", "sinks_window", "soft_cap", "parse_variant_name",
+           "BUILT_IN_NAMES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +84,25 @@ def variant_names() -> list[str]:
 
 
 def get_variant(name: str) -> AttentionVariant:
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown attention variant {name!r}; registered: {variant_names()}")
-  return _REGISTRY[name]
+  """The variant registered as `name`, or a built-in named as its record is
+  ("window512", "sinks4-window1020", "softcap30"); ValueError naming the known ones."""
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  for pattern, build in _BUILT_INS:
+    match = re.fullmatch(pattern, name)
+    if match:
+      return build(*match.groups())
+  raise ValueError(f"unknown attention variant {name!r}; registered: {variant_names()}, "
+                   f"built in: {', '.join(BUILT_IN_NAMES)}")
+
+
+def parse_variant_name(text: str) -> str:
+  """argparse type of --attention: `text` if it names a variant, else ArgumentTypeError."""
+  try:
+    get_variant(text)
+  except ValueError as error:
+    raise argparse.ArgumentTypeError(str(error)) from None
+  return text
 
 
 AttentionArg = Union[None, str, AttentionVariant, Callable]
@@ -181,3 +201,11 @@ def soft_cap(cap: float) -> AttentionVariant:
   if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
     raise ValueError(f"soft_cap must be a number > 0, got {cap!r}")
   return AttentionVariant(f"softcap{cap:g}", score=lambda s, q, k, h: cap * jnp.tanh(s / cap))
+
+
+# The built-ins by name, as their records are named (get_variant, --attention).
+_BUILT_INS = ((r"window(\d+)", lambda window: sliding_window(int(window))),
+              (r"sinks(\d+)-window(\d+)",
+               lambda sinks, window: sinks_window(int(sinks), int(window))),
+              (r"softcap(\d+(?:\.\d+)?)", lambda cap: soft_cap(float(cap))))
+BUILT_IN_NAMES = ("window<N>", "sinks<S>-window<W>", "softcap<C>")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
 
@@ -91,12 +91,14 @@ class PoolSizes:
 @dataclasses.dataclass(frozen=True)
 class PageRelease:
   """Host-side page manager of a layout: `dead_pages(start)` are the logical pages no
-  query at a position >= start reads (freed, their block-table entries the null page);
-  `max_pages_held` bounds what a request holds at once.  This base keeps every page."""
+  query at a position >= start reads (freed, their block-table entries the null page), in
+  increasing order: a range, or a tuple where live pages lie between dead ones (a mask's
+  release, kvjax/engine/sched/mask_release.py); `max_pages_held` bounds what a request holds at
+  once.  This base keeps every page."""
 
   page_size: int
 
-  def dead_pages(self, start: int) -> range:
+  def dead_pages(self, start: int) -> Sequence[int]:
     return range(0)
 
   def max_pages_held(self, num_tokens: int, max_num_batched_tokens: int) -> int:

@@ -141,6 +141,7 @@ def _engine(args, model, max_model_len: int):
 
 def run(args: argparse.Namespace) -> int:
   import kvjax
+  from kvjax.attention.variants import with_attention
   from kvjax.eval import choice, humaneval, needle, perplexity, text_set, variant
 
   check_args(args)
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
   if model.tokenizer is None:
     raise ValueError(f"--checkpoint {args.checkpoint}: the model has no tokenizer; every eval "
                      "task encodes text")
+  model = with_attention(model, args.attention)  # every task, perplexity's steps too
   windowed = variant.with_window(model, args.sliding_window)
   if args.task == "perplexity":
     result = perplexity.perplexity(

@@ -12,8 +12,10 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from kvjax.attention.backends import Backend, get_backend, invariant, on_mesh
+from kvjax.attention.variants import BUILT_IN_NAMES, parse_variant_name
 from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
 from kvjax.caches.layout import PageRelease
+from kvjax.engine.sched.mask_release import mask_release
 from kvjax.engine.sched.ngram import DEFAULT_NGRAM_N, check_ngram
 from kvjax.engine.validation import check_int
 from kvjax.model.config import ModelConfig, short_dtype_name
@@ -77,7 +79,8 @@ class EngineConfig:
     attention: an attention variant (kvjax.AttentionVariant, a registered name, or a
       function (cfg, layer) -> variant or None; kvjax/attention/variants.py) every
       step applies on top of the model's attention: prefill chunks, decode, bursts,
-      verification, prefix hits.  None: the model's own.
+      verification, prefix hits.  None: the model's own.  A monotone one (in every
+      cache layer) releases the pages its mask hides (kvjax/engine/sched/mask_release.py).
     batch_invariant: a request's tokens and logprobs are bitwise the same whatever
       shares its steps, however its prompt is chunked and whether or not it hits the
       prefix cache: matmuls in fixed row tiles, attention in fixed key blocks and
@@ -206,8 +209,11 @@ class EngineConfig:
                                draft_policy=self.draft_policy or "adaptive")
 
   def page_release(self, cfg: ModelConfig) -> PageRelease:
-    """The layout's host-side page manager: which pages a request may release."""
-    return get_layout(self.kv_dtype, cfg).page_release(self.page_size, self.widest_window(cfg))
+    """The layout's host-side page manager: which pages a request may release (also those
+    a monotone attention variant hides; kvjax/engine/sched/mask_release.py)."""
+    layout = get_layout(self.kv_dtype, cfg)
+    base = layout.page_release(self.page_size, self.widest_window(cfg))
+    return mask_release(base, cfg, draft=self.draft_model is not None)
 
   def prefill_full_width(self, cfg: ModelConfig) -> bool:
     """Whether prefill chunks may take the widest block table (kvjax/engine/sched/batching.py): the
@@ -278,6 +284,9 @@ _FLAGS = {
     "kv_dtype": (str, None, "KV layout: fp32 | bf16 | fp16 (or float32 ...), int8, int4, "
                             "or another registered layout (kvjax/caches/layout.py; "
                             "default: the weights' dtype)"),
+    "attention": (parse_variant_name, None,
+                  "attention variant: a registered name or " + ", ".join(BUILT_IN_NAMES) +
+                  " (kvjax/attention/variants.py; default: none, full attention)"),
     "batch_invariant": (bool, None, "bitwise the same tokens and logprobs for a request "
                                     "whatever shares its steps (reference backend)"),
 }
