@@ -19,8 +19,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      engine/sched/state_snapshots, engine/sched/batching  state snapshots, packing
   7  engine/sched/, parallel/ledger, parallel/ledger_tp,  host policy and each request's
      engine/metrics, engine/stats, constraints/,          pages, accounting, n-gram drafting,
-     engine/output_processor, engine/dispatch             grammar matchers, step outputs ->
-                                                         RequestOutputs, one row group's run
+     engine/output_processor, engine/dispatch,            grammar matchers, step outputs ->
+     engine/row_group                                     RequestOutputs, one row group's run
   8  engine/config, engine/engine, engine/router,         the engine's request API, warm-up
      engine/warm_up, engine/generate, engine/kv_events    and one-shot generate, data-parallel
                                                          replicas, prefix-cache KV events

@@ -54,10 +54,11 @@ from kvjax.engine.config import EngineConfig
 from kvjax.engine.dispatch import dispatch
 from kvjax.engine.metrics import RequestMetrics, StepLog
 from kvjax.engine.output_processor import StepResult, record_prompt_logprobs, request_outputs
-from kvjax.engine.requests import Request, RequestOutput, SchedulerOutput
-from kvjax.engine.sched.batching import Packing, burst_limits
+from kvjax.engine.requests import Request, RequestOutput
+from kvjax.engine.row_group import launch
+from kvjax.engine.sched.batching import Packing
 from kvjax.engine.sched.draft_policy import decode_drafts, policy_from, prefill_drafts
-from kvjax.engine.sched.ngram import NgramDrafter, with_drafts
+from kvjax.engine.sched.ngram import NgramDrafter
 from kvjax.engine.sched.prefix_cache import PrefixCache
 from kvjax.engine.sched.scheduler import Scheduler
 from kvjax.engine.sched.state_snapshots import SnapshotPool
@@ -66,7 +67,6 @@ from kvjax.engine.validation import (check_arrival, check_cache_salt, check_int,
                                      check_request_id, prompt_ids, sampling_options, stop_ids)
 from kvjax.engine.warm_up import WarmUp, WarmUpPlan, engine_plan, warm_up
 from kvjax.runtime.generation import GenerateResult
-from kvjax.runtime.logit_processors import with_processing
 from kvjax.runtime.serve_steps import EngineState, clear_pages, copy_pages, num_compiled
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -324,7 +324,7 @@ class Engine:
                for piece in self.packing.prefill_pieces([plan.rows[i] for i in prefill])]
     programs = num_compiled()
     snapshots = self.snapshots and self.snapshots.plan(plan.rows)
-    launched = [(group, self._launch(plan, group, j, snapshots)) for group, j in groups]
+    launched = [(group, launch(self, plan, group, j, snapshots)) for group, j in groups]
     result, steps_run = StepResult(), 1
     for group, (_, emitted, drafted, steps) in launched:
       # device_get is the step's host sync.
@@ -390,38 +390,6 @@ class Engine:
     padded = np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32)
     padded[:len(pages)] = pages
     self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
-
-  def _launch(self, plan: SchedulerOutput, group: list[int], num_draft: int, snapshots):
-    """Pack one row group and dispatch serve_step or serve_burst (no host sync).
-
-    Rows verify at most the fresh drafts their slot holds and num_draft; every
-    sampling row drafts num_draft anew.  An n-gram row verifies what its history
-    proposes, and counts its every draft slot as drafted (one it could not fill
-    is a rejection to the metrics and the draft policy).  -> ((B, T), Emitted
-    [U, B, ...], drafted [U, B], steps run), U = 1 unless the plan is a burst.
-    """
-    rows = [plan.rows[i] for i in group]
-    drafts = self.ngram and self.ngram.propose([r.request for r in rows], num_draft,
-                                               self.scheduler.requests)
-    # Masks per verified position; device drafts are not read back: constrained rows skip them.
-    mask, drafts = self.constraints.masks(rows, num_draft + 1, drafts)
-    if self.ngram is not None:
-      verify = [len(d) for d in drafts]
-    else:
-      verify = [0 if r.request_id in self.constraints else
-                min(num_draft, self._fresh_drafts.get(r.request_id, 0)) for r in rows]
-    batch = self.packing.pack(plan, group, verify, num_draft, snapshots)
-    if self.ngram is not None:
-      batch = with_drafts(batch, drafts)
-    batch = with_processing(batch, [r.request for r in rows], self.model_config.vocab_size)
-    logprobs = any(r.request.sampling.logprobs is not None for r in rows)
-    score_prompt = any(not r.is_decode and r.request_id in self._prompt_scores for r in rows)
-    burst = None if plan.num_steps == 1 else (
-        *burst_limits(rows, batch.tokens.shape[0]), plan.num_steps)
-    emitted, drafted, steps = self._run(batch, num_draft, logprobs, burst, mask, score_prompt)
-    if self.ngram is not None and burst is None:
-      drafted = np.array([[min(r.num_draft, num_draft) for r in rows]], np.int32)
-    return batch.tokens.shape, emitted, drafted, steps
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
            score_prompt: bool = False):

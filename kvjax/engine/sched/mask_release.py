@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
