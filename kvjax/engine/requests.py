@@ -80,6 +80,7 @@ class Request:
   # scored: prompt logprobs); its blocks still enter the cache for others.
   takes_prefix_hits: bool = True
   block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  lora_slot: int = 0  # its LoRA adapter's slot (kvjax/lora/); 0: the base model
   num_cached_blocks: int = 0  # leading blocks already offered to the cache
 
   def __post_init__(self):

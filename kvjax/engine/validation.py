@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Collection, Optional, Sequence, Union
 
 import numpy as np
 
@@ -14,7 +14,8 @@ from kvjax.engine.requests import SamplingOptions
 from kvjax.runtime.sampling import MAX_LOGPROBS
 
 __all__ = ["prompt_ids", "check_int", "sampling_options", "stop_ids", "per_prompt_seeds",
-           "SEED_RANGE", "EXTENSIONS", "check_arrival", "check_cache_salt", "check_request_id"]
+           "SEED_RANGE", "EXTENSIONS", "check_arrival", "check_cache_salt", "check_lora",
+           "check_request_id"]
 
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
 # vLLM's request extensions sampling_options takes (kvjax/engine/requests.py SamplingOptions).
@@ -168,6 +169,18 @@ def check_cache_salt(cache_salt) -> Optional[str]:
     raise ValueError(f"cache_salt must be a string, got {cache_salt!r:.200} "
                      f"({type(cache_salt).__name__})")
   return cache_salt
+
+
+def check_lora(lora, loaded: Collection[str]) -> Optional[str]:
+  """lora: None (the base model) or the name of a loaded LoRA adapter."""
+  if lora is None:
+    return None
+  if not isinstance(lora, str):
+    raise ValueError(f"lora must be a string naming a loaded adapter, got {lora!r:.200} "
+                     f"({type(lora).__name__})")
+  if lora not in loaded:
+    raise ValueError(f"lora {lora!r:.200} is not a loaded adapter; loaded: {sorted(loaded)}")
+  return lora
 
 
 def check_request_id(request_id) -> str:

@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.lora.weight import LoraWeight, lora_delta
 from kvjax.model import invariance
 from kvjax.model.config import ModelConfig, YarnScaling
 from kvjax.quant import qmatmul
@@ -109,6 +110,7 @@ def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
   contracts x's trailing axes with w's leading ones ("btnh,nhd->btd") runs as
   one 2-D matmul [rows, I] @ [I, O] of the row-major arrays: left to einsum,
   XLA:CPU may pick an axis order that transposes the weight on every call.  A
+  LoraWeight (kvjax/lora/weight.py) adds each row's adapter delta to its base's product.  A
   QuantizedWeight times at most qmatmul.MAX_ROWS rows (decode and verify steps) runs
   kvjax/quant/qmatmul.py's custom call where it is available (XLA:CPU), which reads
   the integer codes once; wider inputs (prefill) dequantize for XLA's dot.
@@ -123,6 +125,11 @@ def dense(spec: str, x: jax.Array, w, **dot_kwargs) -> jax.Array:
   matrix = x_axes.endswith(w_axes[:num_in]) and out_axes == row_axes + w_axes[num_in:]
   size_in = math.prod(w.shape[:num_in])
   out_shape = x.shape[:x.ndim - num_in] + tuple(w.shape[num_in:])
+  if isinstance(w, LoraWeight):  # the base projection plus each row's adapter delta
+    if not matrix:
+      raise ValueError(f"a LoRA projection needs x's trailing axes contracted, got {spec!r}")
+    out = dense(spec, x, w.base, **dot_kwargs)
+    return out if w.rows is None else out + lora_delta(x, w, out_shape).astype(out.dtype)
   if isinstance(w, QuantizedWeight) and matrix and x.size // size_in <= qmatmul.MAX_ROWS \
       and qmatmul.available():  # decode and verify rows: read the codes, not a float copy
     out = qmatmul.qmatmul(x.reshape(-1, size_in), w)

@@ -47,6 +47,8 @@ class StepBatch:
   # Hybrid models' prefix-cache snapshots (kvjax/caches/recurrent.py); None: none this step.
   snapshot_tables: jax.Array = None  # [B, W] int32 snapshot written at each page's end; -1 none
   restore_snapshots: jax.Array = None  # [B] int32 snapshot a row starts from; -1: its slot's
+  # LoRA adapter slot of each row (kvjax/lora/; 0: the base model); None: an engine without.
+  adapters: jax.Array = None  # [B] int32
 
   @property
   def starts(self) -> jax.Array:
@@ -75,12 +77,13 @@ class StepBatch:
 def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=None,
                     sampling: SamplingParams = None, *, num_draft=None,
                     next_tokens=None, snapshot_tables=None,
-                    restore_snapshots=None) -> StepBatch:
+                    restore_snapshots=None, adapters=None) -> StepBatch:
   """Host arrays of padded rows -> StepBatch (positions, kv_lens, cu_q_lens derived once).
 
   tokens [B, T] (host or device), starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
   default to 0..B-1, sampling to greedy, num_draft to 0 and next_tokens to -1
-  (every row samples); snapshot_tables / restore_snapshots stay None unless given.
+  (every row samples); snapshot_tables / restore_snapshots / adapters stay None unless
+  given.
   """
   # Ids already on the device (a sampled token) stay there: no host round trip.
   tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(
@@ -101,4 +104,5 @@ def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=N
       sampling=sampling,
       snapshot_tables=None if snapshot_tables is None else np.asarray(snapshot_tables, np.int32),
       restore_snapshots=(None if restore_snapshots is None
-                         else np.asarray(restore_snapshots, np.int32)))
+                         else np.asarray(restore_snapshots, np.int32)),
+      adapters=None if adapters is None else np.asarray(adapters, np.int32))

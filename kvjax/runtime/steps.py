@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.backends import Backend, get_backend
+from kvjax.lora.weight import route
 from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import Attend, decoder, lm_logits
 from kvjax.model.params import Params
@@ -55,7 +56,10 @@ def model_step(params: Params, cache, batch: StepBatch, *, config: ModelConfig,
                backend: BackendArg, expert_tokens: bool = False):
   """Feed batch.tokens [B, T] at batch.positions -> (cache, hidden [B, T, D] pre-norm),
   and with `expert_tokens` the fed tokens each layer routed to each expert [L, Ne]
-  (decoder's; a row's columns from q_lens on are padding)."""
+  (decoder's; a row's columns from q_lens on are padding); each row through its LoRA
+  adapter slot where the batch names them (kvjax/lora/)."""
+  if batch.adapters is not None:
+    params = route(params, batch.adapters)
   valid = None
   if expert_tokens:
     valid = jnp.arange(batch.tokens.shape[1])[None, :] < batch.q_lens[:, None]  # [B, T]

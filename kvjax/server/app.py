@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from kvjax.engine.warm_up import BackgroundWarmUp
+from kvjax.server.adapters import add_adapter_routes
 from kvjax.server.engine_loop import EngineLoop, Failed, Submission
 from kvjax.server.prom import ServerMetrics
 from kvjax.server.protocol import (MAX_BODY_BYTES, Limits, OpenAIError, parse_chat,
@@ -92,9 +93,14 @@ def create_app(state: ServerState) -> FastAPI:
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{
-        "id": state.limits.model_name, "object": "model", "created": state.created,
-        "owned_by": "kvjax", "max_model_len": state.limits.max_model_len}]}
+    # The base model, then each loaded LoRA adapter (vLLM: root its path, parent the base).
+    card = {"object": "model", "created": state.created, "owned_by": "kvjax",
+            "max_model_len": state.limits.max_model_len}
+    adapters = [{"id": name, **card, "root": loaded.path, "parent": state.limits.model_name}
+                for name, loaded in list(state.limits.adapters.items())]
+    return {"object": "list", "data": [{"id": state.limits.model_name, **card}, *adapters]}
+
+  add_adapter_routes(app, state)
 
   @app.get("/server_info")
   @app.get("/get_server_info")
@@ -160,7 +166,7 @@ async def _generate(state: ServerState, http_request: Request, parse):
     raise
   if isinstance(first, Failed):
     raise first.error
-  responses = Responses(request, state.limits.model_name, state.tokenizer)
+  responses = Responses(request, request.lora or state.limits.model_name, state.tokenizer)
   if request.stream:
     return StreamingResponse(_stream(state.loop, submission, events, responses),
                              media_type="text/event-stream")

@@ -190,7 +190,7 @@ class EngineLoop:
             seed=request.seeds[i % request.n], stop=list(request.stop_ids) or None,
             logprobs=request.logprobs, prompt_logprobs=request.scored_prompt,
             arrival_s=submission.received_s,
-            constraint=request.constraint, **dict(request.extensions)))
+            constraint=request.constraint, lora=request.lora, **dict(request.extensions)))
     except ValueError as error:  # checks only the engine can make (e.g. the pool's size)
       for request_id in ids:
         self.engine.abort(request_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import uvicorn
 
@@ -30,6 +30,7 @@ from kvjax.engine.kv_events import KVEventPublisher, replica_endpoint
 from kvjax.engine.router import Router
 from kvjax.engine.validation import check_int
 from kvjax.engine.warm_up import SERVER_VARIANTS, WARM_UP_MODES, BackgroundWarmUp, WarmUp
+from kvjax.server.adapters import load_on_every_replica
 from kvjax.server.app import ServerState, create_app
 from kvjax.server.engine_loop import EngineLoop
 from kvjax.server.prom import ServerMetrics
@@ -93,7 +94,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
                     *, host: str = "127.0.0.1", port: int = 0,
                     served_model_name: Optional[str] = None, max_waiting: int = 256,
                     warm_up: str = "minimal", router_policy: str = "prefix",
-                    vllm_metrics: bool = False, kv_events: Optional[str] = None) -> ServerHandle:
+                    vllm_metrics: bool = False, kv_events: Optional[str] = None,
+                    loras: Optional[Mapping[str, str]] = None) -> ServerHandle:
   """Serve `model` over HTTP from background threads -> a ServerHandle.
 
   model: a kvjax.Model, or a list of them, one per data-parallel replica (each
@@ -107,6 +109,8 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   vllm_metrics: /metrics also under vLLM's vllm: names (kvjax/server/prom.py).
   kv_events: a ZMQ endpoint where each replica's prefix cache publishes vLLM's KV events
   (kvjax/engine/kv_events.py; replica i at kv_events.replica_endpoint(kv_events, i)).
+  loras: {name: PEFT adapter directory} loaded before serving, each a `model` requests may
+  name (engine_config.max_loras slots; POST /v1/load_lora_adapter adds more).
   """
   check_int("max_waiting", max_waiting, 0)
   check_int("port", port, 0, 65536)
@@ -117,6 +121,9 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   for m, e in zip(models, engines):  # structured outputs need the model's EOS and tokenizer
     if m.tokenizer is not None and m.config.eos_token_id is not None:
       e.constraints = constraint_book(m.tokenizer, m.config)
+  engine = engines[0] if len(engines) == 1 else Router(engines, router_policy)
+  for lora_name, path in (loras or {}).items():
+    load_on_every_replica(engine, lora_name, path)
   warmed = None
   if warm_up == "full":
     runs = [e.warm_up(progress=f"warm-up (compiling step programs){_of(i, engines)}",
@@ -131,7 +138,6 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
       KVEventPublisher(replica_endpoint(kv_events, i), e.config.page_size,
                        data_parallel_rank=i).attach(cache)
       for i, e in enumerate(engines) for cache in e.prefix_caches()]
-  engine = engines[0] if len(engines) == 1 else Router(engines, router_policy)
   model = models[0]
   name = served_model_name or model.config.name
   metrics = ServerMetrics(name, max_model_len=engine.config.max_model_len,
@@ -139,7 +145,7 @@ def serve_in_thread(model: Union[object, Sequence], engine_config: Optional[Engi
   tokenizer = model.tokenizer
   loop = EngineLoop(engine, tokenizer, metrics, max_waiting)
   state = ServerState(loop, Limits(name, model.config.vocab_size, engine.config.max_model_len,
-                                   max_choices=loop.capacity),
+                                   max_choices=loop.capacity, adapters=engines[0].adapters),
                       tokenizer, metrics, created=int(time.time()))
   if warm_up == "background":  # the engine thread's requests go first (kvjax/engine/warm_up.py)
     state.warm_up = BackgroundWarmUp([e.warm_up_plan(**SERVER_VARIANTS) for e in engines],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import Mapping, Optional
 
 from kvjax.engine.validation import check_int
 from kvjax.server.openai_error import OpenAIError
@@ -35,6 +35,8 @@ class Limits:
   vocab_size: int
   max_model_len: int
   max_choices: Optional[int] = None  # choices (prompts x n) one request may ask for
+  # The engine's loaded LoRA adapters by name (a live view: loads and unloads show at once).
+  adapters: Mapping = dataclasses.field(default_factory=dict)
 
 
 def checked(param: str, check, *args, **kwargs):

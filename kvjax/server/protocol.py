@@ -88,6 +88,7 @@ class GenerationRequest:
   tools: Optional[ToolUse] = None  # tool calls to parse from chat output (server/tools.py)
   echo: bool = False  # completions: the prompt (and its logprobs) before the completion
   prompt_logprobs: Optional[int] = None  # vLLM's field: alternatives per prompt position
+  lora: Optional[str] = None  # the LoRA adapter its `model` names (None: the base model)
 
   @property
   def num_choices(self) -> int:
@@ -153,7 +154,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer) -> GenerationRequest:
 
 def engine_error_param(message: str) -> Optional[str]:
   """The request field an Engine.add_request ValueError is about."""
-  for words, param in (("constraint", "response_format"), ("KV pages", "max_tokens"),
+  for words, param in (("constraint", "response_format"), ("lora", "model"),
+                       ("KV pages", "max_tokens"),
                        ("spans", "max_tokens"), ("max_new_tokens", "max_tokens"),
                        ("token id", "prompt"),
                        ("prompt", "prompt"), ("stop", "stop")):
@@ -168,9 +170,10 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   model = body.get("model")
   if model is None:
     raise OpenAIError(f"model is required; this server serves {limits.model_name!r}", "model")
-  if model != limits.model_name:  # OpenAI's and vLLM's answer: 404
-    raise OpenAIError(f"The model {model!r} does not exist; this server serves "
-                      f"{limits.model_name!r}", "model", status=404, code="model_not_found")
+  if model != limits.model_name and not (isinstance(model, str) and model in limits.adapters):
+    served = [limits.model_name, *limits.adapters]  # OpenAI's and vLLM's answer: 404
+    raise OpenAIError(f"The model {model!r:.200} does not exist; this server serves "
+                      f"{served}", "model", status=404, code="model_not_found")
   logprobs, logprobs_param = _logprobs(body, chat)
   echo = _flag(body, "echo", False)
   prompt_logprobs = body.get("prompt_logprobs")
@@ -249,6 +252,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
       skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
           tool_use and tool_use.format.keep_special),
       tools=tool_use, echo=echo, prompt_logprobs=prompt_logprobs,
+      lora=None if model == limits.model_name else model,
       **_constraint(body, tool_use))
 
 

@@ -78,6 +78,7 @@ class _HostRows:
   top_k: np.ndarray  # [B] int32
   top_p: np.ndarray  # [B] float32
   seeds: np.ndarray  # [B] uint32
+  adapters: np.ndarray  # [B] int32 LoRA slot (0: none)
 
   @classmethod
   def padding(cls, b: int, t: int, width: int, scratch_slot: int) -> "_HostRows":
@@ -86,14 +87,15 @@ class _HostRows:
                slot_ids=np.full(b, scratch_slot, np.int32), next_tokens=np.full(b, -1, np.int32),
                tables=np.zeros((b, width), np.int32), temperature=np.zeros(b, np.float32),
                top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-               seeds=np.zeros(b, np.uint32))
+               seeds=np.zeros(b, np.uint32), adapters=np.zeros(b, np.int32))
 
-  def step_batch(self, snapshot_tables=None, restore=None) -> StepBatch:
+  def step_batch(self, snapshot_tables=None, restore=None, lora: bool = False) -> StepBatch:
     sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               seeds=self.seeds)
     return make_step_batch(self.tokens, self.starts, self.q_lens, self.tables, self.slot_ids,
                            sampling, num_draft=self.num_draft, next_tokens=self.next_tokens,
-                           snapshot_tables=snapshot_tables, restore_snapshots=restore)
+                           snapshot_tables=snapshot_tables, restore_snapshots=restore,
+                           adapters=self.adapters if lora else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +110,17 @@ class Packing:
   max_num_batched_tokens: int  # the token budget of a step
   max_model_len: int  # prompt + max_new_tokens at most
   prefill_full_width: bool = False  # prefill chunks take max_table_width (module doc)
+  lora: bool = False  # rows carry their LoRA adapter slots (kvjax/lora/)
 
   @classmethod
   def create(cls, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
              max_pages_per_seq: int, num_draft: int, max_model_len: int,
-             prefill_full_width: bool = False) -> "Packing":
+             prefill_full_width: bool = False, lora: bool = False) -> "Packing":
     max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too.
     width = max_pages_per_seq + -(-max_query // page_size)
     return cls(max_num_seqs, max_query, page_size, width, num_draft, max_num_batched_tokens,
-               max_model_len, prefill_full_width)
+               max_model_len, prefill_full_width, lora)
 
   # -- the bucketing rules (shape, table_width and shapes all use these) ------------------
 
@@ -212,11 +215,12 @@ class Packing:
       s = row.request.sampling
       a.temperature[j], a.top_k[j], a.top_p[j], a.seeds[j] = (s.temperature, s.top_k, s.top_p,
                                                               s.seed)
+      a.adapters[j] = row.request.lora_slot
     if snapshots is None:
-      return a.step_batch()
+      return a.step_batch(lora=self.lora)
     restore = np.full(b, -1, np.int32)
     restore[:len(rows)] = [snapshots.restore.get(r.request_id, -1) for r in rows]
-    return a.step_batch(snapshots.tables(a.tables), restore)
+    return a.step_batch(snapshots.tables(a.tables), restore, self.lora)
 
   # -- every row group ------------------------------------------------------------------
 
@@ -263,8 +267,9 @@ class Packing:
     fields (none written, none restored), as its packing always passes them."""
     a = _HostRows.padding(shape.rows, shape.columns, shape.width, self.max_num_seqs)
     if not snapshots:
-      return a.step_batch()
-    return a.step_batch(np.full(a.tables.shape, -1, np.int32), np.full(shape.rows, -1, np.int32))
+      return a.step_batch(lora=self.lora)
+    no_snapshots = np.full(a.tables.shape, -1, np.int32)
+    return a.step_batch(no_snapshots, np.full(shape.rows, -1, np.int32), self.lora)
 
 
 def burst_limits(rows: Sequence[ScheduledRow], b: int) -> tuple[np.ndarray, np.ndarray]:

@@ -233,6 +233,17 @@ class PrefixCache:
         self._forget(page)
         self.allocator.uncache(page)
 
+  def discard_tree(self, root: bytes) -> int:
+    """Forgets every cached block descending from `root` (root_hash(salt): the blocks of
+    one salt, such as an unloaded LoRA adapter's) -> how many."""
+    pages, parents = [], [root]
+    while parents:
+      for page in self._children.get(parents.pop(), ()):
+        pages.append(page)
+        parents.append(self._entry[page][0])
+    self.discard(pages)
+    return len(pages)
+
   def reset(self) -> None:
     """Forgets every cached block; evictable pages become plain free."""
     for page in list(self._entry):

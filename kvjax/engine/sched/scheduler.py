@@ -117,9 +117,10 @@ class Scheduler:
                   max_new_tokens: int, *, stop_token_ids: Iterable[int] = (),
                   cache_salt: Optional[str] = None,
                   sampling: Any = None, ignore_eos: bool = False,
-                  takes_prefix_hits: bool = True) -> Request:
+                  takes_prefix_hits: bool = True, lora_slot: int = 0) -> Request:
     """Queues a request (ignore_eos: EOS does not stop it; takes_prefix_hits False: it
-    computes its whole prompt); ValueError if it can never run."""
+    computes its whole prompt; lora_slot: its LoRA adapter's slot, 0 none); ValueError if
+    it can never run."""
     prompt = tuple(int(t) for t in prompt_ids)
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} is already in use")
@@ -135,7 +136,8 @@ class Scheduler:
     if self.eos_token_id is not None and not ignore_eos:
       stops.add(self.eos_token_id)
     req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
-                  cache_salt, sampling, takes_prefix_hits=takes_prefix_hits)
+                  cache_salt, sampling, takes_prefix_hits=takes_prefix_hits,
+                  lora_slot=lora_slot)
     self.requests[request_id] = req
     self.waiting.append(req)
     return req
