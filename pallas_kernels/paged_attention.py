@@ -302,34 +302,17 @@ def ragged_paged_attention(
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   num_seqs, pages_per_seq = block_tables.shape
   group = num_q_heads // num_kv_heads
-  if not _is_pow2(head_dim) or head_dim < 16:
-    raise ValueError(f"head_dim={head_dim}: the Pallas-Triton lowering needs a power of "
-                     "two >= 16 (use ragged_paged_attention_reference otherwise)")
-  if not _is_pow2(page_size):
-    raise ValueError(f"page_size={page_size}: the Pallas-Triton lowering needs a power of two")
-  d_bq, d_ppb, d_pps = default_block_sizes(page_size, head_dim, group)
+  _check_triton_shapes(head_dim, page_size)
+  block_q, pages_per_block, pages_per_split = _choose_tiling(
+      page_size, head_dim, group, block_q, pages_per_block, pages_per_split)
   group_p = _next_pow2(group)
-  block_q = d_bq if block_q is None else _next_pow2(max(block_q, d_bq))
-  pages_per_block = d_ppb if pages_per_block is None else pages_per_block
-  if not _is_pow2(pages_per_block) or pages_per_block * page_size < _MIN_KEYS:
-    raise ValueError(f"pages_per_block={pages_per_block} must be a power of two with "
-                     f"pages_per_block * page_size >= {_MIN_KEYS}")
-  pages_per_split = d_pps if pages_per_split is None else pages_per_split
-  if pages_per_split < 1:
-    raise ValueError(f"pages_per_split={pages_per_split} must be >= 1")
   rows = block_q * group_p
   num_splits = pl.cdiv(pages_per_seq, pages_per_split)
   num_tiles = max(1, min(total_q, pl.cdiv(total_q, block_q) + num_seqs))
 
   meta, tile_cu = _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q)  # [nt, 4]
-  # Clamp page ids (unused entries may be -1) and pad so every page-block load
-  # and the all-zero row B used by surplus tiles stay in bounds.
-  tables = jnp.clip(block_tables, 0, num_pages - 1)
-  tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [B+1, pps+ppb]
-  q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, Gq, H]
-  q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
-  q_t = q_t.transpose(1, 0, 2, 3)  # [K, T + bq, group_p, H]
-
+  tables, q_t = _kernel_layout(q, block_tables, num_kv_heads, num_pages, group_p, block_q,
+                               pages_per_block)
   rules, rule_consts = _lift_rules(mask_fn, score_fn, kv_range_fn, rows,
                                    pages_per_block * page_size, block_q)
   kernel = functools.partial(
@@ -338,6 +321,62 @@ def ragged_paged_attention(
       sliding_window=sliding_window, rules=rules, group=group, block_q=block_q,
       pages_per_block=pages_per_block, pages_per_split=pages_per_split,
       quantized=quantized)
+  in_specs, operands = _kernel_inputs(meta, tables, q_t, k_pages, v_pages,
+                                      (k_scales, v_scales) if quantized else (), rule_consts)
+  acc, m, l = _split_partials(kernel, in_specs, operands,
+                              grid=(num_tiles, num_kv_heads, num_splits), rows=rows,
+                              head_dim=head_dim, interpret=interpret, num_warps=num_warps,
+                              num_stages=num_stages)
+  o = _merge_splits(acc, m, l)  # [nt, K, rows, H]
+  o = o.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim)[:, :, :, :group]
+  out = _tiles_to_tokens(o, cu_q_lens, tile_cu, total_q, block_q)  # [T, K, Gq, H]
+  return out.reshape(total_q, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _check_triton_shapes(head_dim: int, page_size: int) -> None:
+  """The Pallas-Triton lowering's shape needs (a clear error instead of a lowering one)."""
+  if not _is_pow2(head_dim) or head_dim < 16:
+    raise ValueError(f"head_dim={head_dim}: the Pallas-Triton lowering needs a power of "
+                     "two >= 16 (use ragged_paged_attention_reference otherwise)")
+  if not _is_pow2(page_size):
+    raise ValueError(f"page_size={page_size}: the Pallas-Triton lowering needs a power of two")
+
+
+def _choose_tiling(page_size: int, head_dim: int, group: int, block_q: Optional[int],
+                   pages_per_block: Optional[int], pages_per_split: Optional[int]
+                   ) -> tuple[int, int, int]:
+  """The caller's tuning knobs, checked, or `default_block_sizes` where None
+  -> (block_q, pages_per_block, pages_per_split)."""
+  d_bq, d_ppb, d_pps = default_block_sizes(page_size, head_dim, group)
+  block_q = d_bq if block_q is None else _next_pow2(max(block_q, d_bq))
+  pages_per_block = d_ppb if pages_per_block is None else pages_per_block
+  if not _is_pow2(pages_per_block) or pages_per_block * page_size < _MIN_KEYS:
+    raise ValueError(f"pages_per_block={pages_per_block} must be a power of two with "
+                     f"pages_per_block * page_size >= {_MIN_KEYS}")
+  pages_per_split = d_pps if pages_per_split is None else pages_per_split
+  if pages_per_split < 1:
+    raise ValueError(f"pages_per_split={pages_per_split} must be >= 1")
+  return block_q, pages_per_block, pages_per_split
+
+
+def _kernel_layout(q, block_tables, num_kv_heads: int, num_pages: int, group_p: int,
+                   block_q: int, pages_per_block: int):
+  """-> (block tables [B+1, pps+ppb], q [K, T + bq, group_p, H]) as the kernel reads them."""
+  total_q, num_q_heads, head_dim = q.shape
+  group = num_q_heads // num_kv_heads
+  # Clamp page ids (unused entries may be -1) and pad so every page-block load
+  # and the all-zero row B used by surplus tiles stay in bounds.
+  tables = jnp.clip(block_tables, 0, num_pages - 1)
+  tables = jnp.pad(tables, ((0, 1), (0, pages_per_block)))  # [B+1, pps+ppb]
+  q_t = q.reshape(total_q, num_kv_heads, group, head_dim)  # [T, K, Gq, H]
+  q_t = jnp.pad(q_t, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+  return tables, q_t.transpose(1, 0, 2, 3)  # [K, T + bq, group_p, H]
+
+
+def _kernel_inputs(meta, tables, q_t, k_pages, v_pages, scales: tuple, rule_consts: list):
+  """-> (in_specs, operands) of the kernel, in _rpa_kernel's ref order: tile metadata,
+  tables, q, K/V pools (one kv head per program), int8 scales if any, rule constants."""
+  _, num_pages, page_size, head_dim = k_pages.shape
   pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
                            lambda t, h, c: (h, 0, 0, 0))
   in_specs = [
@@ -347,20 +386,27 @@ def ragged_paged_attention(
       pool_spec, pool_spec,
   ]
   operands = [meta, tables, q_t, k_pages, v_pages]
-  if quantized:
+  if scales:
     scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda t, h, c: (h, 0, 0))
     in_specs += [scale_spec, scale_spec]
-    operands += [k_scales, v_scales]
+    operands += list(scales)
   in_specs += [_whole_spec(c.ndim, c.shape) for c in rule_consts]
   operands += rule_consts
-  part_shape = (num_tiles, num_kv_heads, num_splits, rows)
+  return in_specs, operands
+
+
+def _split_partials(kernel, in_specs, operands, *, grid: tuple, rows: int, head_dim: int,
+                    interpret: bool, num_warps: int, num_stages: int):
+  """The pallas_call over grid (tiles, kv heads, kv splits) -> each program's unnormalized
+  f32 (acc [nt, K, splits, rows, H], running max, running sum [nt, K, splits, rows])."""
+  part_shape = tuple(grid) + (rows,)
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
     compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  acc, m, l = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
-      grid=(num_tiles, num_kv_heads, num_splits),
+      grid=grid,
       in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda t, h, c: (t, h, c, 0, 0)),
@@ -377,15 +423,21 @@ def ragged_paged_attention(
       name="ragged_paged_attention",
   )(*operands)
 
-  # Log-sum-exp merge of the kv splits (f32).
+
+def _merge_splits(acc, m, l):
+  """Log-sum-exp merge of the kv splits (f32) -> normalized output [nt, K, rows, H]."""
   m_all = m.max(axis=2, keepdims=True)  # [nt, K, 1, rows]
   w = jnp.exp(m - m_all)  # [nt, K, splits, rows]
   l_all = (w * l).sum(axis=2)  # [nt, K, rows]
   o = (w[..., None] * acc).sum(axis=2)  # [nt, K, rows, H]
-  o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-  o = o.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim)[:, :, :, :group]
+  return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
 
-  # Scatter tiles back to tokens: token -> (tile, row in tile).
+
+def _tiles_to_tokens(o, cu_q_lens, tile_cu, total_q: int, block_q: int):
+  """Scatter tiles [nt, K, bq, Gq, H] back to tokens [T, K, Gq, H]: token -> (tile, row
+  in tile); padding tokens (at or past cu_q_lens[-1]) are zeros."""
+  num_tiles = o.shape[0]
+  num_seqs = cu_q_lens.shape[0] - 1
   tok = jnp.arange(total_q, dtype=jnp.int32)  # [T]
   tseq = segment_of(cu_q_lens[1:], tok)
   tvalid = tseq < num_seqs
@@ -393,5 +445,4 @@ def ragged_paged_attention(
   i = tok - cu_q_lens[tseq]
   tile = jnp.clip(tile_cu[tseq] + i // block_q, 0, num_tiles - 1)
   out = o[tile, :, i % block_q]  # [T, K, Gq, H]
-  out = jnp.where(tvalid[:, None, None, None], out, 0.0)
-  return out.reshape(total_q, num_q_heads, head_dim).astype(q.dtype)
+  return jnp.where(tvalid[:, None, None, None], out, 0.0)

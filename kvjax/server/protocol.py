@@ -167,22 +167,66 @@ def engine_error_param(message: str) -> Optional[str]:
 def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: str,
              tool_use: Optional[ToolUse] = None) -> GenerationRequest:
   """The fields shared by both endpoints, checked; `param` names the prompt field."""
-  model = body.get("model")
-  if model is None:
-    raise OpenAIError(f"model is required; this server serves {limits.model_name!r}", "model")
-  if model != limits.model_name and not (isinstance(model, str) and model in limits.adapters):
-    served = [limits.model_name, *limits.adapters]  # OpenAI's and vLLM's answer: 404
-    raise OpenAIError(f"The model {model!r:.200} does not exist; this server serves "
-                      f"{served}", "model", status=404, code="model_not_found")
+  lora = _check_model(body, limits)
   logprobs, logprobs_param = _logprobs(body, chat)
   echo = _flag(body, "echo", False)
   prompt_logprobs = body.get("prompt_logprobs")
+  _check_fields_honoured(body, chat, echo, prompt_logprobs)
+  lengths = _max_tokens(body, limits, prompts, chat, echo)
+  n = _choices(body, limits, len(prompts))
+  seeds = _seeds(body.get("seed"), n)
+  temperature, top_k, extensions = _sampling(body, limits, seeds[0], logprobs, logprobs_param,
+                                             prompt_logprobs, min(lengths))
+  strings, ids = _stops(body.get("stop"), limits)
+  ids += checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
+  stream, options = _stream(body)
+  return GenerationRequest(
+      chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
+      temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
+      seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
+      include_usage=options.get("include_usage", False),
+      continuous_usage=options.get("include_usage", False) and options.get(
+          "continuous_usage_stats", False), logprobs=logprobs,
+      extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
+      include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+      # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
+      skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
+          tool_use and tool_use.format.keep_special),
+      tools=tool_use, echo=echo, prompt_logprobs=prompt_logprobs, lora=lora,
+      **_constraint(body, tool_use))
+
+
+def _check_model(body: dict, limits: Limits) -> Optional[str]:
+  """`model` must name the served model or a loaded LoRA adapter (another: OpenAI's 404).
+
+  Returns the adapter's name, or None for the base model.
+  """
+  model = body.get("model")
+  if model is None:
+    raise OpenAIError(f"model is required; this server serves {limits.model_name!r}", "model")
+  if model == limits.model_name:
+    return None
+  if not (isinstance(model, str) and model in limits.adapters):
+    served = [limits.model_name, *limits.adapters]  # OpenAI's and vLLM's answer: 404
+    raise OpenAIError(f"The model {model!r:.200} does not exist; this server serves "
+                      f"{served}", "model", status=404, code="model_not_found")
+  return model
+
+
+def _check_fields_honoured(body: dict, chat: bool, echo: bool, prompt_logprobs) -> None:
+  """Completions-only fields on chat, and fields kvjax cannot honour, are 400s naming them."""
   for name, value in (("echo", echo), ("prompt_logprobs", prompt_logprobs)):
     if chat and value not in (None, False):
       raise OpenAIError(f"{name} needs /v1/completions", name)
   for name in _UNSUPPORTED:
     if body.get(name) not in (None, False, 0, "", [], {}):
       raise OpenAIError(f"{name} is not supported", name)
+
+
+def _max_tokens(body: dict, limits: Limits, prompts: list, chat: bool, echo: bool
+                ) -> list[int]:
+  """Each prompt's token budget: max_tokens (chat: max_completion_tokens first), else
+  OpenAI's default (16; chat: up to max_model_len); prompt + budget must fit."""
   length_param = "max_tokens"
   if chat and body.get("max_completion_tokens") is not None:
     length_param = "max_completion_tokens"
@@ -198,21 +242,35 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     if len(ids) + lengths[-1] > limits.max_model_len:
       raise OpenAIError(f"prompt ({len(ids)} tokens) + {length_param} ({lengths[-1]}) exceeds "
                         f"max_model_len {limits.max_model_len}", length_param)
+  return lengths
+
+
+def _choices(body: dict, limits: Limits, num_prompts: int) -> int:
+  """n (best_of, if given, must equal it); n * prompts within the server's max_choices."""
   n = 1 if body.get("n") is None else checked("n", check_int, "n", body["n"], 1, MAX_N + 1)
   best_of = body.get("best_of")  # vLLM: best_of == n samples n and returns them all
   if best_of is not None and checked("best_of", check_int, "best_of", best_of, 1) != n:
     raise OpenAIError(f"best_of must equal n ({n}): kvjax does not rank extra choices, got "
                       f"{best_of!r}", "best_of")
-  if limits.max_choices is not None and n * len(prompts) > limits.max_choices:
-    raise OpenAIError(f"n={n} choices for each of {len(prompts)} prompts is {n * len(prompts)} "
+  if limits.max_choices is not None and n * num_prompts > limits.max_choices:
+    raise OpenAIError(f"n={n} choices for each of {num_prompts} prompts is {n * num_prompts} "
                       f"sequences; this server takes at most {limits.max_choices} per request",
                       "n")
-  seed = body.get("seed")
+  return n
+
+
+def _seeds(seed, n: int) -> list[int]:
+  """Choice j's seed: seed + j (a random seed when none is given)."""
   if seed is None:
-    seeds = [secrets.randbelow(SEED_RANGE[1]) for _ in range(n)]
-  else:
-    seed = checked("seed", check_int, "seed", seed, *SEED_RANGE)
-    seeds = [(seed + j) % SEED_RANGE[1] for j in range(n)]
+    return [secrets.randbelow(SEED_RANGE[1]) for _ in range(n)]
+  seed = checked("seed", check_int, "seed", seed, *SEED_RANGE)
+  return [(seed + j) % SEED_RANGE[1] for j in range(n)]
+
+
+def _sampling(body: dict, limits: Limits, seed: int, logprobs, logprobs_param: str,
+              prompt_logprobs, max_tokens: int) -> tuple:
+  """-> (temperature, top_k, vLLM extensions set), checked by the Engine's own
+  sampling_options; its error becomes a 400 naming the field."""
   temperature = body.get("temperature", 1.0)
   temperature = 1.0 if temperature is None else temperature
   top_k = body.get("top_k")
@@ -220,15 +278,18 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
   extensions = {name: body[name] for name in EXTENSIONS if body.get(name) is not None}
   try:
     sampling_options(limits.vocab_size, temperature=temperature, top_k=top_k,
-                     top_p=body.get("top_p"), seed=seeds[0], logprobs=logprobs,
-                     prompt_logprobs=prompt_logprobs, max_tokens=min(lengths), **extensions)
+                     top_p=body.get("top_p"), seed=seed, logprobs=logprobs,
+                     prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, **extensions)
   except ValueError as error:  # its messages start with the field's name
     message, param = str(error), re.match(r"\w+", str(error)).group()
     if param == "logprobs":  # chat's number of alternatives is top_logprobs
       message, param = logprobs_param + message[len(param):], logprobs_param
     raise OpenAIError(message, param) from None
-  strings, ids = _stops(body.get("stop"), limits)
-  ids += checked("stop_token_ids", stop_ids, body.get("stop_token_ids"), limits.vocab_size)
+  return temperature, top_k, extensions
+
+
+def _stream(body: dict) -> tuple:
+  """-> (stream, stream_options or {}); options need stream: true and boolean flags."""
   stream = body.get("stream", False)
   if not isinstance(stream, bool) and stream is not None:
     raise OpenAIError(f"stream must be a boolean, got {stream!r}", "stream")
@@ -238,22 +299,7 @@ def _request(body: dict, limits: Limits, prompts: list, *, chat: bool, param: st
     raise OpenAIError("stream_options must be an object {include_usage: bool, "
                       "continuous_usage_stats: bool} and needs stream: true, got "
                       f"{options!r}", "stream_options")
-  options = options or {}
-  return GenerationRequest(
-      chat=chat, prompts=tuple(map(tuple, prompts)), max_tokens=tuple(lengths),
-      temperature=float(temperature), top_k=top_k, top_p=body.get("top_p"),
-      seeds=tuple(seeds), stop_strings=strings, stop_ids=ids, n=n, stream=bool(stream),
-      include_usage=options.get("include_usage", False),
-      continuous_usage=options.get("include_usage", False) and options.get(
-          "continuous_usage_stats", False), logprobs=logprobs,
-      extensions=tuple(extensions.items()), min_tokens=extensions.get("min_tokens", 0),
-      include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-      # A format whose marker is a special token (Mistral's [TOOL_CALLS]) needs it decoded.
-      skip_special_tokens=_flag(body, "skip_special_tokens", True) and not (
-          tool_use and tool_use.format.keep_special),
-      tools=tool_use, echo=echo, prompt_logprobs=prompt_logprobs,
-      lora=None if model == limits.model_name else model,
-      **_constraint(body, tool_use))
+  return stream, options or {}
 
 
 def _constraint(body: dict, tool_use: Optional[ToolUse]) -> dict:

@@ -297,73 +297,62 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   hf_config, cfg = read_hf_config(path)
   cfg = check_hf_tensors(path, hf_config, cfg,
                          shapes=hf_config.get("model_type") not in QWEN3_5_MODEL_TYPES)
-  # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
-  interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
-      hf_config.get("rope_interleave", True))
-  read = _tensor_reader(path, mmap=mesh is not None)
-  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  tensors = _HFTensors(_tensor_reader(path, mmap=mesh is not None), dtype, mesh, check_finite)
+  if hf_config.get("model_type") in QWEN3_5_MODEL_TYPES:
+    cfg, params = load_qwen3_5(cfg, hf_config, tensors.get, tensors.has)
+  else:
+    params = _decoder_params(cfg, hf_config, tensors.get, tensors.read, path)
+  return cfg, tensors.finish(params, path)
 
-  names, nonfinite, sizes = [], [], []  # per tensor, in load order
 
-  def get(name):
-    if mesh is not None:
-      return read(name)
-    tensor = jnp.asarray(read(name), dtype)
-    if check_finite:
-      names.append(name)
-      nonfinite.append(nonfinite_count(tensor))
-      sizes.append(tensor.size)
+class _HFTensors:
+  """A checkpoint's tensors by HF name. Off a mesh each loads at `dtype` and, with
+  `check_finite`, its NaN/inf count is recorded in load order, so `finish` names the
+  first bad tensor; on a mesh they stay host views until `finish` places them."""
+
+  def __init__(self, read: Callable[[str], np.ndarray], dtype, mesh, check_finite: bool):
+    self.read, self.dtype, self.mesh, self.check_finite = read, dtype, mesh, check_finite
+    self.names, self.nonfinite, self.sizes = [], [], []  # per tensor, in load order
+
+  def get(self, name: str):
+    if self.mesh is not None:
+      return self.read(name)
+    tensor = jnp.asarray(self.read(name), self.dtype)
+    if self.check_finite:
+      self.names.append(name)
+      self.nonfinite.append(nonfinite_count(tensor))
+      self.sizes.append(tensor.size)
     return tensor
 
-  def proj(name, heads):  # torch [heads*H, D] -> [D, heads, H]
-    return get(name).T.reshape(d, heads, h)
-
-  def has(name):
+  def has(self, name: str) -> bool:
     try:
-      read(name)
+      self.read(name)
     except KeyError:
       return False
     return True
 
-  def finish(cfg, params):
-    if mesh is not None:
-      params = place_host_params(params, mesh, dtype)
-      if check_finite:
+  def finish(self, params: Params, path: str) -> Params:
+    """-> `params` placed on the mesh (if any), after the finiteness check."""
+    if self.mesh is not None:
+      params = place_host_params(params, self.mesh, self.dtype)
+      if self.check_finite:
         check_finite_tree(params, f"HF checkpoint {path}")
-      return cfg, params
-    if check_finite:
-      raise_first_nonfinite(names, nonfinite, sizes, f"HF checkpoint {path}")
-    return cfg, params
+      return params
+    if self.check_finite:
+      raise_first_nonfinite(self.names, self.nonfinite, self.sizes, f"HF checkpoint {path}")
+    return params
 
-  if hf_config.get("model_type") in QWEN3_5_MODEL_TYPES:
-    return finish(*load_qwen3_5(cfg, hf_config, get, has))
+
+def _decoder_params(cfg: ModelConfig, hf_config: dict[str, Any], get: Callable[[str], Any],
+                    read: Callable[[str], np.ndarray], path: str) -> Params:
+  """The decoder's Params (every model type but the Qwen3.5 hybrids), with
+  DeepSeek-V3's MTP layers after the trunk's."""
+  # DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
+  interleaved_rope = hf_config.get("model_type") == "deepseek_v2" or bool(
+      hf_config.get("rope_interleave", True))
 
   def block(i: int) -> BlockParams:  # decoder layer i (DeepSeek-V3's MTP layers: i >= L)
-    pre = f"model.layers.{i}."
-    bias = cfg.attention_bias
-    if cfg.attention_type == "mla":
-      attn = _mla_params(cfg, get, pre + "self_attn.", interleaved_rope)
-    else:
-      attn = AttentionParams(
-          wq=proj(pre + "self_attn.q_proj.weight", n),
-          wk=proj(pre + "self_attn.k_proj.weight", k), wv=proj(pre + "self_attn.v_proj.weight", k),
-          wo=get(pre + "self_attn.o_proj.weight").T.reshape(n, h, d),
-          bq=get(pre + "self_attn.q_proj.bias").reshape(n, h) if bias else None,
-          bk=get(pre + "self_attn.k_proj.bias").reshape(k, h) if bias else None,
-          bv=get(pre + "self_attn.v_proj.bias").reshape(k, h) if bias else None,
-          bo=get(pre + "self_attn.o_proj.bias") if cfg.attention_out_bias else None,
-          q_norm=get(pre + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-          k_norm=get(pre + "self_attn.k_norm.weight") if cfg.qk_norm else None)
-      if layer_kind(cfg, i) is LEARNED_SINKS:
-        attn = SinkAttentionParams(attn=attn, sinks=get(pre + "self_attn.sinks"))
-    if cfg.is_moe_layer(i):
-      mlp = dict(moe=moe_params(cfg, hf_config["model_type"], get, pre))
-    else:
-      mlp = dict(w_gate=get(pre + "mlp.gate_proj.weight").T,
-                 w_up=get(pre + "mlp.up_proj.weight").T, w_down=get(pre + "mlp.down_proj.weight").T)
-    return BlockParams(
-        attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
-        mlp_norm=get(pre + "post_attention_layernorm.weight"), **mlp)
+    return _block_params(cfg, hf_config["model_type"], get, i, interleaved_rope)
 
   params = Params(
       embed=get("model.embed_tokens.weight"),
@@ -373,7 +362,50 @@ def load_hf(path: str, dtype=jnp.float32, check_finite: bool = True, mesh=None
   _check_mtp_copies(cfg, hf_config, read, path)
   mtp = tuple(_deepseek_mtp(get, block, cfg.num_layers + depth)
               for depth in range(cfg.mtp_num_hidden_layers))
-  return finish(cfg, params.replace(mtp=mtp))
+  return params.replace(mtp=mtp)
+
+
+def _block_params(cfg: ModelConfig, model_type: str, get: Callable[[str], Any], i: int,
+                  interleaved_rope: bool) -> BlockParams:
+  """HF decoder layer `i` -> BlockParams (tensors read in the order written here)."""
+  pre = f"model.layers.{i}."
+  if cfg.attention_type == "mla":
+    attn = _mla_params(cfg, get, pre + "self_attn.", interleaved_rope)
+  else:
+    attn = _attention_params(cfg, get, pre + "self_attn.", i)
+  if cfg.is_moe_layer(i):
+    mlp = dict(moe=moe_params(cfg, model_type, get, pre))
+  else:
+    mlp = dict(w_gate=get(pre + "mlp.gate_proj.weight").T,
+               w_up=get(pre + "mlp.up_proj.weight").T,
+               w_down=get(pre + "mlp.down_proj.weight").T)
+  return BlockParams(
+      attn_norm=get(pre + "input_layernorm.weight"), attn=attn,
+      mlp_norm=get(pre + "post_attention_layernorm.weight"), **mlp)
+
+
+def _attention_params(cfg: ModelConfig, get: Callable[[str], Any], pre: str, i: int
+                      ) -> AttentionParams | SinkAttentionParams:
+  """HF q/k/v/o projections (+ biases, q/k norms, learned sinks) of layer `i`."""
+  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  bias = cfg.attention_bias
+
+  def proj(name, heads):  # torch [heads*H, D] -> [D, heads, H]
+    return get(name).T.reshape(d, heads, h)
+
+  attn = AttentionParams(
+      wq=proj(pre + "q_proj.weight", n),
+      wk=proj(pre + "k_proj.weight", k), wv=proj(pre + "v_proj.weight", k),
+      wo=get(pre + "o_proj.weight").T.reshape(n, h, d),
+      bq=get(pre + "q_proj.bias").reshape(n, h) if bias else None,
+      bk=get(pre + "k_proj.bias").reshape(k, h) if bias else None,
+      bv=get(pre + "v_proj.bias").reshape(k, h) if bias else None,
+      bo=get(pre + "o_proj.bias") if cfg.attention_out_bias else None,
+      q_norm=get(pre + "q_norm.weight") if cfg.qk_norm else None,
+      k_norm=get(pre + "k_norm.weight") if cfg.qk_norm else None)
+  if layer_kind(cfg, i) is LEARNED_SINKS:
+    attn = SinkAttentionParams(attn=attn, sinks=get(pre + "sinks"))
+  return attn
 
 
 def _deepseek_mtp(get: Callable[[str], Any], block: Callable[[int], BlockParams],
