@@ -199,87 +199,117 @@ def load_gguf(source, dtype=jnp.float32, weight_dtype: Optional[str] = None,
   cfg = config_from_gguf(reader)
   tensors = _tensors(reader)
   permuted = _field(reader, "general.architecture") in _ROPE_PERMUTED
-  checked: list = []  # (tensor name, non-finite count, size) in load order
+  read = _GGUFTensors(tensors, path, cfg.name, permuted, dtype, scheme, check_finite)
+  blocks = tuple(_gguf_block(cfg, read, i) for i in range(cfg.num_layers))
+  embed, head = _gguf_embed_and_head(cfg, read)
+  params = Params(embed=embed, blocks=blocks,
+                  final_norm=read.vector("output_norm.weight", (cfg.hidden_size,)),
+                  lm_head=head)
+  read.raise_first_nonfinite()
+  return cfg, params
 
-  def count(name: str, *arrays) -> None:
-    if check_finite:
+
+class _GGUFTensors:
+  """A GGUF file's tensors by name, decoded as kvjax leaves: floats at `dtype`, projections
+  under `scheme` (None: float).  With `check_finite` each decoded tensor's NaN / inf count
+  is recorded in load order, so `raise_first_nonfinite` names the first bad one."""
+
+  def __init__(self, tensors: dict, path: str, model_name: str, permuted: bool, dtype,
+               scheme: Optional[str], check_finite: bool):
+    self.tensors, self.path, self.model_name = tensors, path, model_name
+    self.permuted = permuted  # q/k rows in llama.cpp's interleaved rope order
+    self.dtype, self.scheme, self.check_finite = dtype, scheme, check_finite
+    self.checked: list = []  # (tensor name, non-finite count, size) in load order
+
+  def count(self, name: str, *arrays) -> None:
+    if self.check_finite:
       arrays = [np.asarray(x) for x in arrays if x is not None]
-      checked.append((name, sum(int(np.count_nonzero(~np.isfinite(x))) for x in arrays),
-                      sum(x.size for x in arrays)))
+      self.checked.append((name, sum(int(np.count_nonzero(~np.isfinite(x))) for x in arrays),
+                           sum(x.size for x in arrays)))
 
-  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size)
-
-  def rows(name: str, ne: tuple, heads: Optional[int] = None) -> tuple[np.ndarray, str]:
+  def rows(self, name: str, ne: tuple, heads: Optional[int] = None) -> tuple[np.ndarray, str]:
     """A tensor's stored rows, checked against its expected ne, q/k rope order undone."""
-    if name not in tensors:
-      raise ValueError(f"GGUF file {path} has no tensor {name} ({cfg.name} needs it)")
-    t = tensors[name]
+    if name not in self.tensors:
+      raise ValueError(f"GGUF file {self.path} has no tensor {name} "
+                       f"({self.model_name} needs it)")
+    t = self.tensors[name]
     if tuple(int(x) for x in t.shape) != ne:
       raise ValueError(f"GGUF tensor {name} has ne {list(t.shape)}, expected {list(ne)}")
     raw = t.data
-    if heads is not None and permuted:
+    if heads is not None and self.permuted:
       raw = _unpermute_rope_rows(raw, heads)
     return raw, t.tensor_type.name
 
-  def floats(name: str, ne: tuple, heads: Optional[int] = None, stored=None) -> np.ndarray:
+  def floats(self, name: str, ne: tuple, heads: Optional[int] = None,
+             stored=None) -> np.ndarray:
     """The tensor as float32 [*ne reversed] (from its `stored` rows when given)."""
-    w = dequantize(*(stored or rows(name, ne, heads)))
-    count(name, w)
+    w = dequantize(*(stored or self.rows(name, ne, heads)))
+    self.count(name, w)
     return w
 
-  def vector(name: str, shape: tuple, heads: Optional[int] = None) -> jnp.ndarray:
-    return jnp.asarray(floats(name, (int(np.prod(shape)),), heads).reshape(shape), dtype)
+  def vector(self, name: str, shape: tuple, heads: Optional[int] = None) -> jnp.ndarray:
+    w = self.floats(name, (int(np.prod(shape)),), heads).reshape(shape)
+    return jnp.asarray(w, self.dtype)
 
-  def projection(name: str, shape: tuple, num_in: int, heads: Optional[int] = None):
+  def projection(self, name: str, shape: tuple, num_in: int, heads: Optional[int] = None):
     """kvjax weight [*in, *out] from GGUF ne [I, O]: float at dtype, or under `scheme`."""
     ne = (int(np.prod(shape[:num_in])), int(np.prod(shape[num_in:])))
-    stored = rows(name, ne, heads)
-    if scheme is not None and maps_blocks(stored[1], scheme):
-      w = blocks_qweight(*stored, scheme, shape, num_in)
-      count(name, w.scales, w.offsets)  # a non-finite value is a non-finite f16 field
+    stored = self.rows(name, ne, heads)
+    if self.scheme is not None and maps_blocks(stored[1], self.scheme):
+      w = blocks_qweight(*stored, self.scheme, shape, num_in)
+      self.count(name, w.scales, w.offsets)  # a non-finite value is a non-finite f16 field
       return w
-    w = floats(name, ne, stored=stored).T.reshape(shape)  # [O, I] -> [*in, *out]
-    if scheme is None:
-      return jnp.asarray(w, dtype)
-    bits, group = SCHEMES[scheme]
+    w = self.floats(name, ne, stored=stored).T.reshape(shape)  # [O, I] -> [*in, *out]
+    if self.scheme is None:
+      return jnp.asarray(w, self.dtype)
+    bits, group = SCHEMES[self.scheme]
     return quantize_weight(jnp.asarray(w), num_in=num_in, bits=bits, group_size=group)
 
-  blocks = []
-  for i in range(cfg.num_layers):
-    pre = f"blk.{i}."
-    bias = cfg.attention_bias
-    attn = AttentionParams(
-        wq=projection(pre + "attn_q.weight", (d, n, h), 1, n),
-        wk=projection(pre + "attn_k.weight", (d, k, h), 1, k),
-        wv=projection(pre + "attn_v.weight", (d, k, h), 1),
-        wo=projection(pre + "attn_output.weight", (n, h, d), 2),
-        bq=vector(pre + "attn_q.bias", (n, h), n) if bias else None,
-        bk=vector(pre + "attn_k.bias", (k, h), k) if bias else None,
-        bv=vector(pre + "attn_v.bias", (k, h)) if bias else None,
-        q_norm=vector(pre + "attn_q_norm.weight", (h,)) if cfg.qk_norm else None,
-        k_norm=vector(pre + "attn_k_norm.weight", (h,)) if cfg.qk_norm else None)
-    post = cfg.post_norms
-    blocks.append(BlockParams(
-        attn_norm=vector(pre + "attn_norm.weight", (d,)), attn=attn,
-        mlp_norm=vector(pre + "ffn_norm.weight", (d,)),
-        post_attn_norm=vector(pre + "post_attention_norm.weight", (d,)) if post else None,
-        post_mlp_norm=vector(pre + "post_ffw_norm.weight", (d,)) if post else None,
-        w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
-        w_up=projection(pre + "ffn_up.weight", (d, f), 1),
-        w_down=projection(pre + "ffn_down.weight", (f, d), 1)))
-  table = rows("token_embd.weight", (d, cfg.vocab_size))
-  embed = jnp.asarray(floats("token_embd.weight", (d, cfg.vocab_size), stored=table), dtype)
+  def raise_first_nonfinite(self) -> None:
+    if self.checked:
+      names, counts, sizes = zip(*self.checked)
+      raise_first_nonfinite(names, counts, sizes, f"GGUF file {self.path}")
+
+
+def _gguf_block(cfg: ModelConfig, read: _GGUFTensors, i: int) -> BlockParams:
+  """GGUF layer `i` (blk.i.*) -> BlockParams (tensors read in the order written here)."""
+  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  pre = f"blk.{i}."
+  bias = cfg.attention_bias
+  vector, projection = read.vector, read.projection
+  attn = AttentionParams(
+      wq=projection(pre + "attn_q.weight", (d, n, h), 1, n),
+      wk=projection(pre + "attn_k.weight", (d, k, h), 1, k),
+      wv=projection(pre + "attn_v.weight", (d, k, h), 1),
+      wo=projection(pre + "attn_output.weight", (n, h, d), 2),
+      bq=vector(pre + "attn_q.bias", (n, h), n) if bias else None,
+      bk=vector(pre + "attn_k.bias", (k, h), k) if bias else None,
+      bv=vector(pre + "attn_v.bias", (k, h)) if bias else None,
+      q_norm=vector(pre + "attn_q_norm.weight", (h,)) if cfg.qk_norm else None,
+      k_norm=vector(pre + "attn_k_norm.weight", (h,)) if cfg.qk_norm else None)
+  post = cfg.post_norms
+  return BlockParams(
+      attn_norm=vector(pre + "attn_norm.weight", (d,)), attn=attn,
+      mlp_norm=vector(pre + "ffn_norm.weight", (d,)),
+      post_attn_norm=vector(pre + "post_attention_norm.weight", (d,)) if post else None,
+      post_mlp_norm=vector(pre + "post_ffw_norm.weight", (d,)) if post else None,
+      w_gate=projection(pre + "ffn_gate.weight", (d, f), 1),
+      w_up=projection(pre + "ffn_up.weight", (d, f), 1),
+      w_down=projection(pre + "ffn_down.weight", (f, d), 1))
+
+
+def _gguf_embed_and_head(cfg: ModelConfig, read: _GGUFTensors) -> tuple:
+  """-> (embedding at dtype, lm head: output.weight, or None when tied and float)."""
+  d = cfg.hidden_size
+  table = read.rows("token_embd.weight", (d, cfg.vocab_size))
+  embed = jnp.asarray(read.floats("token_embd.weight", (d, cfg.vocab_size), stored=table),
+                      read.dtype)
   if not cfg.tie_word_embeddings:
-    head = projection("output.weight", (d, cfg.vocab_size), 1)
-  elif scheme is None:
+    head = read.projection("output.weight", (d, cfg.vocab_size), 1)
+  elif read.scheme is None:
     head = None
   else:  # the table's own blocks as int8 codes where they fit (Q8_0, Q4_*, Q6_K)
     head = (blocks_qweight(*table, "int8", (d, cfg.vocab_size), 1)
             if maps_blocks(table[1], "int8") else tied_head(embed))
-  params = Params(embed=embed, blocks=tuple(blocks), final_norm=vector("output_norm.weight", (d,)),
-                  lm_head=head)
-  if checked:
-    names, counts, sizes = zip(*checked)
-    raise_first_nonfinite(names, counts, sizes, f"GGUF file {path}")
-  return cfg, params
+  return embed, head
