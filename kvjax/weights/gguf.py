@@ -32,6 +32,7 @@ from kvjax.weights.config_checks import (MAX_CONTEXT, MAX_LAYERS, count_field,
                                          positive_real_field)
 from kvjax.weights.gguf_header import check_gguf_header
 from kvjax.weights.gguf_quants import blocks_qweight, check_type, dequantize, maps_blocks
+from kvjax.weights.gguf_reader import GGUFArrayReader
 from kvjax.weights.gguf_registry import REGISTRY, gguf_path, is_gguf, resolve_registry_name
 from kvjax.weights.load_checks import raise_first_nonfinite
 from kvjax.weights.quantize import SCHEMES, tied_head, weight_scheme
@@ -46,13 +47,13 @@ _MISSING = object()
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-  """gguf.GGUFReader over `path`; a truncated or corrupt file is a ValueError naming it
-  and (kvjax/weights/gguf_header.py) the field."""
+  """gguf.GGUFReader over `path`, its arrays read in one pass (gguf_reader.py); a
+  truncated or corrupt file is a ValueError naming it and (gguf_header.py) the field."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no GGUF file at {path}")
   check_gguf_header(path)
   try:
-    return gguf.GGUFReader(path)
+    return GGUFArrayReader(path)
   except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
     raise ValueError(f"{path} is not a complete GGUF file ({os.path.getsize(path)} bytes; "
                      f"truncated or corrupt?): {e}") from e

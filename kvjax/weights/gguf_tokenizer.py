@@ -48,6 +48,7 @@ import tokenizers
 from tokenizers import AddedToken, processors
 
 from kvjax.text.hf_tokenizer import HFTokenizer
+from kvjax.weights.gguf_reader import GGUFArrayReader
 from kvjax.weights.gguf_vocab import (byte_alphabet, byte_level_bpe, gemma_bpe, llama_bpe,
                                       phi3_bpe)
 
@@ -70,7 +71,7 @@ def _open(path_or_reader: Union[str, os.PathLike, gguf.GGUFReader]) -> tuple[ggu
   if not os.path.isfile(path):
     raise ValueError(f"GGUF path {path!r} is not a file")
   try:
-    return gguf.GGUFReader(path, "r"), path
+    return GGUFArrayReader(path, "r"), path
   except Exception as e:  # the reader raises ValueError, struct.error, ... on a bad file
     raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
