@@ -101,7 +101,7 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
   figure; kvjax/weights/load_checks.py).  `check_finite` then refuses weights
   with a NaN or inf, naming the first such tensor.
   """
-  from kvjax.weights import gguf, hf, load_checks
+  from kvjax.weights import gguf, hf, hf_config, load_checks
   from kvjax.weights.checkpoint import DEFAULT_MODEL_DIR, read_config, restore
   from kvjax.weights.quantize import weight_scheme
 
@@ -137,8 +137,8 @@ def load_checkpoint(path_or_preset: Optional[str] = None, dtype="float32", *,
     raise ValueError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}), a GGUF "
                      f"file or GGUF model name ({sorted(gguf.REGISTRY)}) nor a checkpoint "
                      "directory")
-  if hf.is_hf_checkpoint(path_or_preset):
-    _check_fits(hf.read_hf_config(path_or_preset)[1], dtype, available_bytes, mesh)
+  if hf_config.is_hf_checkpoint(path_or_preset):
+    _check_fits(hf_config.read_hf_config(path_or_preset)[1], dtype, available_bytes, mesh)
     cfg, params = hf.load_hf(path_or_preset, dtype, check_finite=check_finite, mesh=mesh)
     return _model(cfg, _quantized(params, cfg, scheme), dtype,
                   load_tokenizer(path_or_preset) or _byte_tokenizer(cfg), mesh)

@@ -264,7 +264,7 @@ def test_gpt_oss_presets_are_the_released_configs(size, layers, experts, total_b
   parameter counts OpenAI's model card: 20.91B / 116.83B in total, 3.61B / 5.13B active.
   The card leaves the input embedding out of "active" (a token reads one row of it); the
   ledger counts the table, as Qwen's figures do (Qwen3-30B-A3B's 3.3B)."""
-  from kvjax.weights.hf import config_from_hf
+  from kvjax.weights.hf_config import config_from_hf
 
   released = {**_GPT_OSS_20B, "num_hidden_layers": layers, "num_local_experts": experts,
               "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}

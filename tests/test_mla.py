@@ -102,6 +102,6 @@ def test_moe_checkpoint_is_refused_clearly(mla_pair, tmp_path):
   with open(os.path.join(directory, "config.json")) as f:
     hf = json.load(f)
   hf["first_k_dense_replace"] = 1
-  from kvjax.weights.hf import config_from_hf
+  from kvjax.weights.hf_config import config_from_hf
   with pytest.raises(ValueError, match="MoE"):
     config_from_hf(hf)

@@ -80,7 +80,7 @@ def test_gpt_oss_tensor_contract_names_each_tensor(tmp_path):
   # any is read (kvjax/weights/hf_contract.py): the interleaved gate_up's 2 Fe included.
   from safetensors.numpy import load_file, save_file
 
-  from kvjax.weights.hf import read_hf_config
+  from kvjax.weights.hf_config import read_hf_config
   from kvjax.weights.hf_contract import check_hf_tensors
 
   source = str(tmp_path / "gpt_oss")

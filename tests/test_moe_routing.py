@@ -169,7 +169,7 @@ def test_sparse_step_and_mlp_only_layers_follow_hf():
                                    num_key_value_heads=1, head_dim=8, vocab_size=32)
   theirs = [hasattr(layer.mlp, "experts") for layer in
             transformers.Qwen3MoeForCausalLM(hf).model.layers]
-  from kvjax.weights.hf import config_from_hf
+  from kvjax.weights.hf_config import config_from_hf
   cfg = config_from_hf(hf.to_dict())
   assert [cfg.is_moe_layer(i) for i in range(6)] == theirs == [False, True, False, False,
                                                                 False, True]

@@ -13,7 +13,7 @@ import torch
 import kvjax
 from kvjax.model.layers import rope_attention_factor, rope_inv_freq
 from kvjax.weights.checkpoint import config_from_dict, config_to_dict
-from kvjax.weights.hf import config_from_hf
+from kvjax.weights.hf_config import config_from_hf
 from tests import hf_models
 
 
