@@ -163,8 +163,9 @@ def with_slots(params: Params, cfg: ModelConfig, num_slots: int,
   def wrap(layer, module, w):
     num_in = TARGETS[module][2]
     size_in, size_out = math.prod(w.shape[:num_in]), math.prod(w.shape[num_in:])
-    return LoraWeight(base=w, a=jnp.zeros((num_slots, size_in, max_rank), jnp.float32),
-                      b=jnp.zeros((num_slots, max_rank, size_out), jnp.float32))
+    columns = (num_slots - 1) * max_rank
+    return LoraWeight(base=w, a=jnp.zeros((size_in, columns), jnp.float32),
+                      b=jnp.zeros((columns, size_out), jnp.float32), rank=max_rank)
 
   return _map_targets(params, wrap)
 
@@ -173,17 +174,18 @@ def set_slot(params: Params, slot: int, adapter: Optional[Adapter]) -> Params:
   """params (from with_slots) with `adapter` in slot `slot` >= 1 (None: zeros)."""
 
   def write(layer, module, w: LoraWeight):
-    num_slots, _, max_rank = w.a.shape
+    num_slots, max_rank = w.num_slots, w.rank
     if not 1 <= slot < num_slots:
       raise ValueError(f"LoRA slot {slot} is not in 1..{num_slots - 1}")
-    down = np.zeros(w.a.shape[1:], np.float32)  # [I, Ra]
-    up = np.zeros(w.b.shape[1:], np.float32)  # [Ra, O]
+    down = np.zeros((w.a.shape[0], max_rank), np.float32)  # [I, Ra]
+    up = np.zeros((max_rank, w.b.shape[1]), np.float32)  # [Ra, O]
     if adapter is not None and (layer, module) in adapter.weights:
       if adapter.rank > max_rank:
         raise ValueError(f"LoRA adapter {adapter.path!r} has rank {adapter.rank}; the slots "
                          f"hold rank <= {max_rank}")
       a, b = adapter.weights[layer, module]
       down[:, :adapter.rank], up[:adapter.rank] = a, b
-    return w.replace(a=w.a.at[slot].set(down), b=w.b.at[slot].set(up))
+    columns = slice((slot - 1) * max_rank, slot * max_rank)
+    return w.replace(a=w.a.at[:, columns].set(down), b=w.b.at[columns].set(up))
 
   return _map_targets(params, write)
