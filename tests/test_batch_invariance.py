@@ -1,7 +1,8 @@
 """Batch-invariant decoding: one request's greedy and sampled tokens and their logprobs
 are bitwise the same (np.array_equal on float32) alone, beside 1, 7 and 31 other
-requests of other lengths, with its prompt chunked at 16 or 64 tokens, and after a
-prefix-cache hit, with EngineConfig(batch_invariant=True); on the default model and on
+requests of other lengths, with its prompt chunked at 16 or 64 tokens, after a
+prefix-cache hit, and decoded a step per call (pages read each step) instead of in loops
+over a gathered copy, with EngineConfig(batch_invariant=True); on the default model and on
 a wider float32 random model, where XLA:CPU picks GEMM kernels by row count.
 
 The oracle is the request run alone (no other request, the prompt in one chunk, a cold
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.attention.backends import get_backend, invariant
 from kvjax.engine.config import add_engine_flags, engine_config_from_flags
 from kvjax.engine.engine import Engine
 from kvjax.model.params import init_params
@@ -28,11 +30,13 @@ NEW_TOKENS = 6
 TARGET_LEN = 40
 # Engine shapes shared by every run of a model: 32 rows for the 31 batch mates.
 SHAPES = dict(max_num_seqs=32, max_model_len=128, page_size=16)
-# path -> (other requests beside the target, token budget per step, prefix-cache hit)
-PATHS = {"beside_1": (1, 64, False), "beside_7": (7, 64, False), "beside_31": (31, 64, False),
-         "chunk_16": (0, 16, False), "beside_7_chunk_16": (7, 16, False),
-         "prefix_hit": (0, 64, True)}
-ALONE = (0, 64, False)
+# path -> (other requests beside the target, token budget per step, prefix-cache hit,
+# decode steps per device call: 1 reads pages each step, 16 loops over a gathered copy)
+PATHS = {"beside_1": (1, 64, False, 16), "beside_7": (7, 64, False, 16),
+         "beside_31": (31, 64, False, 16), "chunk_16": (0, 16, False, 16),
+         "beside_7_chunk_16": (7, 16, False, 16), "prefix_hit": (0, 64, True, 16),
+         "single_steps": (0, 64, False, 1)}
+ALONE = (0, 64, False, 16)
 # Paths whose tokens and logprobs are bitwise the alone run's without the flag: none of
 # these on XLA:CPU (docs/GUIDE.md), even beside_1, whose 2-row prefill group takes a
 # 128-column chunk bucket for its mate's prompt where the target alone takes 64.
@@ -58,11 +62,11 @@ def _prompts(vocab: int):
 @functools.lru_cache(maxsize=None)
 def _run(name: str, path: tuple, batch_invariant: bool):
   """The target's (greedy ids, their logprobs, sampled ids, their logprobs) on `path`."""
-  num_others, budget, prefix_hit = path
+  num_others, budget, prefix_hit, steps_per_call = path
   model = _model(name)
   target, others = _prompts(model.config.vocab_size)
   eng = Engine(model, max_num_batched_tokens=budget, batch_invariant=batch_invariant,
-               **SHAPES)
+               num_scheduler_steps=steps_per_call, **SHAPES)
   if prefix_hit:  # another request caches the target's first 2 pages
     eng.add_request(target[:32] + others[0][:5], 2)
     list(eng.stream())
@@ -112,7 +116,9 @@ def test_what_batch_invariant_cannot_cover_is_refused_by_name():
   with pytest.raises(ValueError, match="batch_invariant must be True or False"):
     kvjax.EngineConfig(batch_invariant=1).resolve(model)
   resolved = kvjax.EngineConfig(batch_invariant=True).resolve(model)
-  assert resolved.backend.batch_invariant and resolved.backend.gathered_attention is None
+  assert resolved.backend.batch_invariant
+  reference = invariant(get_backend("reference"))
+  assert resolved.backend.gathered_attention is reference.gathered_attention  # blocked loops
   parser = argparse.ArgumentParser()
   add_engine_flags(parser)
   assert engine_config_from_flags(parser.parse_args(["--batch-invariant"])).batch_invariant

@@ -19,7 +19,7 @@ step call through it and never compare functions by identity:
       a hybrid's Gated DeltaNet rule, float32 (every built-in: the jnp reference,
       kvjax/attention/gated_delta.py; a Pallas kernel would go here)
   gathered_attention(q [B, T, N, H], keys_t [K, B, H, S], values [K, B, S, H], batch, *,
-            sm_scale, sliding_window=None) -> [B, T, N, H]    or None
+            page_size, sm_scale, sliding_window=None) -> [B, T, N, H]    or None
       attention over rows' K/V already gathered out of their float pages (row b's
       positions 0..S-1): a backend whose `attention` is that gather plus this
       sets it, and a device loop of decode steps over fixed rows (a multi-step
@@ -27,7 +27,8 @@ step call through it and never compare functions by identity:
       layer of every step (kvjax/caches/gathered.py).  None (kernels that read
       pages in place): every step reads pages through `attention`.  A variant
       that replaces `attention` of a record that has it replaces it too (or
-      sets None), or bursts bypass the new `attention`.
+      sets None), or bursts bypass the new `attention`.  page_size: the pages' Z
+      (a batch-invariant record walks the copy in its fixed blocks of whole pages).
   variants: `attention` and `gathered_attention` take `variant=` (an attention variant,
       kvjax/attention/variants.py) and apply its mask and score (every built-in: the
       Pallas kernels trace them per tile; on a mesh each device's score sees global
@@ -72,7 +73,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import pallas_kernels
 from kvjax.attention.gated_delta import delta_rule
 from kvjax.attention.mla import mla_paged_attention
-from kvjax.attention.paged import gathered_attention, paged_attention
+from kvjax.attention.paged import gathered_attention, gathered_blocks_attention, paged_attention
 from kvjax.parallel.sharding import MODEL
 
 __all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh", "invariant"]
@@ -117,8 +118,13 @@ def _padded_reference(q, k_pages, v_pages, batch, **kwargs):
                          q_lens=batch.q_lens, **kwargs)
 
 
-def _gathered_reference(q, keys_t, values, batch, **kwargs):
+def _gathered_reference(q, keys_t, values, batch, *, page_size, **kwargs):
+  del page_size  # the whole width at once
   return gathered_attention(q, keys_t, values, batch.kv_lens, **kwargs)
+
+
+def _gathered_blocks(q, keys_t, values, batch, **kwargs):
+  return gathered_blocks_attention(q, keys_t, values, batch.kv_lens, batch.q_lens, **kwargs)
 
 
 def _padded_mla(q, pages, batch, **kwargs):
@@ -222,8 +228,9 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
 @functools.lru_cache(maxsize=None)
 def invariant(backend: Backend) -> Backend:
   """backend's batch-invariant record (EngineConfig(batch_invariant=True)): its steps run
-  kvjax/model/invariance.py's fixed-tile math, and decode loops read the pages every step (the
-  gathered copy attends over its whole width at once).  Only the reference backend's
+  kvjax/model/invariance.py's fixed-tile math, and decode loops walk their gathered copy in
+  the fixed blocks a step reads its pages in (kvjax/attention/paged.py
+  gathered_blocks_attention).  Only the reference backend's
   attention has the fixed-order form; ValueError naming any other.  Cached: one record,
   one compile per program."""
   if backend.batch_invariant:
@@ -231,8 +238,8 @@ def invariant(backend: Backend) -> Backend:
   if backend.attention is not _padded_reference:
     raise ValueError(f"batch_invariant needs backend 'reference' (its attention walks keys "
                      f"in a fixed order), got {backend.name!r}")
-  return dataclasses.replace(backend, name=f"{backend.name}+invariant", gathered_attention=None,
-                             batch_invariant=True)
+  return dataclasses.replace(backend, name=f"{backend.name}+invariant",
+                             gathered_attention=_gathered_blocks, batch_invariant=True)
 
 
 def backend_names() -> list[str]:

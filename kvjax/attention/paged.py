@@ -24,7 +24,8 @@ from kvjax.attention.variants import AttentionVariant
 from kvjax.model import invariance
 from kvjax.runtime.xla_options import DECODE_COLUMNS
 
-__all__ = ["paged_attention", "gather_pages", "gathered_attention", "padded_tables", "block_of"]
+__all__ = ["paged_attention", "gather_pages", "gathered_attention", "gathered_blocks_attention",
+           "padded_tables", "block_of"]
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array,
@@ -106,12 +107,34 @@ def block_of(tables: jax.Array, c: jax.Array, pages_per_block: int) -> jax.Array
   return jax.lax.dynamic_slice_in_dim(tables, c * pages_per_block, pages_per_block, axis=1)
 
 
+def gathered_blocks_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array,
+                              kv_lens: jax.Array, q_lens: Optional[jax.Array] = None, *,
+                              page_size: int, sm_scale: float,
+                              sliding_window: Optional[int] = None,
+                              soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+                              variant: Optional[AttentionVariant] = None) -> jax.Array:
+  """gathered_attention's batch-invariant form: keys_t [K, B, H, S], values [K, B, S, H]
+  (S whole blocks of pages of page_size: decode_loop_cache gathers padded_tables) walked
+  in the fixed blocks a batch-invariant step reads its pages in -> [B, T, N, H].  A decode
+  loop's step then does the arithmetic of a step that reads pages, without the per-layer
+  gather of every step."""
+  block_size = block_pages(page_size) * page_size
+
+  def read_block(c):
+    start = c * block_size
+    return (jax.lax.dynamic_slice_in_dim(keys_t, start, block_size, axis=3),
+            jax.lax.dynamic_slice_in_dim(values, start, block_size, axis=2))
+
+  return _walk(q, read_block, kv_lens, q_lens, keys_t.shape[0], keys_t.shape[3] // block_size,
+               block_size, values.shape[-1], sm_scale=sm_scale, sliding_window=sliding_window,
+               soft_cap=soft_cap, sinks=sinks, variant=variant)
+
+
 def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_scale,
              sliding_window, soft_cap, k_scales, v_scales, sinks, variant):
   """paged_attention of a prefill chunk, block by block (kvjax/attention/blocked.py);
   pick(array) -> the layer's [K, P, Z, ...] (indexed inside the loop body)."""
-  b, t, n, h = q.shape
-  num_kv, page_size, value_dim = k_pages.shape[-4], k_pages.shape[-2], v_pages.shape[-1]
+  page_size = k_pages.shape[-2]
   wb = block_pages(page_size)
   tables, num_blocks = padded_tables(block_tables, wb)
 
@@ -121,9 +144,19 @@ def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_sca
     return (keys_t.astype(q.dtype) if k_scales is None else keys_t,  # [K, B, H, Sb]
             gather_pages(pick(v_pages), columns, pick(v_scales)))
 
+  return _walk(q, read_block, kv_lens, q_lens, k_pages.shape[-4], num_blocks, wb * page_size,
+               v_pages.shape[-1], sm_scale=sm_scale, sliding_window=sliding_window,
+               soft_cap=soft_cap, sinks=sinks, variant=variant)
+
+
+def _walk(q, read_block, kv_lens, q_lens, num_kv, num_blocks, block_size, value_dim, *,
+          sm_scale, sliding_window, soft_cap, sinks, variant):
+  """q [B, T, N, H] attending read_block(c)'s K kv heads block by block (batch-invariant
+  steps: ROW_TILE query columns at a time) -> [B, T, N, Hv]."""
+  b, t, n, h = q.shape
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   attend = functools.partial(blocked_attention, read_block=read_block, q_lens=q_lens,
-                             num_blocks=num_blocks, block_size=wb * page_size,
+                             num_blocks=num_blocks, block_size=block_size,
                              sm_scale=sm_scale, sliding_window=sliding_window,
                              soft_cap=soft_cap, value_dim=value_dim,
                              sinks=None if sinks is None else sinks.reshape(num_kv, -1),

@@ -13,7 +13,9 @@ it), and the loop's `settle` writes the positions the loop computed back to
 the pages.  Only float pages (`PagedKVCache.gathers_rows`) of a backend that
 has `gathered_attention` loop this way, and only while the copy stays under
 `MAX_GATHERED_BYTES`; kernels that read pages in place, int8 / int4 pages, MLA
-latents and hybrid state read pages every step.  Shapes: docs/DIMENSIONS.md.
+latents and hybrid state read pages every step.  A batch-invariant backend's copy
+covers whole blocks of pages, walked in the blocks its steps read pages in.
+Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.attention.backends import get_backend
+from kvjax.attention.blocked import block_pages
+from kvjax.attention.paged import padded_tables
 from kvjax.caches.paged import PagedKVCache, physical_pages
 from kvjax.runtime.step_batch import StepBatch
 
@@ -68,7 +72,8 @@ class GatheredKVCache:
         v.astype(self.v[layer].dtype).transpose(2, 0, 1, 3), mode="drop")
     cache = self.replace(k=_with(self.k, layer, keys), v=_with(self.v, layer, values))
     out = backend.gathered_attention(q, keys.astype(q.dtype), values, batch,
-                                     sm_scale=sm_scale, sliding_window=window, **options)
+                                     page_size=self.pages.page_size, sm_scale=sm_scale,
+                                     sliding_window=window, **options)
     return cache, out
 
   @property
@@ -108,10 +113,12 @@ def decode_loop_cache(cache, block_tables: jax.Array, backend, num_layers: Optio
   [B], span) -> the cache after it): a GatheredKVCache of the first num_layers layers
   (None: all; fewer when the loop runs no MTP module) and its write-back where the cache
   and backend allow (module doc), else the cache itself and no-op."""
-  gathers = (getattr(cache, "gathers_rows", False)
-             and get_backend(backend).gathered_attention is not None)
+  backend = get_backend(backend)
+  gathers = getattr(cache, "gathers_rows", False) and backend.gathered_attention is not None
   if gathers:
     all_layers, num_kv, _, z, h = cache.k_pages.shape
+    if backend.batch_invariant:  # its attention walks the copy in whole blocks of pages
+      block_tables, _ = padded_tables(block_tables, block_pages(z))
     num_layers = num_layers or all_layers
     copy_bytes = 2 * num_layers * num_kv * block_tables.size * z * h * cache.k_pages.dtype.itemsize
     gathers = copy_bytes <= MAX_GATHERED_BYTES
