@@ -19,7 +19,7 @@ import pytest
 
 import kvjax
 from kvjax.caches import create_paged_cache
-from kvjax.caches.groups import create_grouped_cache, layer_groups
+from kvjax.caches.groups import GroupedKVCache, create_grouped_cache, layer_groups
 from kvjax.engine.sched.pages import NULL_PAGE
 from kvjax.model.params import init_params
 from kvjax.runtime.step_batch import make_step_batch
@@ -112,3 +112,88 @@ def test_grouped_layers_read_their_own_window():
   """The same run with every layer global differs: the sliding layers' window matters."""
   everywhere = _run(_model((None,) * 4), grouped=False)[1]
   assert np.abs(_run(_model(), grouped=True)[1] - everywhere).max() > 1e-3
+
+
+# -- the Engine: one allocator per group, the sliding group releasing behind its window ----
+
+BUDGET = 16
+ENGINE = dict(page_size=G, max_num_seqs=2, max_num_batched_tokens=BUDGET, max_model_len=256,
+              prefix_cache=False, kv_groups=True)
+
+
+def _bound(n: int) -> int:
+  """A row of n positions from s holds the sliding pages (s - W + 1) // G .. (s + n - 1) // G:
+  at most ceil((W + n - 2) / G) + 1 of them, however long the request."""
+  return -(-(W + n - 2) // G) + 1
+
+
+PREFILL_BOUND = _bound(BUDGET)  # 7
+LONG = [(5 * i + 1) % 500 for i in range(37)]
+
+
+def _live(pages):
+  return sum(p != NULL_PAGE for p in pages)
+
+
+def _record_groups(eng):
+  """Wrap the scheduler: per step and row, (positions it writes, sliding pages, global
+  pages, its end position), with check_invariants (every group's) each step."""
+  held, schedule = [], eng.scheduler.schedule
+
+  def schedule_and_record(*args, **kwargs):
+    plan = schedule(*args, **kwargs)
+    eng.scheduler.check_invariants()
+    for row in plan.rows:
+      req = row.request
+      held.append((row.num_tokens, _live(req.pages),
+                   _live(req.group_pages[0]), row.start + row.num_tokens))
+    return plan
+
+  eng.scheduler.schedule = schedule_and_record
+  return held
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 8])
+def test_sliding_group_pages_stay_bounded_while_the_global_group_grows(num_scheduler_steps):
+  model = _model()
+  want = kvjax.generate(model, [LONG], 150, cache="none").tokens
+  eng = kvjax.Engine(model, num_scheduler_steps=num_scheduler_steps, **ENGINE)
+  assert isinstance(eng.state.cache, GroupedKVCache)
+  # The sliding pool holds two requests at the bound, the global one two whole requests.
+  assert [a.num_pages for a in (eng.scheduler.allocator, eng.scheduler.groups[1].allocator)] \
+      == [1 + 2 * PREFILL_BOUND, 1 + 2 * -(-255 // G)]
+  held = _record_groups(eng)
+  assert eng.generate([LONG], 150).tokens == want
+  assert all(sliding <= _bound(n) for n, sliding, _, _ in held)
+  # Decode rows (a burst's: its steps' positions) hold 3 pages (5 in bursts of 8).
+  assert max(sliding for n, sliding, _, _ in held if n <= num_scheduler_steps) \
+      == _bound(num_scheduler_steps)
+  # The global group holds every page written: ceil(positions / G) each step.
+  assert [glob for _, _, glob, _ in held] == [-(-end // G) for *_, end in held]
+  assert held[-1][2] > 4 * PREFILL_BOUND
+  eng.scheduler.check_invariants()
+  assert [g.allocator.num_used for g in eng.scheduler.groups] == [0, 0]
+
+
+def test_engine_with_groups_equals_one_pool_with_preemption():
+  """Three requests in pools too small for all: preemption frees every group's pages."""
+  model, prompts = _model(), [LONG, LONG[7:], LONG[:20]]
+  one_pool = kvjax.Engine(model, **{**ENGINE, "kv_groups": False}).generate(prompts, 60)
+  eng = kvjax.Engine(model, **{**ENGINE, "max_num_seqs": 3, "num_pages": 36})
+  _record_groups(eng)
+  assert eng.generate(prompts, 60).tokens == one_pool.tokens
+  assert eng.scheduler.num_preemptions > 0
+  assert [g.allocator.num_used for g in eng.scheduler.groups] == [0, 0]
+
+
+def test_one_group_keeps_the_one_pool():
+  eng = kvjax.Engine(_model((None,) * 4), **ENGINE)
+  assert not isinstance(eng.state.cache, GroupedKVCache) and len(eng.scheduler.groups) == 1
+
+
+@pytest.mark.parametrize("option, value", [("prefix_cache", True), ("speculative", "ngram"),
+                                           ("backend", "pallas_interpret"),
+                                           ("kv_dtype", "int4")])
+def test_what_groups_do_not_cover_yet_is_refused_by_name(option, value):
+  with pytest.raises(ValueError, match=option if option != "kv_dtype" else "int4"):
+    kvjax.Engine(_model(), **{**ENGINE, option: value})

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from flax import struct
 
 from kvjax.caches.layout import KVLayout, PoolSizes, allocate, get_layout, store_name
-from kvjax.caches.paged import PagedKVCache
+from kvjax.caches.paged import PagedKVCache, clear_cache_pages
 from kvjax.model.config import ModelConfig
 from kvjax.runtime.step_batch import StepBatch
 
@@ -67,6 +67,12 @@ class GroupedKVCache:
     pool, out = self.pools[group].attend(
         index, q, k, v, batch.replace(block_tables=batch.group_tables[group]), **options)
     return self.replace(pools=self.pools[:group] + (pool,) + self.pools[group + 1:]), out
+
+  def cleared(self, pages: tuple, slots) -> "GroupedKVCache":
+    """pages[g] (page ids) zeroed in group g's pool (kvjax/caches/paged.py
+    clear_cache_pages: a failed request's)."""
+    return self.replace(pools=tuple(clear_cache_pages(pool, group_pages, slots)
+                                    for pool, group_pages in zip(self.pools, pages)))
 
 
 def check_grouped_layout(kv_dtype, cfg: ModelConfig) -> KVLayout:
