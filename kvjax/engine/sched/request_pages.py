@@ -21,6 +21,11 @@ may keep some early pages (attention sinks) and release a range after them.
 
 Blocks are cached only once their KV is computed, so a hit never reads KV that
 the same step is still writing.
+
+KV layer groups (kvjax/caches/groups.py, EngineConfig.kv_groups): the scheduler keeps one
+RequestPages per group, each over its own allocator and with its group's release rule;
+`group` says which of the request's tables it keeps (0: `pages`, g: `group_pages[g - 1]`),
+so a sliding group frees the pages behind its window while a global group keeps them.
 """
 from __future__ import annotations
 
