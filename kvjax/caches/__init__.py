@@ -20,6 +20,8 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
                  for backends whose paged attention is a gather (the reference)
   streaming.py   SinkWindowCache: StreamingLLM's attention sinks + window, its
                  pages between the two released (the one-file layout example)
+  groups.py      GroupedKVCache: one page pool and block table per group of layers with
+                 the same window (Gemma 3's sliding and global layers)
   layout.py      KVLayout: the spec record every layout registers by name (its
                  arrays, bytes, capabilities, host-side page manager and cache class)
 

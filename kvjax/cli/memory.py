@@ -1,4 +1,4 @@
-"""`python -m kvjax memory`: size a card for a preset from the shell (claims C4-C5).
+"""`python -m kvjax memory`: size a card for a preset or checkpoint from the shell (C4-C5).
 
 A thin argparse face over `kvjax.parallel.ledger.plan`; the ledger owns every check, so a
 bad preset, context or dtype gets the same message here as in Python, and exit
@@ -19,10 +19,13 @@ import jax
 
 from kvjax.api import resolve_dtype
 from kvjax.caches import create_paged_cache, layout_names
+from kvjax.caches.groups import layer_groups
 from kvjax.model.config import ModelConfig
 from kvjax.model.presets import PRESETS, get_preset
 from kvjax.parallel import ledger
 from kvjax.parallel import ledger_tp
+from kvjax.weights import gguf
+from kvjax.weights.checkpoint import read_config
 
 __all__ = ["add_parser", "run", "allocated_pool"]
 
@@ -37,7 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
       description="KV bytes per token and per request, weight bytes, max concurrency "
                   "and total memory for --batch concurrent requests. Sizes in GiB "
                   "(binary); the seeds' 'GB' are read as GiB.")
-  p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+  model = p.add_mutually_exclusive_group(required=True)
+  model.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
+  model.add_argument("--checkpoint", help="a kvjax checkpoint directory, a GGUF file or a "
+                                          "packaged GGUF's name (its config only is read)")
   p.add_argument("--context", type=int, required=True, help="tokens per request")
   p.add_argument("--batch", type=int, default=1,
                  help="target concurrency for the total-memory line (default 1)")
@@ -88,6 +94,19 @@ def allocated_pool(cfg: ModelConfig, kv_dtype: str, weight_dtype: str,
           "cache": type(cache).__name__}
 
 
+def model_config(args: argparse.Namespace) -> ModelConfig:
+  """The config --preset names, or --checkpoint's read without its tensors."""
+  if args.preset is not None:
+    return get_preset(args.preset)
+  gguf_file = gguf.gguf_path(args.checkpoint)
+  if gguf_file is not None:
+    return gguf.read_gguf_config(gguf_file)
+  try:
+    return read_config(args.checkpoint)
+  except FileNotFoundError as e:
+    raise ValueError(f"--checkpoint {args.checkpoint!r}: {e}") from None
+
+
 def _gib(n: int) -> str:
   return f"{n / ledger.GIB:.3f} GiB"
 
@@ -95,23 +114,28 @@ def _gib(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
   """Prints the plan for `args`; returns 0, or 2 with a message on bad input."""
   try:
+    cfg = model_config(args)
     result = ledger.plan(
-        get_preset(args.preset), args.context, batch=args.batch, kv_dtype=args.kv_dtype,
+        cfg, args.context, batch=args.batch, kv_dtype=args.kv_dtype,
         weight_dtype=args.weight_dtype, weight_gib=args.weight_gib, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales)
     per_device = None if args.tp is None and args.ep is None else ledger_tp.tp_plan(
-        get_preset(args.preset), args.context, args.tp or 1, batch=args.batch,
+        cfg, args.context, args.tp or 1, batch=args.batch,
         kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, gpu_gib=args.gpu_gib,
         reserve_gib=args.reserve_gib, include_mtp=args.include_mtp,
         count_scales=args.count_scales, ep=args.ep or 1)
-    pool = allocated_pool(get_preset(args.preset), args.kv_dtype, args.weight_dtype,
-                          args.include_mtp)
+    pool = allocated_pool(cfg, args.kv_dtype, args.weight_dtype, args.include_mtp)
+    groups = layer_groups(cfg)
+    grouped = {} if len(groups) == 1 else {
+        "kv_group_bytes_per_request": ledger.kv_group_bytes_per_request(
+            cfg, args.context, args.kv_dtype),
+        "layer_groups": [{"window": g.window, "layers": len(g.layers)} for g in groups]}
   except ValueError as e:
     print(f"kvjax memory: error: {e}", file=sys.stderr)
     return 2
   if args.json:
-    print(json.dumps(dataclasses.asdict(result) | {"allocated_pool": pool} | (
+    print(json.dumps(dataclasses.asdict(result) | {"allocated_pool": pool} | grouped | (
         {} if per_device is None else {"tp": dataclasses.asdict(per_device)}), indent=2))
     return 0
   r = result
@@ -121,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
   print(f"{r.preset}: context {r.context}, kv {r.kv_dtype}, weights {r.weight_dtype}")
   print(f"  KV per token     {r.kv_bytes_per_token / ledger.KIB:g} KiB{scales}")
   print(f"  KV per request   {_gib(r.kv_bytes_per_request)}")
+  if grouped:
+    windows = ", ".join(f"{g['layers']} layers of window {g['window'] or 'all'}"
+                        for g in grouped["layer_groups"])
+    print(f"  pools per group  {_gib(grouped['kv_group_bytes_per_request'])} per request in "
+          f"pages of {ledger.PAGE_SIZE} ({windows}; --kv-groups)")
   if r.state_bytes_per_request:
     print(f"  state / request  {r.state_bytes_per_request / 2**20:.2f} MiB (per-slot: "
           "recurrent state, int4 residual; any context)")
@@ -130,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
   print(f"  allocated pool   {pool['kv_bytes_per_token']:,.0f} B/token of pages, "
         f"{pool['state_bytes_per_slot']:,.0f} B/slot of state ({pool['cache']})")
   print(f"  weights          {_gib(r.weight_bytes)} ({r.param_count / 1e9:.2f}B params)")
-  moe = get_preset(args.preset)
+  moe = cfg
   if moe.num_experts:
     print(f"  active per token {ledger.param_count(moe, active=True) / 1e9:.2f}B params "
           f"({moe.num_experts_per_tok} of {moe.num_experts} routed experts)")
@@ -140,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
   print(f"  total at batch {r.batch}: {_gib(r.total_bytes)}"
         f" ({'fits' if r.fits else 'does NOT fit'} in {_gib(r.gpu_bytes)})")
   if per_device is not None:
-    _print_tp(per_device, r.gpu_bytes, get_preset(args.preset).attention_type == "mla")
+    _print_tp(per_device, r.gpu_bytes, cfg.attention_type == "mla")
   return 0
 
 

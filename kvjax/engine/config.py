@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from kvjax.attention.backends import Backend, get_backend, invariant, on_mesh
 from kvjax.attention.variants import BUILT_IN_NAMES, parse_variant_name
 from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
+from kvjax.caches.groups import check_grouped_layout, layer_groups
 from kvjax.caches.layout import PageRelease
 from kvjax.engine.sched.mask_release import mask_release
 from kvjax.engine.sched.ngram import DEFAULT_NGRAM_N, check_ngram
@@ -90,6 +91,12 @@ class EngineConfig:
     max_loras: LoRA adapters the device holds at once (Engine.load_adapter; a request
       picks one with add_request(lora=NAME), kvjax/lora/); 0: no adapters.
     max_lora_rank: the largest adapter rank those slots take (at most 64).
+    kv_groups: one KV page pool and block table per group of layers with the same window
+      (kvjax/caches/groups.py), so a request's sliding layers hold only the pages inside
+      their window; num_pages then caps each group's pool (None: each sized for its
+      layers).  A model whose layers all attend alike has one group: nothing changes.
+      Not yet with the prefix cache, speculation, a backend other than "reference", a
+      mesh, or layouts other than float and int8 pages (each refused by name).
   """
 
   page_size: int = 16
@@ -112,6 +119,7 @@ class EngineConfig:
   batch_invariant: bool = False
   max_loras: int = 0
   max_lora_rank: int = 16
+  kv_groups: bool = False
 
   @property
   def draft_model(self):
@@ -135,6 +143,7 @@ class EngineConfig:
       raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
     if self.batch_invariant:
       backend = self._invariant_backend(backend, cfg)
+    self._check_groups(cfg, backend)
     config = dataclasses.replace(self, prefix_snapshots=self._snapshots(cfg))
     config._check_layout(layout)
     config = config._resolve_drafts(model)
@@ -172,8 +181,10 @@ class EngineConfig:
     if num_pages is not None:
       check_int("num_pages", num_pages, 2)  # the null page and one to hold a request
     else:  # a windowed model's requests hold a bounded number of pages
-      num_pages = 1 + self.max_num_seqs * self.page_release(cfg).max_pages_held(
-          max_model_len, self.max_num_batched_tokens)
+      releases = [release for _, release in config._group_releases(cfg)] or [
+          self.page_release(cfg)]
+      num_pages = max(1 + self.max_num_seqs * release.max_pages_held(
+          max_model_len, self.max_num_batched_tokens) for release in releases)
     if num_pages >= _MAX_INT32 or max_model_len >= _MAX_INT32:
       source = "" if self.max_model_len else " (the model's max_position_embeddings)"
       raise ValueError(f"max_model_len={max_model_len}{source} with num_pages={num_pages} "
@@ -219,6 +230,40 @@ class EngineConfig:
       most = _NGRAM_DRAFTS if ngram else _AUTO_DRAFT_MODEL_DRAFTS
     return dataclasses.replace(config, num_draft=most,
                                draft_policy=self.draft_policy or "adaptive")
+
+  def layer_groups(self, cfg: ModelConfig) -> tuple:
+    """cfg's KV layer groups when the engine keeps a pool per group (kv_groups and more
+    than one group; kvjax/caches/groups.py), else ()."""
+    groups = layer_groups(cfg) if self.kv_groups else ()
+    return groups if len(groups) > 1 else ()
+
+  def _group_releases(self, cfg: ModelConfig) -> list:
+    """(group, its page release) of each layer group (none: one pool)."""
+    layout = get_layout(self.kv_dtype, cfg)
+    return [(group, mask_release(layout.page_release(self.page_size, group.window), cfg,
+                                 draft=False, layers=group.layers))
+            for group in self.layer_groups(cfg)]
+
+  def group_pools(self, cfg: ModelConfig) -> list:
+    """(pages, page release) of each layer group's pool, group 0's first (none: one pool):
+    each holds max_num_seqs requests of max_model_len at once, at most num_pages."""
+    return [(min(self.num_pages, 1 + self.max_num_seqs * release.max_pages_held(
+        self.max_model_len, self.max_num_batched_tokens)), release)
+            for _, release in self._group_releases(cfg)]
+
+  def _check_groups(self, cfg: ModelConfig, backend: Backend) -> None:
+    """ValueError naming what kv_groups does not cover yet."""
+    if not isinstance(self.kv_groups, bool):
+      raise ValueError(f"kv_groups must be True or False, got {self.kv_groups!r}")
+    if not self.layer_groups(cfg):
+      return
+    check_grouped_layout(self.kv_dtype, cfg)
+    for name, value, ok in (("prefix_cache", self.prefix_cache, not self.prefix_cache),
+                            ("speculative", self.speculative, self.speculative is None),
+                            ("backend", backend.name, backend.name == "reference"),
+                            ("batch_invariant", self.batch_invariant, not self.batch_invariant)):
+      if not ok:
+        raise ValueError(f"kv_groups does not support {name}={value!r} yet")
 
   def page_release(self, cfg: ModelConfig) -> PageRelease:
     """The layout's host-side page manager: which pages a request may release (also those
@@ -303,6 +348,7 @@ _FLAGS = {
                                     "whatever shares its steps (reference backend)"),
     "max_loras": (int, None, "LoRA adapters held on the device at once (serve --lora)"),
     "max_lora_rank": (int, None, "largest LoRA adapter rank (at most 64)"),
+    "kv_groups": (bool, None, "one KV page pool per group of layers with the same window"),
 }
 
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvjax.attention.variants import with_attention
 from kvjax.caches import PagedKVCache, create_paged_cache
+from kvjax.caches.groups import create_grouped_cache
 from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.engine import generate as one_shot
 from kvjax.engine.adapters import Adapters
@@ -101,27 +102,35 @@ class Engine:
     self._fresh_drafts: dict[str, int] = {}  # drafts a request's slot holds for its next step
     # Prompt lookup drafts on the host, from each request's tokens (kvjax/engine/sched/ngram.py).
     self.ngram = NgramDrafter(config.ngram_n) if config.speculative == "ngram" else None
+    # One pool per KV layer group (kvjax/caches/groups.py), or the one pool.
+    pools = config.group_pools(cfg) or [(config.num_pages, config.page_release(cfg))]
     self.scheduler = Scheduler(
-        num_pages=config.num_pages, page_size=config.page_size,
+        num_pages=pools[0][0], page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, enable_prefix_caching=config.prefix_cache,
         prefix_match=config.prefix_match, min_cacheable_tokens=config.min_cacheable_tokens,
         num_lookahead_slots=self.num_draft, num_scheduler_steps=config.num_scheduler_steps,
         eos_token_id=cfg.eos_token_id, sliding_window=config.widest_window(cfg),
-        page_release=config.page_release(cfg))
+        page_release=pools[0][1], group_pools=pools[1:])
     self.packing = Packing.create(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         page_size=config.page_size, max_pages_per_seq=self.scheduler.max_pages_per_seq,
         num_draft=self.num_draft, max_model_len=config.max_model_len,
-        prefill_full_width=config.prefill_full_width(cfg), lora=config.max_loras > 0)
+        prefill_full_width=config.prefill_full_width(cfg), lora=config.max_loras > 0,
+        num_groups=len(config.layer_groups(cfg)))
     self.loras = Adapters(config.max_loras, config.max_lora_rank)
     self.model = self.loras.slotted(self.model)
     slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
-    cache = create_paged_cache(cfg, config.kv_dtype, slots, config.num_pages, config.page_size,
-                               model.dtype, with_mtp=config.speculative == "mtp",
-                               mesh=config.backend.mesh, num_snapshots=config.prefix_snapshots,
-                               num_verify_states=self.num_draft + 1 if self.num_draft else 0)
+    if config.layer_groups(cfg):
+      cache = create_grouped_cache(cfg, config.kv_dtype, slots, [n for n, _ in pools],
+                                   config.page_size, model.dtype)
+    else:
+      cache = create_paged_cache(
+          cfg, config.kv_dtype, slots, config.num_pages, config.page_size, model.dtype,
+          with_mtp=config.speculative == "mtp", mesh=config.backend.mesh,
+          num_snapshots=config.prefix_snapshots,
+          num_verify_states=self.num_draft + 1 if self.num_draft else 0)
     # A hybrid's prefix hits also need its recurrent state there
     # (kvjax/engine/sched/state_snapshots.py).
     self.snapshots = SnapshotPool(self.scheduler.prefix_cache, config.prefix_snapshots,
@@ -410,11 +419,13 @@ class Engine:
     dst[:len(copies)] = [cp.dst for cp in copies]
     self.state = copy_pages(self.state, src, dst)
 
-  def _clear(self, pages: list[int], slot: int) -> None:
-    """Zero a failed request's own pages, the null page and its slot on the device."""
+  def _clear(self, pages: tuple, slot: int) -> None:
+    """Zero a failed request's own pages (of each KV layer group), the null page and its
+    slot on the device."""
     # One shape for every failure: the widest block table plus the null page.
-    padded = np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32)
-    padded[:len(pages)] = pages
+    padded = tuple(np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32) for _ in pages)
+    for padded_pages, group_pages in zip(padded, pages):
+      padded_pages[:len(group_pages)] = group_pages
     self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,

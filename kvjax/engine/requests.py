@@ -71,6 +71,9 @@ class Request:
   token_ids: list[int] = dataclasses.field(init=False)  # prompt + generated
   num_computed_tokens: int = 0  # leading tokens whose KV is in `pages`
   pages: list[int] = dataclasses.field(default_factory=list)  # block table
+  # The block tables of KV layer groups 1, 2, ... (kvjax/caches/groups.py); `pages` is
+  # group 0's.  Empty: the engine keeps one pool.
+  group_pages: list[list[int]] = dataclasses.field(default_factory=list)
   slot: Optional[int] = None  # row in the engine's per-sequence state
   status: RequestStatus = RequestStatus.WAITING
   num_cached_tokens: int = 0  # prefix-hit tokens at the last admission
@@ -154,6 +157,8 @@ class SchedulerOutput:
     seq_lens: [B] int32 KV length of each row after this step (start +
       num_tokens, draft slots included).
     copies: page copies for token-mode prefix hits, to apply first.
+    group_tables: each KV layer group's [B, max_pages_per_seq] table, group 0's first
+      (kvjax/caches/groups.py); empty where the engine keeps one pool.
     preempted_ids: requests preempted this step (their slots are free).
     num_batched_tokens: positions one forward of the step computes, <=
       max_num_batched_tokens (a burst: its first step's).
@@ -167,6 +172,7 @@ class SchedulerOutput:
   preempted_ids: tuple[str, ...]
   num_batched_tokens: int
   num_steps: int = 1
+  group_tables: tuple = ()
 
   def check_new_ids(self, new_token_ids: Mapping[str, Sequence[int]]) -> None:
     """ValueError unless `new_token_ids` is what this plan's rows can have sampled: 1 to

@@ -253,7 +253,8 @@ def _warm_up_pages(engine) -> None:
   with engine._lock:
     if engine.config.prefix_cache and engine.config.prefix_match == "token":
       engine._copy_pages([])
-    engine._clear([], engine.config.max_num_seqs)  # the scratch slot
+    # No page of any KV layer group, the scratch slot.
+    engine._clear(([],) * len(engine.scheduler.groups), engine.config.max_num_seqs)
 
 
 def _run_padding(engine, shape: StepShape, stop_width: int = 1,

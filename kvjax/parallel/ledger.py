@@ -39,6 +39,7 @@ import dataclasses
 from fractions import Fraction
 from typing import Optional
 
+from kvjax.caches.groups import layer_groups
 from kvjax.caches.layout import FLOAT_STORES, PoolSizes, sizing_layout
 from kvjax.caches.recurrent import state_arrays
 from kvjax.model.config import ModelConfig, short_dtype_name
@@ -126,6 +127,22 @@ def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
   per_token = _per_layer_token(cfg, kv_dtype) + (
       _per_layer_token(cfg, kv_dtype, scales=True) if count_scales else 0)
   return _whole(tokens * per_token)
+
+
+def kv_group_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
+                               page_size: int = PAGE_SIZE,
+                               max_num_batched_tokens: int = 1) -> int:
+  """KV page bytes one request of `context` tokens (prompt + new) holds at most with one
+  pool per KV layer group (kvjax/caches/groups.py, EngineConfig.kv_groups): each group's
+  layers times its pages at its release bound (a sliding group's ceil((window + n - 2) / Z)
+  + 1 for rows of n <= max_num_batched_tokens positions, a global group's every page), at
+  the layout's bytes per page."""
+  check_positive_int(context, "context")
+  layout = sizing_layout(kv_dtype, cfg)
+  page_bytes = layout.bytes_per_layer_token(cfg, page_size) * page_size
+  return _whole(sum(
+      len(group.layers) * page_bytes * layout.page_release(page_size, group.window)
+      .max_pages_held(context, max_num_batched_tokens) for group in layer_groups(cfg)))
 
 
 def slot_bytes_per_request(cfg: ModelConfig, kv_dtype: str = "bf16",

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.caches import PagedKVCache, clear_cache_pages, copy_cache_pages
+from kvjax.caches.groups import GroupedKVCache
 from kvjax.caches.gathered import decode_loop_cache
 from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import lm_logits
@@ -242,6 +243,8 @@ def serve_burst(params: Params, draft_params: Optional[Params], state: EngineSta
         tokens=batch.tokens.at[:, 0].set(last), num_draft=drafted,
         slot_ids=jnp.where(active, batch.slot_ids, scratch),
         block_tables=jnp.where(active[:, None], batch.block_tables, 0),
+        group_tables=None if batch.group_tables is None else tuple(
+            jnp.where(active[:, None], table, 0) for table in batch.group_tables),
         sampling=batch.sampling.replace(processing=processing))
     state, out = _serve_rows(
         params, draft_params, state, step_batch, want_logprobs=want_logprobs, config=config,
@@ -293,12 +296,16 @@ def copy_pages(state: EngineState, src: jax.Array, dst: jax.Array) -> EngineStat
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def clear_pages(state: EngineState, pages: jax.Array, slots: jax.Array) -> EngineState:
-  """Zero pages [pages] and slots [slots] in every cache (a failed request's; see
-  kvjax/caches/paged.py clear_cache_pages) and the slots' pending drafts."""
-  state = state.replace(cache=clear_cache_pages(state.cache, pages, slots),
+def clear_pages(state: EngineState, pages: tuple, slots: jax.Array) -> EngineState:
+  """Zero pages (one array of page ids per KV layer group's pool, or one for the one pool)
+  and slots [slots] in every cache (a failed request's; see kvjax/caches/paged.py
+  clear_cache_pages) and the slots' pending drafts."""
+  cache = state.cache
+  cache = (cache.cleared(pages, slots) if isinstance(cache, GroupedKVCache)
+           else clear_cache_pages(cache, pages[0], slots))
+  state = state.replace(cache=cache,
                         drafts=state.drafts.at[slots].set(0),
                         draft_probs=state.draft_probs.at[slots].set(0))
   if state.draft_cache is not None:
-    state = state.replace(draft_cache=clear_cache_pages(state.draft_cache, pages, slots))
+    state = state.replace(draft_cache=clear_cache_pages(state.draft_cache, pages[0], slots))
   return state

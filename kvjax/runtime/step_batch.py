@@ -49,6 +49,9 @@ class StepBatch:
   restore_snapshots: jax.Array = None  # [B] int32 snapshot a row starts from; -1: its slot's
   # LoRA adapter slot of each row (kvjax/lora/; 0: the base model); None: an engine without.
   adapters: jax.Array = None  # [B] int32
+  # One [B, W] int32 block table per KV layer group (kvjax/caches/groups.py), each into
+  # its group's pool; None: every layer reads `block_tables`.
+  group_tables: tuple = None
 
   @property
   def starts(self) -> jax.Array:
@@ -77,13 +80,13 @@ class StepBatch:
 def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=None,
                     sampling: SamplingParams = None, *, num_draft=None,
                     next_tokens=None, snapshot_tables=None,
-                    restore_snapshots=None, adapters=None) -> StepBatch:
+                    restore_snapshots=None, adapters=None, group_tables=None) -> StepBatch:
   """Host arrays of padded rows -> StepBatch (positions, kv_lens, cu_q_lens derived once).
 
   tokens [B, T] (host or device), starts / q_lens / slot_ids [B], block_tables [B, W]; slot_ids
   default to 0..B-1, sampling to greedy, num_draft to 0 and next_tokens to -1
-  (every row samples); snapshot_tables / restore_snapshots / adapters stay None unless
-  given.
+  (every row samples); snapshot_tables / restore_snapshots / adapters / group_tables (one
+  [B, W] table per layer group) stay None unless given.
   """
   # Ids already on the device (a sampled token) stay there: no host round trip.
   tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(
@@ -105,4 +108,6 @@ def make_step_batch(tokens: np.ndarray, starts, q_lens, block_tables, slot_ids=N
       snapshot_tables=None if snapshot_tables is None else np.asarray(snapshot_tables, np.int32),
       restore_snapshots=(None if restore_snapshots is None
                          else np.asarray(restore_snapshots, np.int32)),
-      adapters=None if adapters is None else np.asarray(adapters, np.int32))
+      adapters=None if adapters is None else np.asarray(adapters, np.int32),
+      group_tables=None if group_tables is None else tuple(
+          np.asarray(table, np.int32) for table in group_tables))

@@ -79,15 +79,18 @@ class _HostRows:
   top_p: np.ndarray  # [B] float32
   seeds: np.ndarray  # [B] uint32
   adapters: np.ndarray  # [B] int32 LoRA slot (0: none)
+  group_tables: tuple = ()  # one [B, W] int32 table per KV layer group (none: one pool)
 
   @classmethod
-  def padding(cls, b: int, t: int, width: int, scratch_slot: int) -> "_HostRows":
+  def padding(cls, b: int, t: int, width: int, scratch_slot: int,
+              num_groups: int = 0) -> "_HostRows":
     return cls(tokens=np.zeros((b, t), np.int32), starts=np.zeros(b, np.int32),
                q_lens=np.zeros(b, np.int32), num_draft=np.zeros(b, np.int32),
                slot_ids=np.full(b, scratch_slot, np.int32), next_tokens=np.full(b, -1, np.int32),
                tables=np.zeros((b, width), np.int32), temperature=np.zeros(b, np.float32),
                top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-               seeds=np.zeros(b, np.uint32), adapters=np.zeros(b, np.int32))
+               seeds=np.zeros(b, np.uint32), adapters=np.zeros(b, np.int32),
+               group_tables=tuple(np.zeros((b, width), np.int32) for _ in range(num_groups)))
 
   def step_batch(self, snapshot_tables=None, restore=None, lora: bool = False) -> StepBatch:
     sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -95,7 +98,8 @@ class _HostRows:
     return make_step_batch(self.tokens, self.starts, self.q_lens, self.tables, self.slot_ids,
                            sampling, num_draft=self.num_draft, next_tokens=self.next_tokens,
                            snapshot_tables=snapshot_tables, restore_snapshots=restore,
-                           adapters=self.adapters if lora else None)
+                           adapters=self.adapters if lora else None,
+                           group_tables=self.group_tables or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +115,18 @@ class Packing:
   max_model_len: int  # prompt + max_new_tokens at most
   prefill_full_width: bool = False  # prefill chunks take max_table_width (module doc)
   lora: bool = False  # rows carry their LoRA adapter slots (kvjax/lora/)
+  num_groups: int = 0  # KV layer groups with a table each (kvjax/caches/groups.py; 0: one pool)
 
   @classmethod
   def create(cls, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
              max_pages_per_seq: int, num_draft: int, max_model_len: int,
-             prefill_full_width: bool = False, lora: bool = False) -> "Packing":
+             prefill_full_width: bool = False, lora: bool = False,
+             num_groups: int = 0) -> "Packing":
     max_query = bucket(max_num_batched_tokens)
     # Block tables cover a padded row's last position too.
     width = max_pages_per_seq + -(-max_query // page_size)
     return cls(max_num_seqs, max_query, page_size, width, num_draft, max_num_batched_tokens,
-               max_model_len, prefill_full_width, lora)
+               max_model_len, prefill_full_width, lora, num_groups)
 
   # -- the bucketing rules (shape, table_width and shapes all use these) ------------------
 
@@ -201,10 +207,11 @@ class Packing:
     rows = [plan.rows[i] for i in group]
     verify = [r.num_draft for r in rows] if verify is None else verify
     b, t = self.shape(rows, num_draft)
-    width = self.table_width(plan.block_tables[group], rows, t)
-    a = _HostRows.padding(b, t, width, self.max_num_seqs)
-    held = plan.block_tables[group][:, :width]
-    a.tables[:len(rows), :held.shape[1]] = held
+    tables = [plan.block_tables[group]] + [table[group] for table in plan.group_tables]
+    width = max(self.table_width(table, rows, t) for table in tables)
+    a = _HostRows.padding(b, t, width, self.max_num_seqs, len(plan.group_tables))
+    for padded, table in zip((a.tables,) + a.group_tables, tables):
+      padded[:len(rows), :min(width, table.shape[1])] = table[:, :width]
     for j, row in enumerate(rows):
       a.tokens[j, :len(row.token_ids)] = row.token_ids
       drafts = min(row.num_draft, verify[j])
@@ -265,7 +272,8 @@ class Packing:
     around its rows (Engine.warm_up runs the step programs on it, which write only
     the scratch slot and the null page).  snapshots: with a hybrid engine's snapshot
     fields (none written, none restored), as its packing always passes them."""
-    a = _HostRows.padding(shape.rows, shape.columns, shape.width, self.max_num_seqs)
+    a = _HostRows.padding(shape.rows, shape.columns, shape.width, self.max_num_seqs,
+                          self.num_groups)
     if not snapshots:
       return a.step_batch(lora=self.lora)
     no_snapshots = np.full(a.tables.shape, -1, np.int32)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -105,10 +105,13 @@ class MaskRelease(PageRelease):
     return np.where(never, _NEVER, lo)
 
 
-def mask_release(base: PageRelease, cfg: ModelConfig, *, draft: bool) -> PageRelease:
-  """`base` plus release from cfg's attention variants when every cache layer has a
-  monotone one with a mask and no draft model reads the pages; else `base` itself."""
-  variants = [cfg.variant_of_layer(layer) for layer in range(cfg.num_cache_layers)]
+def mask_release(base: PageRelease, cfg: ModelConfig, *, draft: bool,
+                 layers: Optional[Sequence[int]] = None) -> PageRelease:
+  """`base` plus release from cfg's attention variants when every cache layer reading the
+  pages (`layers`, default all: a KV layer group's, kvjax/caches/groups.py) has a monotone
+  one with a mask and no draft model reads the pages; else `base` itself."""
+  layers = range(cfg.num_cache_layers) if layers is None else layers
+  variants = [cfg.variant_of_layer(layer) for layer in layers]
   if draft or not all(v is not None and v.monotone and v.mask is not None
                       for v in variants):
     return base

@@ -21,6 +21,11 @@ may keep some early pages (attention sinks) and release a range after them.
 
 Blocks are cached only once their KV is computed, so a hit never reads KV that
 the same step is still writing.
+
+KV layer groups (kvjax/caches/groups.py, EngineConfig.kv_groups): the scheduler keeps one
+RequestPages per group, each over its own allocator and with its group's release rule;
+`group` says which of the request's tables it keeps (0: `pages`, g: `group_pages[g - 1]`),
+so a sliding group frees the pages behind its window while a global group keeps them.
 """
 from __future__ import annotations
 
@@ -42,13 +47,24 @@ class RequestPages:
 
   def __init__(self, allocator: BlockAllocator, prefix_cache: Optional[PrefixCache],
                page_size: int, page_release: PageRelease, max_pages_per_seq: int,
-               max_num_batched_tokens: int):
+               max_num_batched_tokens: int, group: int = 0):
+    self.group = group  # the KV layer group whose pages these are (kvjax/caches/groups.py)
     self.allocator = allocator
     self.prefix_cache = prefix_cache
     self.page_size = page_size
     self.page_release = page_release
     self.max_pages_per_seq = max_pages_per_seq
     self.max_num_batched_tokens = max_num_batched_tokens  # what one row may write
+
+  def table(self, req: Request) -> list[int]:
+    """`req`'s block table in this group's pool."""
+    return req.pages if self.group == 0 else req.group_pages[self.group - 1]
+
+  def _set_table(self, req: Request, pages: list[int]) -> None:
+    if self.group == 0:
+      req.pages = pages
+    else:
+      req.group_pages[self.group - 1] = pages
 
   def pages_for(self, num_tokens: int) -> int:
     return -(-num_tokens // self.page_size)
@@ -91,7 +107,8 @@ class RequestPages:
     new_pages = self.allocator.allocate(need)
     if hit.copy_tokens:
       copies.append(PageCopy(hit.copy_src, new_pages[0], hit.copy_tokens))
-    req.pages = [NULL_PAGE if i in dead else p for i, p in enumerate(hit.pages)] + new_pages
+    self._set_table(req, [NULL_PAGE if i in dead else p for i, p in enumerate(hit.pages)]
+                    + new_pages)
     req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
     req.block_hashes = list(hit.block_hashes)
     req.num_cached_blocks = len(hit.pages)
@@ -99,36 +116,34 @@ class RequestPages:
   def settle(self, req: Request) -> None:
     """After a step of a still-running `req`: roll back pages reserved for rejected drafts
     (or a burst's unused steps), release the pages behind its window."""
-    keep = self.pages_for(req.num_tokens)
-    if len(req.pages) > keep:
-      self.allocator.decref(reversed(req.pages[keep:]))
-      del req.pages[keep:]
+    keep, pages = self.pages_for(req.num_tokens), self.table(req)
+    if len(pages) > keep:
+      self.allocator.decref(reversed(pages[keep:]))
+      del pages[keep:]
     dead = self.page_release.dead_pages(req.num_computed_tokens)
-    self.allocator.decref(req.pages[i] for i in reversed(dead) if req.pages[i] != NULL_PAGE)
+    self.allocator.decref(pages[i] for i in reversed(dead) if pages[i] != NULL_PAGE)
     for i in dead:
-      req.pages[i] = NULL_PAGE
+      pages[i] = NULL_PAGE
 
-  def reserve_all(self, reqs: list[Request], spans: list[int]) -> bool:
-    """Pages for every reqs[i] to write spans[i] more positions, all or none (nobody is
-    preempted for them) -> whether they were given."""
-    needs = [max(0, self.pages_for(r.num_computed_tokens + n) - len(r.pages))
-             for r, n in zip(reqs, spans)]
-    if not self.allocator.can_allocate(sum(needs)):
-      return False
-    for req, need in zip(reqs, needs):
-      req.pages += self.allocator.allocate(need)
-    return True
+  def need(self, req: Request, num_slots: int) -> int:
+    """New pages `req` needs to hold positions up to `num_slots`."""
+    return max(0, self.pages_for(num_slots) - len(self.table(req)))
+
+  def give(self, req: Request, need: int) -> None:
+    """`need` new pages at the end of `req`'s table (the allocator has them)."""
+    self.table(req).extend(self.allocator.allocate(need))
 
   def block_tables(self, reqs: list[Request]) -> np.ndarray:
     """[rows, max_pages_per_seq] int32: each request's pages, null-padded."""
     tables = np.full((len(reqs), self.max_pages_per_seq), NULL_PAGE, np.int32)
     for i, req in enumerate(reqs):
-      tables[i, :len(req.pages)] = req.pages
+      pages = self.table(req)
+      tables[i, :len(pages)] = pages
     return tables
 
   def discard_own(self, req: Request) -> list[int]:
     """The pages only `req` holds (what it wrote), out of the prefix cache -> those pages."""
-    pages = [p for p in req.pages if p != NULL_PAGE and self.allocator.refcount(p) == 1]
+    pages = [p for p in self.table(req) if p != NULL_PAGE and self.allocator.refcount(p) == 1]
     if self.prefix_cache:
       self.prefix_cache.discard(pages)
     return pages
@@ -136,8 +151,8 @@ class RequestPages:
   def release(self, req: Request) -> None:
     """Frees every page of `req`."""
     # Deepest first, so the LRU evicts tail blocks before their prefixes.
-    self.allocator.decref(p for p in reversed(req.pages) if p != NULL_PAGE)
-    req.pages = []
+    self.allocator.decref(p for p in reversed(self.table(req)) if p != NULL_PAGE)
+    self._set_table(req, [])
 
   def cache_blocks(self, req: Request) -> None:
     """Offers newly computed full blocks to the prefix cache."""
@@ -150,7 +165,7 @@ class RequestPages:
     for i in range(req.num_cached_blocks, num_full):
       parent = req.block_hashes[i - 1] if i else root_hash(req.cache_salt)
       self.prefix_cache.insert(req.block_hashes[i], parent,
-                               req.token_ids[i * g:(i + 1) * g], req.pages[i])
+                               req.token_ids[i * g:(i + 1) * g], self.table(req)[i])
     req.num_cached_blocks = num_full
 
   def check_invariants(self, running: list[Request]) -> None:
@@ -159,15 +174,16 @@ class RequestPages:
     self.allocator.check_invariants()
     if self.prefix_cache:
       self.prefix_cache.check_invariants()
-    held = collections.Counter(p for r in running for p in r.pages)
+    held = collections.Counter(p for r in running for p in self.table(r))
     pages = range(1, self.allocator.num_pages)
     assert [self.allocator.refcount(p) for p in pages] == [
-        held[p] for p in pages], "refcounts differ from the pages requests hold"
+        held[p] for p in pages], f"group {self.group}: refcounts differ from the pages held"
     for r in running:
-      assert self.pages_for(r.num_computed_tokens) <= len(r.pages)
-      assert len(r.pages) <= self.max_pages_per_seq
+      table = self.table(r)
+      assert self.pages_for(r.num_computed_tokens) <= len(table)
+      assert len(table) <= self.max_pages_per_seq
       dead = self.page_release.dead_pages(r.num_computed_tokens)
-      assert {p for i, p in enumerate(r.pages) if i in dead} <= {NULL_PAGE}, \
-          f"{r.request_id} holds a dead page"
-      assert NULL_PAGE not in [p for i, p in enumerate(r.pages) if i not in dead], \
-          f"{r.request_id} lost a live page"
+      assert {p for i, p in enumerate(table) if i in dead} <= {NULL_PAGE}, \
+          f"{r.request_id} holds a dead page in group {self.group}"
+      assert NULL_PAGE not in [p for i, p in enumerate(table) if i not in dead], \
+          f"{r.request_id} lost a live page in group {self.group}"

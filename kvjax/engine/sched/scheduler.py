@@ -69,6 +69,10 @@ class Scheduler:
       pages; pages wholly before the window of a request's next query are
       released.  None (some layer attends to the whole prefix): keep them all.
     page_release: the KV layout's page manager (default: the sliding_window rule).
+    group_pools: (num_pages, page_release) of the pools of KV layer groups 1, 2, ...
+      (kvjax/caches/groups.py), each with its own allocator; group 0's are num_pages and
+      page_release.  Every request holds pages in every group, is admitted, given pages
+      and preempted in all at once, and releases each group's dead pages by its rule.
   """
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
@@ -77,7 +81,8 @@ class Scheduler:
                min_cacheable_tokens: int = 0, num_lookahead_slots: int = 0,
                num_scheduler_steps: int = 1, eos_token_id: Optional[int] = None,
                sliding_window: Optional[int] = None,
-               page_release: Optional[PageRelease] = None):
+               page_release: Optional[PageRelease] = None,
+               group_pools: Sequence[tuple[int, PageRelease]] = ()):
     for name, value, least in (
         ("page_size", page_size, 1), ("max_num_seqs", max_num_seqs, 1),
         ("num_scheduler_steps", num_scheduler_steps, 1),
@@ -85,6 +90,9 @@ class Scheduler:
         ("num_lookahead_slots", num_lookahead_slots, 0)):
       if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
+    if group_pools and enable_prefix_caching:
+      raise ValueError("enable_prefix_caching with KV layer groups is not supported yet "
+                       "(a hit would resume group 0's pages only); pass prefix_cache=False")
     if sliding_window is not None and sliding_window < 1:
       raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     self.page_size = page_size
@@ -105,6 +113,10 @@ class Scheduler:
                               or self.allocator.num_usable)
     self.pages = RequestPages(self.allocator, self.prefix_cache, page_size, self.page_release,
                               self.max_pages_per_seq, max_num_batched_tokens)
+    self.groups = [self.pages] + [
+        RequestPages(BlockAllocator(pages), None, page_size, release, self.max_pages_per_seq,
+                     max_num_batched_tokens, group)
+        for group, (pages, release) in enumerate(group_pools, 1)]
     self.requests: dict[str, Request] = {}  # unfinished, by id
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order, highest priority first
@@ -138,6 +150,7 @@ class Scheduler:
     req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
                   cache_salt, sampling, takes_prefix_hits=takes_prefix_hits,
                   lora_slot=lora_slot)
+    req.group_pages = [[] for _ in self.groups[1:]]
     self.requests[request_id] = req
     self.waiting.append(req)
     return req
@@ -151,15 +164,17 @@ class Scheduler:
     self._remove(req)
     return True
 
-  def fail(self, request_id: str, good_ids: Sequence[int] = ()) -> tuple[list[int], int]:
-    """Finishes a request whose step went non-finite -> (pages, slot) to clear.
+  def fail(self, request_id: str, good_ids: Sequence[int] = ()
+           ) -> tuple[tuple[list[int], ...], int]:
+    """Finishes a request whose step went non-finite -> (pages of each layer group, slot)
+    to clear.
 
     `good_ids` (emitted before, e.g. by a burst's earlier steps) are appended
     first.  The pages only it holds (what it wrote, maybe NaN) leave the prefix
     cache; pages shared with others were written by someone else and stay.
     """
     req = self.requests[request_id]
-    pages = self.pages.discard_own(req)
+    pages = tuple(group.discard_own(req) for group in self.groups)
     slot = req.slot
     req.token_ids.extend(int(t) for t in good_ids)
     req.status = RequestStatus.FINISHED_ERROR
@@ -176,7 +191,8 @@ class Scheduler:
     if self.max_model_len is not None and total > self.max_model_len:
       raise ValueError(f"{label}: prompt {prompt_len} + max_new_tokens {max_new_tokens} = "
                        f"{total} exceeds max_model_len {self.max_model_len}")
-    self.pages.check_fits(label, total)
+    for group in self.groups:
+      group.check_fits(label, total)
 
   # -- one step ---------------------------------------------------------------
 
@@ -228,9 +244,10 @@ class Scheduler:
         fit = self._admission(req, hit, budget)
       if fit is None:
         break
-      n, need, dead = fit
+      n, fits = fit
       self.waiting.popleft()
-      self.pages.admit(req, hit, need, dead, pins, copies)
+      for group, (need, dead) in zip(self.groups, fits):
+        group.admit(req, hit if group is self.pages else PrefixHit(), need, dead, pins, copies)
       req.slot = heapq.heappop(self._free_slots)
       req.status = RequestStatus.RUNNING
       self.running.append(req)
@@ -245,6 +262,8 @@ class Scheduler:
               num_steps: int = 1) -> SchedulerOutput:
     return SchedulerOutput(
         rows=tuple(rows), block_tables=self.pages.block_tables([r.request for r in rows]),
+        group_tables=tuple(group.block_tables([r.request for r in rows])
+                           for group in self.groups) if len(self.groups) > 1 else (),
         seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
         copies=tuple(copies), preempted_ids=tuple(preempted),
         num_batched_tokens=num_batched_tokens, num_steps=num_steps)
@@ -264,8 +283,15 @@ class Scheduler:
     if steps < 2:
       return None
     spans = [min(steps * (1 + k), left) for left in lefts]
-    if not self.pages.reserve_all(running, spans):
+    # All or none (nobody is preempted for a burst).
+    needs = [[group.need(r, r.num_computed_tokens + n) for r, n in zip(running, spans)]
+             for group in self.groups]
+    if not all(group.allocator.can_allocate(sum(need))
+               for group, need in zip(self.groups, needs)):
       return None
+    for group, need in zip(self.groups, needs):
+      for req, n in zip(running, need):
+        group.give(req, n)
     rows = []
     for req, n, left in zip(running, spans, lefts):
       start = req.num_computed_tokens
@@ -313,18 +339,21 @@ class Scheduler:
         self._remove(req)
         finished.append(req)
       else:
-        self.pages.settle(req)
+        for group in self.groups:
+          group.settle(req)
     return finished
 
   # -- checks -----------------------------------------------------------------
 
   def check_invariants(self) -> None:
     """AssertionError unless pages, slots and queues are all consistent."""
-    self.pages.check_invariants(self.running)
+    for group in self.groups:
+      group.check_invariants(self.running)
     for r in self.running:
       assert r.status is RequestStatus.RUNNING and r.slot is not None
     for r in self.waiting:
-      assert not r.pages and r.slot is None and r.num_computed_tokens == 0
+      assert not r.pages and not any(r.group_pages) and r.slot is None
+      assert r.num_computed_tokens == 0
     slots = sorted([r.slot for r in self.running] + self._free_slots)
     assert slots == list(range(self.max_num_seqs)), f"slots leaked: {slots}"
     assert len(self.running) + len(self.waiting) == len(self.requests)
@@ -341,11 +370,13 @@ class Scheduler:
                         is_decode=decoding)
 
   def _admission(self, req: Request, hit: PrefixHit,
-                 budget: int) -> Optional[tuple[int, int, range]]:
-    """(tokens to prefill now, new pages, dead hit pages) if `req` fits now, else None."""
+                 budget: int) -> Optional[tuple[int, list]]:
+    """(tokens to prefill now, (new pages, dead hit pages) of each layer group) if `req`
+    fits now, else None."""
     n = min(req.num_tokens - hit.num_tokens, budget)
-    fit = self.pages.admission(hit, n)
-    return None if fit is None else (n, *fit)
+    fits = [group.admission(hit if group is self.pages else PrefixHit(), n)
+            for group in self.groups]
+    return None if None in fits else (n, fits)
 
   def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
                preempted: list[str]) -> bool:
@@ -353,15 +384,17 @@ class Scheduler:
 
     Returns False if `req` itself had to be preempted.
     """
-    need = max(0, self.pages.pages_for(num_slots) - len(req.pages))
-    while not self.allocator.can_allocate(need):
+    needs = [group.need(req, num_slots) for group in self.groups]
+    while not all(group.allocator.can_allocate(need)
+                  for group, need in zip(self.groups, needs)):
       victim = next(r for r in reversed(self.running)
                     if r.request_id not in scheduled)
       self._preempt(victim)
       preempted.append(victim.request_id)
       if victim is req:
         return False
-    req.pages += self.allocator.allocate(need)
+    for group, need in zip(self.groups, needs):
+      group.give(req, need)
     return True
 
   def _preempt(self, req: Request) -> None:
@@ -382,7 +415,8 @@ class Scheduler:
     del self.requests[req.request_id]
 
   def _release(self, req: Request) -> None:
-    self.pages.release(req)
+    for group in self.groups:
+      group.release(req)
     req.num_computed_tokens = 0
     req.is_decoding = False
     if req.slot is not None:
