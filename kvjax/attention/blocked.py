@@ -10,7 +10,8 @@ its kv_lens reach (both traced), keeping each query's running max, denominator
 and weighted sum.  A
 prefill program can then take the widest table whatever its rows hold: one
 program per chunk shape.  Decode and verify steps (a few columns) keep the one
-gather, which their short loops would not beat (kvjax/runtime/xla_options.py DECODE_COLUMNS).
+gather, which their short loops would not beat (kvjax/runtime/xla_options.py DECODE_COLUMNS),
+unless a window bounds them: then the walk reads the window, not the whole table.
 
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how

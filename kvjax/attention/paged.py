@@ -5,9 +5,10 @@ padded, not ragged: q is [B, T, N, H] and row i of batch row b sits at position
 `kv_lens[b] - T + i` (every row counted, padding rows included), so the block
 table must cover `kv_lens[b]` tokens.  Decode and verify steps (at most
 DECODE_COLUMNS columns) gather every column of the table at once; prefill
-chunks walk it a block at a time up to their rows' lengths
-(kvjax/attention/blocked.py), so their cost does not grow with the table's
-width.  Pallas backends receive the same call flattened into the ragged layout
+chunks, and decode steps under a window (the model's, or a variant's
+kv_range), walk it a block at a time from the window's first block up to their
+rows' lengths (kvjax/attention/blocked.py), so their cost does not grow with
+the table's width.  Pallas backends receive the same call flattened into the ragged layout
 (see kvjax/attention/backends.py).
 """
 from __future__ import annotations
@@ -81,7 +82,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   """
   pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
   # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/model/invariance.py).
-  if q.shape[1] > DECODE_COLUMNS or invariance.is_on():
+  # A decode step under a window (the model's, or a variant's kv_range) walks from the
+  # window's first block: the gather would read every column, released pages included, so
+  # its cost would grow with the context the window hides.
+  if q.shape[1] > DECODE_COLUMNS or invariance.is_on() or sliding_window is not None or (
+      variant is not None and variant.kv_range is not None):
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
                     sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
                     v_scales=v_scales, sinks=sinks, variant=variant)
