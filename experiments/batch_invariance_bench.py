@@ -16,7 +16,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -29,12 +28,7 @@ def decode_round(engine, batch: int, new_tokens: int, rng) -> float:
   vocab = engine.model_config.vocab_size
   for _ in range(batch):
     engine.add_request(rng.integers(3, vocab - 1, 32).tolist(), new_tokens, ignore_eos=True)
-  while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-    engine.step()  # prefill: untimed
-  start = time.perf_counter()
-  decoded = sum(new_tokens - r.num_output_tokens for r in engine.scheduler.requests.values())
-  list(engine.stream())
-  return decoded / (time.perf_counter() - start)
+  return common.decode_tokens_per_s(engine, new_tokens)
 
 
 def lscpu_flags() -> str:

@@ -105,6 +105,18 @@ def median_seconds(fn: Callable[[], Any], repeats: int, **kwargs) -> float:
   return interleaved({"fn": fn}, repeats, **kwargs).medians()["fn"]
 
 
+def decode_tokens_per_s(engine, new_tokens: int) -> float:
+  """Decode tokens/s of a kvjax Engine's queued requests (each asking `new_tokens`): steps
+  until every request has its first token (prefill, untimed), then times the rest."""
+  requests = engine.scheduler.requests.values()
+  while any(r.num_output_tokens == 0 for r in requests):
+    engine.step()
+  start = time.perf_counter()
+  decoded = sum(new_tokens - r.num_output_tokens for r in requests)
+  list(engine.stream())
+  return decoded / (time.perf_counter() - start)
+
+
 # -- the device -----------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -56,12 +55,7 @@ def decode_round(engine, loras, new_tokens: int, rng) -> float:
   for lora in loras:
     engine.add_request(rng.integers(3, vocab - 1, 32).tolist(), new_tokens, ignore_eos=True,
                        lora=lora)
-  while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-    engine.step()  # prefill: untimed
-  start = time.perf_counter()
-  decoded = sum(new_tokens - r.num_output_tokens for r in engine.scheduler.requests.values())
-  list(engine.stream())
-  return decoded / (time.perf_counter() - start)
+  return common.decode_tokens_per_s(engine, new_tokens)
 
 
 def plot(results: dict, path: str) -> None:
