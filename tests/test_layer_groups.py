@@ -179,6 +179,18 @@ def test_sliding_group_pages_stay_bounded_while_the_global_group_grows(num_sched
   assert [g.allocator.num_used for g in eng.scheduler.groups] == [0, 0]
 
 
+def test_stats_count_the_pages_of_every_group():
+  """pages_used (and so KV utilization) counts both groups' pages: the block tables'."""
+  eng = kvjax.Engine(_model(), **ENGINE)
+  rid = eng.add_request(LONG, 40)
+  for _ in range(4):  # prefill chunks of 16, 16, 5, then a decode step
+    eng.step()
+  req, stats = eng.request(rid), eng.stats()
+  sliding, whole = _live(req.pages), _live(req.group_pages[0])
+  assert stats.pages_used == sliding + whole and sliding < whole
+  assert stats.pages_usable == sum(g.allocator.num_usable for g in eng.scheduler.groups)
+
+
 def test_engine_with_groups_equals_one_pool_with_preemption():
   """Three requests in pools too small for all: preemption frees every group's pages."""
   model, prompts = _model(), [LONG, LONG[7:], LONG[:20]]

@@ -21,8 +21,8 @@ __all__ = ["EngineStats"]
 class EngineStats:
   running: int = 0  # requests holding a slot
   waiting: int = 0  # requests queued for one (preempted ones included)
-  pages_used: int = 0  # KV pages held by requests
-  pages_usable: int = 0  # KV pages the pool can hand out (all but the null page)
+  pages_used: int = 0  # KV pages held by requests (in every KV layer group's pool)
+  pages_usable: int = 0  # KV pages the pools can hand out (all but each null page)
   num_preemptions: int = 0
   prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache (0 without one)
   prefix_queried_tokens: int = 0  # prompt tokens looked up in it
@@ -41,8 +41,8 @@ class EngineStats:
         constrained=len(constraints.matchers), masks_filled=constraints.masks_filled,
         mask_seconds=constraints.mask_s)
     return cls(running=len(scheduler.running), waiting=len(scheduler.waiting),
-               pages_used=scheduler.allocator.num_used,
-               pages_usable=scheduler.allocator.num_usable,
+               pages_used=sum(group.allocator.num_used for group in scheduler.groups),
+               pages_usable=sum(group.allocator.num_usable for group in scheduler.groups),
                num_preemptions=scheduler.num_preemptions,
                prefix_hit_tokens=cache.hit_tokens if cache else 0,
                prefix_queried_tokens=cache.queried_tokens if cache else 0,
