@@ -6,7 +6,20 @@ group of layers that attend alike; an engine without groups has one.  The schedu
 every group at once: it is admitted, given pages, preempted and released in all groups
 together (a request short of pages in any group waits or preempts), while each group frees
 the pages its own layers no longer read by its release rule
-(kvjax/engine/sched/request_pages.py).  Group 0's pool is the one the prefix cache shares.
+(kvjax/engine/sched/request_pages.py).
+
+The prefix cache, per group: every group caches the pages of its own layers in its own
+PrefixCache, all under the one hash chain of a request's full blocks (so a LoRA adapter's
+or tenant's salt separates them in every group alike).  A request resumes at a position L
+(block aligned, at most its prompt length - 1) only where every group serves L: it caches
+a page for each block [0, L) its layers still read from L on, i.e. all but
+`page_release.dead_pages(L)`.  A global group reads every block, so it serves the longest
+cached prefix as a one-pool lookup does; a sliding group of window W needs only the blocks
+covering [L - W + 1, L), the ones its window sees at L, and not the early blocks it released
+(they may be evicted: released ones reach its LRU first).  The hit is the largest L every
+group serves (vLLM's hybrid KV-cache manager scans the same way); the blocks a group does
+not read are the null page in its block table, as the ones it releases later.  Only whole
+blocks are shared: prefix_match="token" with several groups is refused.
 """
 from __future__ import annotations
 
@@ -16,7 +29,7 @@ import numpy as np
 
 from kvjax.caches.layout import PageRelease
 from kvjax.engine.requests import PageCopy, Request
-from kvjax.engine.sched.pages import BlockAllocator
+from kvjax.engine.sched.pages import NULL_PAGE, BlockAllocator
 from kvjax.engine.sched.prefix_cache import PrefixCache, PrefixHit
 from kvjax.engine.sched.request_pages import RequestPages
 
@@ -24,14 +37,14 @@ __all__ = ["GroupPages"]
 
 
 class GroupPages:
-  """One RequestPages per KV layer group, group 0's with the prefix cache.
+  """One RequestPages per KV layer group, each with its own prefix cache (if any).
 
   Args:
     pools: (num_pages, page_release) of each group's pool, group 0's first.
     page_size: tokens per page.
     max_pages_per_seq: block-table width.
     max_num_batched_tokens: what one row may write (bounds a sliding group's pages).
-    prefix_cache: PrefixCache of an allocator (group 0's), or None for no prefix cache.
+    prefix_cache: PrefixCache of an allocator (each group's), or None for no prefix cache.
   """
 
   def __init__(self, pools: Sequence[tuple[int, PageRelease]], page_size: int,
@@ -39,7 +52,7 @@ class GroupPages:
     self.groups: list[RequestPages] = []
     for group, (num_pages, release) in enumerate(pools):
       allocator = BlockAllocator(num_pages)
-      cache = prefix_cache(allocator) if prefix_cache and group == 0 else None
+      cache = prefix_cache(allocator) if prefix_cache else None
       self.groups.append(RequestPages(allocator, cache, page_size, release,
                                       max_pages_per_seq, max_num_batched_tokens, group))
 
@@ -61,18 +74,60 @@ class GroupPages:
     for group in self.groups:
       group.check_fits(label, num_tokens)
 
-  def admission(self, hit: PrefixHit, num_tokens: int) -> Optional[list]:
-    """(new pages, dead hit pages) of each group for `hit` plus `num_tokens` to prefill, if
-    every group can allocate them now, else None."""
-    fits = [group.admission(hit if group.group == 0 else PrefixHit(), num_tokens)
-            for group in self.groups]
+  @property
+  def prefix_caches(self) -> list[PrefixCache]:
+    """Every group's prefix cache, group 0's first (none without a prefix cache)."""
+    return [group.prefix_cache for group in self.groups if group.prefix_cache]
+
+  def lookup(self, req: Request) -> tuple[PrefixHit, ...]:
+    """Each group's part of `req`'s prefix hit (none if it takes no hits), all of the same
+    num_tokens (module doc); nothing is held until `admit`."""
+    caches = self.prefix_caches
+    if not caches or not req.takes_prefix_hits:
+      return (PrefixHit(num_queried=req.num_tokens),) * len(self.groups)
+    if len(caches) == 1:
+      return (caches[0].lookup(req.token_ids, req.cache_salt),)
+    return self._hit_every_group_serves(req)
+
+  def _hit_every_group_serves(self, req: Request) -> tuple[PrefixHit, ...]:
+    """The largest block-aligned hit every group serves (module doc), or none."""
+    size = self.groups[0].page_size
+    hashes = self.prefix_caches[0].block_hashes(req.token_ids, (req.num_tokens - 1) // size,
+                                                req.cache_salt)
+    pages = [[group.prefix_cache.page_of(h) for h in hashes] for group in self.groups]
+    # missing_before[g][i]: how many of blocks 0 .. i - 1 group g does not cache.
+    missing_before = [np.cumsum([0] + [page is None for page in group_pages])
+                      for group_pages in pages]
+    least = max(self.prefix_caches[0].min_cacheable_tokens, 1)
+    for num_blocks in range(len(hashes), 0, -1):
+      if num_blocks * size < least:
+        break
+      # Served: every block group g misses is one its layers no longer read at the hit.
+      if all(missing[num_blocks] == _num_missing(missing, group.page_release.dead_pages(
+          num_blocks * size)) for group, missing in zip(self.groups, missing_before)):
+        return tuple(PrefixHit(num_blocks * size,
+                               tuple(NULL_PAGE if page is None else page
+                                     for page in group_pages[:num_blocks]),
+                               tuple(hashes[:num_blocks]), num_queried=req.num_tokens)
+                     for group_pages in pages)
+    return (PrefixHit(num_queried=req.num_tokens),) * len(self.groups)
+
+  def without_copy(self, hits: tuple[PrefixHit, ...]) -> tuple[PrefixHit, ...]:
+    """The hits' full blocks only (a token-mode copy source that cannot be pinned)."""
+    return tuple(group.prefix_cache.without_copy(hit) for group, hit in zip(self.groups, hits))
+
+  def admission(self, hits: tuple[PrefixHit, ...], num_tokens: int) -> Optional[list]:
+    """(new pages, dead hit pages) of each group for its hit plus `num_tokens` to prefill,
+    if every group can allocate them now, else None."""
+    fits = [group.admission(hit, num_tokens) for group, hit in zip(self.groups, hits)]
     return None if None in fits else fits
 
-  def admit(self, req: Request, hit: PrefixHit, fits: list, pins: list[int],
+  def admit(self, req: Request, hits: tuple[PrefixHit, ...], fits: list, pins: list[int],
             copies: list[PageCopy]) -> None:
-    """Gives a newly admitted `req` its pages in every group (`fits`: `admission`'s)."""
-    for group, (need, dead) in zip(self.groups, fits):
-      group.admit(req, hit if group.group == 0 else PrefixHit(), need, dead, pins, copies)
+    """Gives a newly admitted `req` its hit's and new pages in every group (`fits`:
+    `admission`'s)."""
+    for group, hit, (need, dead) in zip(self.groups, hits, fits):
+      group.admit(req, hit, need, dead, pins, copies)
 
   def need(self, req: Request, num_slots: int) -> tuple[int, ...]:
     """New pages `req` needs in each group to hold positions up to `num_slots`."""
@@ -103,8 +158,16 @@ class GroupPages:
     return tuple(group.discard_own(req) for group in self.groups)
 
   def cache_blocks(self, req: Request) -> None:
-    """Offers `req`'s newly computed full blocks to the prefix cache."""
-    self.groups[0].cache_blocks(req)
+    """Offers `req`'s newly computed full blocks to every group's prefix cache."""
+    caches = self.prefix_caches
+    num_full = req.num_computed_tokens // self.groups[0].page_size
+    if not caches or num_full <= req.num_cached_blocks:
+      return
+    req.block_hashes = caches[0].block_hashes(req.token_ids, num_full, req.cache_salt,
+                                              known=req.block_hashes)
+    for group in self.groups:
+      group.cache_blocks(req, num_full)
+    req.num_cached_blocks = num_full
 
   def block_tables(self, reqs: list[Request]) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """(group 0's block tables, every group's when there is more than one group, else ())
@@ -117,6 +180,9 @@ class GroupPages:
     for group in self.groups:
       group.check_invariants(running)
 
-  @property
-  def prefix_cache(self) -> Optional[PrefixCache]:
-    return self.groups[0].prefix_cache
+
+def _num_missing(missing_before: np.ndarray, blocks: Sequence[int]) -> int:
+  """How many of `blocks` are missing (missing_before: cumulative counts, as above)."""
+  if isinstance(blocks, range):  # a window's dead pages: counted in O(1)
+    return missing_before[blocks.stop] - missing_before[blocks.start]
+  return sum(missing_before[i + 1] - missing_before[i] for i in blocks)

@@ -74,7 +74,9 @@ class Scheduler:
     group_pools: (num_pages, page_release) of the pools of KV layer groups 1, 2, ...
       (kvjax/caches/groups.py), each with its own allocator; group 0's are num_pages and
       page_release.  Every request holds pages in every group, is admitted, given pages
-      and preempted in all at once, and releases each group's dead pages by its rule.
+      and preempted in all at once, and releases each group's dead pages by its rule; each
+      group caches its own blocks, and a prefix hit is one every group serves
+      (kvjax/engine/sched/group_pages.py).
   """
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
@@ -92,9 +94,9 @@ class Scheduler:
         ("num_lookahead_slots", num_lookahead_slots, 0)):
       if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
-    if group_pools and enable_prefix_caching:
-      raise ValueError("enable_prefix_caching with KV layer groups is not supported yet "
-                       "(a hit would resume group 0's pages only); pass prefix_cache=False")
+    if group_pools and enable_prefix_caching and prefix_match != "block":
+      raise ValueError("prefix_match='token' with KV layer groups is not supported yet (a "
+                       "partial block would be copied in one group's pool only)")
     if sliding_window is not None and sliding_window < 1:
       raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     self.page_size = page_size
@@ -115,7 +117,7 @@ class Scheduler:
         if enable_prefix_caching else None)
     self.pages = self.groups[0]  # group 0's (the only group without kv_groups)
     self.allocator = self.pages.allocator
-    self.prefix_cache = self.groups.prefix_cache
+    self.prefix_cache = self.pages.prefix_cache  # group 0's; each group has its own
     self.requests: dict[str, Request] = {}  # unfinished, by id
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order, highest priority first
@@ -231,20 +233,18 @@ class Scheduler:
     while (self.waiting and budget and not preempted
            and len(self.running) < self.max_num_seqs):
       req = self.waiting[0]
-      hit = (self.prefix_cache.lookup(req.token_ids, req.cache_salt)
-             if self.prefix_cache and req.takes_prefix_hits
-             else PrefixHit(num_queried=req.num_tokens))
-      fit = self._admission(req, hit, budget)
-      if fit is None and hit.copy_tokens:
+      hits = self.groups.lookup(req)
+      fit = self._admission(req, hits, budget)
+      if fit is None and hits[0].copy_tokens:
         # Pinning the copy source may be what does not fit (in an exact-fit pool
         # the request would wait forever): reuse the full blocks only.
-        hit = self.prefix_cache.without_copy(hit)
-        fit = self._admission(req, hit, budget)
+        hits = self.groups.without_copy(hits)
+        fit = self._admission(req, hits, budget)
       if fit is None:
         break
       n, fits = fit
       self.waiting.popleft()
-      self.groups.admit(req, hit, fits, pins, copies)
+      self.groups.admit(req, hits, fits, pins, copies)
       req.slot = heapq.heappop(self._free_slots)
       req.status = RequestStatus.RUNNING
       self.running.append(req)
@@ -360,12 +360,12 @@ class Scheduler:
                         sample=start + len(known) == req.num_tokens,
                         is_decode=decoding)
 
-  def _admission(self, req: Request, hit: PrefixHit,
+  def _admission(self, req: Request, hits: tuple[PrefixHit, ...],
                  budget: int) -> Optional[tuple[int, list]]:
     """(tokens to prefill now, (new pages, dead hit pages) of each layer group) if `req`
-    fits now, else None."""
-    n = min(req.num_tokens - hit.num_tokens, budget)
-    fits = self.groups.admission(hit, n)
+    fits now with each group's hit, else None."""
+    n = min(req.num_tokens - hits[0].num_tokens, budget)
+    fits = self.groups.admission(hits, n)
     return None if fits is None else (n, fits)
 
   def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
