@@ -24,6 +24,7 @@ SHARED = [(11 * i + 5) % 500 for i in range(40)]  # 10 blocks, 5 windows
 A = (SHARED, 4)
 B = (SHARED + [(13 * i + 7) % 500 for i in range(9)], 8)  # hits up to all 40 shared tokens
 FILLER = ([(17 * i + 2) % 500 for i in range(60)], 6)  # no block in common with SHARED
+AGAIN = (SHARED, 3)  # A's prompt: a hit leaves its last token to compute, so 36 of 40
 
 
 def _serve(eng, requests) -> list[tuple[list, list, int]]:
@@ -71,10 +72,10 @@ def test_a_shared_prefix_resumes_every_group():
   small sliding one): a group resuming on another group's pages reads wrong keys."""
   eng = kvjax.Engine(_model(), **GROUPED)
   _record_groups(eng)
-  served = _serve(eng, [FILLER, A, B])
-  assert [hit for *_, hit in served] == [0, 0, len(SHARED)]
-  assert eng.stats().prefix_hit_tokens == len(SHARED)
-  _assert_exact(served, [FILLER, A, B])
+  served = _serve(eng, [FILLER, A, B, AGAIN])
+  assert [hit for *_, hit in served] == [0, 0, len(SHARED), len(SHARED) - G]
+  assert eng.stats().prefix_hit_tokens == 2 * len(SHARED) - G
+  _assert_exact(served, [FILLER, A, B, AGAIN])
   _assert_every_page_free_or_cached(eng)
 
 
