@@ -8,13 +8,23 @@ L only where the sliding group still caches every block the window sees at L.  T
 is an engine with one pool and no prefix cache (its tokens are also kvjax.generate's): the
 same greedy tokens and top-5 logprobs.  A sliding group resuming on pages it does not
 hold (or on another group's) would read the null page or wrong keys inside its window.
+The last test checks the hit rule alone, on host pools whose global, sliding or sink
+group lost blocks.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import numpy as np
 import pytest
 
 import kvjax
+from kvjax.caches.layout import PageRelease, WindowRelease
+from kvjax.engine.requests import Request
+from kvjax.engine.sched.group_pages import GroupPages
+from kvjax.engine.sched.pages import NULL_PAGE
+from kvjax.engine.sched.prefix_cache import PrefixCache, root_hash
 
 from tests.test_layer_groups import ENGINE, G, W, _model, _record_groups
 
@@ -113,3 +123,58 @@ def test_a_sliding_group_whose_blocks_were_evicted_computes_the_prompt():
 def test_token_prefix_match_is_refused_by_name():
   with pytest.raises(ValueError, match="prefix_match"):
     kvjax.Engine(_model(), **GROUPED, prefix_match="token")
+
+
+# -- the hit rule alone, on host pools (no model) ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _SinkRelease(PageRelease):
+  """A window that keeps page 0 (an attention sink): its dead pages are a tuple with a
+  live page before them, as a variant mask's release gives (kvjax/engine/sched/mask_release.py)."""
+
+  window: int = W
+
+  def dead_pages(self, start: int) -> tuple:
+    return tuple(range(1, max(0, start - self.window + 1) // self.page_size))
+
+
+def _cached_groups(releases, num_blocks: int):
+  """GroupPages whose every group caches blocks 0 .. num_blocks - 1 of SHARED, held by
+  nobody -> (the groups, the blocks' hashes)."""
+  groups = GroupPages([(num_blocks + 1, release) for release in releases], G, 64, 16,
+                      functools.partial(PrefixCache, page_size=G))
+  hashes = groups.prefix_caches[0].block_hashes(SHARED, num_blocks)
+  for cache in groups.prefix_caches:
+    pages = cache.allocator.allocate(num_blocks)
+    for i, page in enumerate(pages):
+      cache.insert(hashes[i], hashes[i - 1] if i else root_hash(), SHARED[i * G:(i + 1) * G],
+                   page)
+    cache.allocator.decref(pages)
+  return groups, hashes
+
+
+@pytest.mark.parametrize("releases, lost, want", [
+    # A global group lost block 5: nothing from 5 on.
+    ((WindowRelease(G, W), PageRelease(G)), {1: [5]}, 20),
+    # The sliding group lost its released blocks 0 .. 7: the window at 40 needs 8 and 9 only.
+    ((WindowRelease(G, W), PageRelease(G)), {0: range(8)}, 40),
+    # ... and block 9 too: no L <= 40 has its window blocks.
+    ((WindowRelease(G, W), PageRelease(G)), {0: [*range(8), 9]}, 0),
+    # A sink group needs block 0 as well as its window's.
+    ((_SinkRelease(G), PageRelease(G)), {0: range(1, 8)}, 40),
+    ((_SinkRelease(G), PageRelease(G)), {0: [0]}, 0),
+])
+def test_the_hit_is_the_longest_every_group_serves(releases, lost, want):
+  groups, hashes = _cached_groups(releases, len(SHARED) // G)
+  for group, blocks in lost.items():
+    cache = groups[group].prefix_cache
+    cache.discard([cache.page_of(hashes[i]) for i in blocks])
+  req = Request("b", tuple(B[0]), 1)
+  hits = groups.lookup(req)
+  assert [hit.num_tokens for hit in hits] == [want] * len(releases)
+  for group, hit in zip(groups, hits):
+    dead = set(group.page_release.dead_pages(want))
+    # A cached page for every block the group still reads from the hit on; the null page
+    # only for a lost block it no longer reads.
+    assert [i for i, page in enumerate(hit.pages) if page == NULL_PAGE] == \
+        sorted(dead.intersection(lost.get(group.group, ())))
