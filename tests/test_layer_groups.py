@@ -191,14 +191,18 @@ def test_stats_count_the_pages_of_every_group():
   assert stats.pages_usable == sum(g.allocator.num_usable for g in eng.scheduler.groups)
 
 
-def test_engine_with_groups_equals_one_pool_with_preemption():
-  """Three requests in pools too small for all: preemption frees every group's pages."""
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_engine_with_groups_equals_one_pool_with_preemption(prefix_cache):
+  """Three requests in pools too small for all: preemption frees every group's pages (to
+  each group's prefix cache, if on: a preempted request resumes from its own blocks)."""
   model, prompts = _model(), [LONG, LONG[7:], LONG[:20]]
   one_pool = kvjax.Engine(model, **{**ENGINE, "kv_groups": False}).generate(prompts, 60)
-  eng = kvjax.Engine(model, **{**ENGINE, "max_num_seqs": 3, "num_pages": 36})
+  eng = kvjax.Engine(model, **{**ENGINE, "max_num_seqs": 3, "num_pages": 36,
+                               "prefix_cache": prefix_cache})
   _record_groups(eng)
   assert eng.generate(prompts, 60).tokens == one_pool.tokens
   assert eng.scheduler.num_preemptions > 0
+  assert (eng.stats().prefix_hit_tokens > 0) == prefix_cache
   assert [g.allocator.num_used for g in eng.scheduler.groups] == [0, 0]
 
 
@@ -207,7 +211,7 @@ def test_one_group_keeps_the_one_pool():
   assert not isinstance(eng.state.cache, GroupedKVCache) and len(eng.scheduler.groups) == 1
 
 
-@pytest.mark.parametrize("option, value", [("prefix_cache", True), ("speculative", "ngram"),
+@pytest.mark.parametrize("option, value", [("speculative", "ngram"),
                                            ("backend", "pallas_interpret"),
                                            ("kv_dtype", "int4")])
 def test_what_groups_do_not_cover_yet_is_refused_by_name(option, value):

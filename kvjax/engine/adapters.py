@@ -84,9 +84,9 @@ class Adapters:
     if users:
       raise ValueError(f"lora {name!r} is in use by requests {users}")
     model = dataclasses.replace(model, params=set_slot(model.params, loaded.slot, None))
-    cache = scheduler.prefix_cache
-    for salt in loaded.salts if cache is not None else ():
-      cache.discard_tree(root_hash(salt))
+    for cache in scheduler.groups.prefix_caches:  # every KV layer group's
+      for salt in loaded.salts:
+        cache.discard_tree(root_hash(salt))
     del self.loaded[name]
     return model
 

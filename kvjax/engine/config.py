@@ -95,7 +95,9 @@ class EngineConfig:
       (kvjax/caches/groups.py), so a request's sliding layers hold only the pages inside
       their window; num_pages then caps each group's pool (None: each sized for its
       layers).  A model whose layers all attend alike has one group: nothing changes.
-      Not yet with the prefix cache, speculation, a backend other than "reference", a
+      The prefix cache works per group (a hit resumes where every group still caches
+      the blocks its layers read; kvjax/engine/sched/group_pages.py), by whole blocks only.
+      Not yet with prefix_match="token", speculation, a backend other than "reference", a
       mesh, or layouts other than float and int8 pages (each refused by name).
   """
 
@@ -258,7 +260,8 @@ class EngineConfig:
     if not self.layer_groups(cfg):
       return
     check_grouped_layout(self.kv_dtype, cfg)
-    for name, value, ok in (("prefix_cache", self.prefix_cache, not self.prefix_cache),
+    for name, value, ok in (("prefix_match", self.prefix_match,
+                             not self.prefix_cache or self.prefix_match == "block"),
                             ("speculative", self.speculative, self.speculative is None),
                             ("backend", backend.name, backend.name == "reference"),
                             ("batch_invariant", self.batch_invariant, not self.batch_invariant)):

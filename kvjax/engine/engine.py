@@ -287,7 +287,8 @@ class Engine:
     return self.scheduler.requests.get(request_id)
 
   def prefix_caches(self) -> list[PrefixCache]:
-    """Its prefix cache, if it has one (what publishes KV events, kvjax/engine/kv_events.py)."""
+    """Its prefix cache, if it has one (what publishes KV events, kvjax/engine/kv_events.py);
+    with KV layer groups, group 0's."""
     cache = self.scheduler.prefix_cache
     return [] if cache is None else [cache]
 

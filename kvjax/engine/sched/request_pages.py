@@ -26,6 +26,8 @@ KV layer groups (kvjax/caches/groups.py, EngineConfig.kv_groups): the scheduler 
 RequestPages per group, each over its own allocator and with its group's release rule;
 `group` says which of the request's tables it keeps (0: `pages`, g: `group_pages[g - 1]`),
 so a sliding group frees the pages behind its window while a global group keeps them.
+Each group has its own prefix cache; there a hit may lack the blocks a group no longer
+reads (null entries, like released ones; kvjax/engine/sched/group_pages.py).
 """
 from __future__ import annotations
 
@@ -154,19 +156,14 @@ class RequestPages:
     self.allocator.decref(p for p in reversed(self.table(req)) if p != NULL_PAGE)
     self._set_table(req, [])
 
-  def cache_blocks(self, req: Request) -> None:
-    """Offers newly computed full blocks to the prefix cache."""
-    num_full = req.num_computed_tokens // self.page_size
-    if not self.prefix_cache or num_full <= req.num_cached_blocks:
-      return
+  def cache_blocks(self, req: Request, num_full: int) -> None:
+    """Offers `req`'s blocks num_cached_blocks .. num_full - 1 (computed, their hashes in
+    `block_hashes`) to the prefix cache; the caller then counts them cached."""
     g = self.page_size
-    req.block_hashes = self.prefix_cache.block_hashes(
-        req.token_ids, num_full, req.cache_salt, known=req.block_hashes)
     for i in range(req.num_cached_blocks, num_full):
       parent = req.block_hashes[i - 1] if i else root_hash(req.cache_salt)
       self.prefix_cache.insert(req.block_hashes[i], parent,
                                req.token_ids[i * g:(i + 1) * g], self.table(req)[i])
-    req.num_cached_blocks = num_full
 
   def check_invariants(self, running: list[Request]) -> None:
     """AssertionError unless the pool's refcounts are the pages `running` holds, each

@@ -22,7 +22,9 @@ A running request short of pages preempts, by recompute, the latest-admitted
 running request not yet scheduled this step (possibly itself): its pages are freed
 and it returns to the front of the waiting queue, to be prefilled again with its
 generated tokens (cheaply, if its blocks are still cached).  The pages themselves,
-prefix hits, cached blocks and sliding-window release are kvjax/engine/sched/request_pages.py's.
+prefix hits, cached blocks and sliding-window release are
+kvjax/engine/sched/request_pages.py's, kept in every KV layer group at once by
+kvjax/engine/sched/group_pages.py.
 
 A row feeds `request.token_ids[start:]` (prompt then generated ids) plus
 `num_draft` draft slots the engine fills.  A row that reaches the end of the
@@ -36,6 +38,7 @@ before this step's forward (their sources are pinned until the next schedule()).
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -43,9 +46,8 @@ import numpy as np
 
 from kvjax.caches.layout import PageRelease, WindowRelease
 from kvjax.engine.requests import PageCopy, Request, RequestStatus, ScheduledRow, SchedulerOutput
-from kvjax.engine.sched.pages import BlockAllocator
+from kvjax.engine.sched.group_pages import GroupPages
 from kvjax.engine.sched.prefix_cache import PrefixCache, PrefixHit
-from kvjax.engine.sched.request_pages import RequestPages
 
 __all__ = ["Scheduler"]
 
@@ -72,7 +74,9 @@ class Scheduler:
     group_pools: (num_pages, page_release) of the pools of KV layer groups 1, 2, ...
       (kvjax/caches/groups.py), each with its own allocator; group 0's are num_pages and
       page_release.  Every request holds pages in every group, is admitted, given pages
-      and preempted in all at once, and releases each group's dead pages by its rule.
+      and preempted in all at once, and releases each group's dead pages by its rule; each
+      group caches its own blocks, and a prefix hit is one every group serves
+      (kvjax/engine/sched/group_pages.py).
   """
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
@@ -90,9 +94,9 @@ class Scheduler:
         ("num_lookahead_slots", num_lookahead_slots, 0)):
       if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
-    if group_pools and enable_prefix_caching:
-      raise ValueError("enable_prefix_caching with KV layer groups is not supported yet "
-                       "(a hit would resume group 0's pages only); pass prefix_cache=False")
+    if group_pools and enable_prefix_caching and prefix_match != "block":
+      raise ValueError("prefix_match='token' with KV layer groups is not supported yet (a "
+                       "partial block would be copied in one group's pool only)")
     if sliding_window is not None and sliding_window < 1:
       raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     self.page_size = page_size
@@ -104,19 +108,16 @@ class Scheduler:
     self.eos_token_id = eos_token_id
     self.sliding_window = sliding_window
     self.page_release = page_release or WindowRelease(page_size, sliding_window)
-    self.allocator = BlockAllocator(num_pages)
-    self.prefix_cache = (
-        PrefixCache(self.allocator, page_size, prefix_match=prefix_match,
-                    min_cacheable_tokens=min_cacheable_tokens)
+    self.max_pages_per_seq = -(-(max_model_len or 0) // page_size) or num_pages - 1
+    self.groups = GroupPages(
+        [(num_pages, self.page_release), *group_pools], page_size, self.max_pages_per_seq,
+        max_num_batched_tokens,
+        functools.partial(PrefixCache, page_size=page_size, prefix_match=prefix_match,
+                          min_cacheable_tokens=min_cacheable_tokens)
         if enable_prefix_caching else None)
-    self.max_pages_per_seq = (-(-(max_model_len or 0) // page_size)
-                              or self.allocator.num_usable)
-    self.pages = RequestPages(self.allocator, self.prefix_cache, page_size, self.page_release,
-                              self.max_pages_per_seq, max_num_batched_tokens)
-    self.groups = [self.pages] + [
-        RequestPages(BlockAllocator(pages), None, page_size, release, self.max_pages_per_seq,
-                     max_num_batched_tokens, group)
-        for group, (pages, release) in enumerate(group_pools, 1)]
+    self.pages = self.groups[0]  # group 0's (the only group without kv_groups)
+    self.allocator = self.pages.allocator
+    self.prefix_cache = self.pages.prefix_cache  # group 0's; each group has its own
     self.requests: dict[str, Request] = {}  # unfinished, by id
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order, highest priority first
@@ -150,7 +151,7 @@ class Scheduler:
     req = Request(request_id, prompt, max_new_tokens, frozenset(stops),
                   cache_salt, sampling, takes_prefix_hits=takes_prefix_hits,
                   lora_slot=lora_slot)
-    req.group_pages = [[] for _ in self.groups[1:]]
+    self.groups.add(req)
     self.requests[request_id] = req
     self.waiting.append(req)
     return req
@@ -174,7 +175,7 @@ class Scheduler:
     cache; pages shared with others were written by someone else and stay.
     """
     req = self.requests[request_id]
-    pages = tuple(group.discard_own(req) for group in self.groups)
+    pages = self.groups.discard_own(req)
     slot = req.slot
     req.token_ids.extend(int(t) for t in good_ids)
     req.status = RequestStatus.FINISHED_ERROR
@@ -191,8 +192,7 @@ class Scheduler:
     if self.max_model_len is not None and total > self.max_model_len:
       raise ValueError(f"{label}: prompt {prompt_len} + max_new_tokens {max_new_tokens} = "
                        f"{total} exceeds max_model_len {self.max_model_len}")
-    for group in self.groups:
-      group.check_fits(label, total)
+    self.groups.check_fits(label, total)
 
   # -- one step ---------------------------------------------------------------
 
@@ -233,21 +233,18 @@ class Scheduler:
     while (self.waiting and budget and not preempted
            and len(self.running) < self.max_num_seqs):
       req = self.waiting[0]
-      hit = (self.prefix_cache.lookup(req.token_ids, req.cache_salt)
-             if self.prefix_cache and req.takes_prefix_hits
-             else PrefixHit(num_queried=req.num_tokens))
-      fit = self._admission(req, hit, budget)
-      if fit is None and hit.copy_tokens:
+      hits = self.groups.lookup(req)
+      fit = self._admission(req, hits, budget)
+      if fit is None and hits[0].copy_tokens:
         # Pinning the copy source may be what does not fit (in an exact-fit pool
         # the request would wait forever): reuse the full blocks only.
-        hit = self.prefix_cache.without_copy(hit)
-        fit = self._admission(req, hit, budget)
+        hits = self.groups.without_copy(hits)
+        fit = self._admission(req, hits, budget)
       if fit is None:
         break
       n, fits = fit
       self.waiting.popleft()
-      for group, (need, dead) in zip(self.groups, fits):
-        group.admit(req, hit if group is self.pages else PrefixHit(), need, dead, pins, copies)
+      self.groups.admit(req, hits, fits, pins, copies)
       req.slot = heapq.heappop(self._free_slots)
       req.status = RequestStatus.RUNNING
       self.running.append(req)
@@ -260,10 +257,9 @@ class Scheduler:
   def _output(self, rows: list[ScheduledRow], copies: list[PageCopy],
               preempted: list[str], num_batched_tokens: int,
               num_steps: int = 1) -> SchedulerOutput:
+    block_tables, group_tables = self.groups.block_tables([r.request for r in rows])
     return SchedulerOutput(
-        rows=tuple(rows), block_tables=self.pages.block_tables([r.request for r in rows]),
-        group_tables=tuple(group.block_tables([r.request for r in rows])
-                           for group in self.groups) if len(self.groups) > 1 else (),
+        rows=tuple(rows), block_tables=block_tables, group_tables=group_tables,
         seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
         copies=tuple(copies), preempted_ids=tuple(preempted),
         num_batched_tokens=num_batched_tokens, num_steps=num_steps)
@@ -284,14 +280,11 @@ class Scheduler:
       return None
     spans = [min(steps * (1 + k), left) for left in lefts]
     # All or none (nobody is preempted for a burst).
-    needs = [[group.need(r, r.num_computed_tokens + n) for r, n in zip(running, spans)]
-             for group in self.groups]
-    if not all(group.allocator.can_allocate(sum(need))
-               for group, need in zip(self.groups, needs)):
+    needs = [self.groups.need(r, r.num_computed_tokens + n) for r, n in zip(running, spans)]
+    if not self.groups.can_allocate(needs):
       return None
-    for group, need in zip(self.groups, needs):
-      for req, n in zip(running, need):
-        group.give(req, n)
+    for req, need in zip(running, needs):
+      self.groups.give(req, need)
     rows = []
     for req, n, left in zip(running, spans, lefts):
       start = req.num_computed_tokens
@@ -334,21 +327,19 @@ class Scheduler:
           if req.status.is_finished:
             break
       req.num_computed_tokens = min(computed, req.num_tokens)
-      self.pages.cache_blocks(req)
+      self.groups.cache_blocks(req)
       if req.status.is_finished:
         self._remove(req)
         finished.append(req)
       else:
-        for group in self.groups:
-          group.settle(req)
+        self.groups.settle(req)
     return finished
 
   # -- checks -----------------------------------------------------------------
 
   def check_invariants(self) -> None:
     """AssertionError unless pages, slots and queues are all consistent."""
-    for group in self.groups:
-      group.check_invariants(self.running)
+    self.groups.check_invariants(self.running)
     for r in self.running:
       assert r.status is RequestStatus.RUNNING and r.slot is not None
     for r in self.waiting:
@@ -369,14 +360,13 @@ class Scheduler:
                         sample=start + len(known) == req.num_tokens,
                         is_decode=decoding)
 
-  def _admission(self, req: Request, hit: PrefixHit,
+  def _admission(self, req: Request, hits: tuple[PrefixHit, ...],
                  budget: int) -> Optional[tuple[int, list]]:
     """(tokens to prefill now, (new pages, dead hit pages) of each layer group) if `req`
-    fits now, else None."""
-    n = min(req.num_tokens - hit.num_tokens, budget)
-    fits = [group.admission(hit if group is self.pages else PrefixHit(), n)
-            for group in self.groups]
-    return None if None in fits else (n, fits)
+    fits now with each group's hit, else None."""
+    n = min(req.num_tokens - hits[0].num_tokens, budget)
+    fits = self.groups.admission(hits, n)
+    return None if fits is None else (n, fits)
 
   def _reserve(self, req: Request, num_slots: int, scheduled: set[str],
                preempted: list[str]) -> bool:
@@ -384,17 +374,15 @@ class Scheduler:
 
     Returns False if `req` itself had to be preempted.
     """
-    needs = [group.need(req, num_slots) for group in self.groups]
-    while not all(group.allocator.can_allocate(need)
-                  for group, need in zip(self.groups, needs)):
+    need = self.groups.need(req, num_slots)
+    while not self.groups.can_allocate([need]):
       victim = next(r for r in reversed(self.running)
                     if r.request_id not in scheduled)
       self._preempt(victim)
       preempted.append(victim.request_id)
       if victim is req:
         return False
-    for group, need in zip(self.groups, needs):
-      group.give(req, need)
+    self.groups.give(req, need)
     return True
 
   def _preempt(self, req: Request) -> None:
@@ -415,8 +403,7 @@ class Scheduler:
     del self.requests[req.request_id]
 
   def _release(self, req: Request) -> None:
-    for group in self.groups:
-      group.release(req)
+    self.groups.release(req)
     req.num_computed_tokens = 0
     req.is_decoding = False
     if req.slot is not None:
