@@ -8,16 +8,9 @@ Each `schedule()` call plans one engine step under a token budget
   2. prefill chunks: running requests still prefilling (chunked prefill), then
      waiting requests first come first served, using the prefix cache on
      admission; a waiting request that does not fit blocks those behind it.
-Multi-step decode (`num_scheduler_steps` S > 1, vLLM's multi-step scheduling):
-when every running request decodes and no waiting request could be admitted
-meanwhile (none waits, or every slot is taken), one plan covers up to S decode
-steps that the engine runs in one device loop, feeding each step's emitted
-token to the next; host scheduling and dispatch then cost once per S tokens.
-A burst row reserves pages for every position it may write (at most S x (1 + K)
-and at most its remaining max_new_tokens) only if they are free without
-preempting anyone; otherwise the step is a single one.  The tokens of a burst
-arrive together, so a request that stops early (EOS) holds its slot until the
-burst ends.
+Multi-step decode (`num_scheduler_steps` S > 1): one plan covers up to S decode steps
+the engine runs in one device loop, when every running request decodes and no waiting
+request could be admitted meanwhile (kvjax/engine/sched/burst.py).
 A running request short of pages preempts, by recompute, the latest-admitted
 running request not yet scheduled this step (possibly itself): its pages are freed
 and it returns to the front of the waiting queue, to be prefilled again with its
@@ -46,6 +39,7 @@ import numpy as np
 
 from kvjax.caches.layout import PageRelease, WindowRelease
 from kvjax.engine.requests import PageCopy, Request, RequestStatus, ScheduledRow, SchedulerOutput
+from kvjax.engine.sched.burst import plan_burst
 from kvjax.engine.sched.group_pages import GroupPages
 from kvjax.engine.sched.prefix_cache import PrefixCache, PrefixHit
 
@@ -203,9 +197,12 @@ class Scheduler:
     k = self.num_lookahead_slots if num_lookahead is None else num_lookahead
     if not 0 <= k <= self.num_lookahead_slots:
       raise ValueError(f"num_lookahead must be in 0..{self.num_lookahead_slots}, got {k}")
-    burst = self._plan_burst(k) if multi_step else None
+    burst = plan_burst(self.running, bool(self.waiting), self.groups, k,
+                       max_num_seqs=self.max_num_seqs, num_steps=self.num_scheduler_steps,
+                       max_num_batched_tokens=self.max_num_batched_tokens) if multi_step else None
     if burst is not None:
-      return burst
+      rows, steps = burst
+      return self._output(rows, [], [], sum(1 + r.num_draft for r in rows), steps)
     budget = self.max_num_batched_tokens
     rows, copies, preempted, pins = [], [], [], []
     scheduled: set[str] = set()
@@ -263,35 +260,6 @@ class Scheduler:
         seq_lens=np.array([r.start + r.num_tokens for r in rows], np.int32),
         copies=tuple(copies), preempted_ids=tuple(preempted),
         num_batched_tokens=num_batched_tokens, num_steps=num_steps)
-
-  def _plan_burst(self, k: int) -> Optional[SchedulerOutput]:
-    """A multi-step decode plan of every running request verifying k drafts, or None
-    (see module doc)."""
-    running = self.running
-    if (self.num_scheduler_steps < 2 or not running
-        or not all(r.is_decoding for r in running)
-        or (self.waiting and len(running) < self.max_num_seqs)
-        or len(running) * (1 + k) > self.max_num_batched_tokens):
-      return None
-    lefts = [r.max_new_tokens - r.num_output_tokens for r in running]
-    # A row writes at most the budget (the window bound of max_pages_held).
-    steps = min(self.num_scheduler_steps, max(lefts), self.max_num_batched_tokens // (1 + k))
-    if steps < 2:
-      return None
-    spans = [min(steps * (1 + k), left) for left in lefts]
-    # All or none (nobody is preempted for a burst).
-    needs = [self.groups.need(r, r.num_computed_tokens + n) for r, n in zip(running, spans)]
-    if not self.groups.can_allocate(needs):
-      return None
-    for req, need in zip(running, needs):
-      self.groups.give(req, need)
-    rows = []
-    for req, n, left in zip(running, spans, lefts):
-      start = req.num_computed_tokens
-      rows.append(ScheduledRow(req, req.slot, start, n, min(k, left - 1),
-                               np.asarray(req.token_ids[start:], np.int32), sample=True,
-                               is_decode=True, num_steps=steps))
-    return self._output(rows, [], [], sum(1 + r.num_draft for r in rows), steps)
 
   def update_from_output(
       self, output: SchedulerOutput,
