@@ -8,8 +8,9 @@ DECODE_COLUMNS columns) gather every column of the table at once; prefill
 chunks, and decode steps under a window (the model's, or a variant's
 kv_range), walk it a block at a time from the window's first block up to their
 rows' lengths, after the blocks of the variant's leading keys (sinks)
-(kvjax/attention/blocked.py), so their cost does not grow with the table's width.  Pallas backends receive the same call flattened into the ragged layout
-(see kvjax/attention/backends.py).
+(kvjax/attention/blocked.py), so their cost does not grow with the table's width.
+Pallas backends receive the same call flattened into the ragged layout (see
+kvjax/attention/backends.py).
 """
 from __future__ import annotations
 
