@@ -169,6 +169,12 @@ def test_ledger_and_kvjax_memory_count_the_allocated_pool(capsys):
   assert printed["allocated_pool"]["cache"] == "PagedKVCache"
 
 
+def test_streaming_is_an_alias_of_the_sinks_window_variant():
+  eng = kvjax.Engine(_model(), kv_dtype="streaming", max_model_len=64)
+  assert eng.model.config.attention_variant == sinks_window(4, 1020)
+  assert isinstance(eng.state.cache, PagedKVCache)
+
+
 def test_refusals_name_the_value():
   windowed = kvjax.Model(_model().config.replace(sliding_window=8), _model().params)
   with pytest.raises(ValueError, match="needs a model without sliding windows"):
