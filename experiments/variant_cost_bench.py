@@ -16,6 +16,8 @@ prompt's chunks (per chunk).  Every run in interleaved rounds, medians.  Writes
 results/<name>.json and .png; says which CPU ran it and its load (the machine is shared).
 """
 import functools
+import json
+import os
 import time
 
 from absl import app
@@ -34,6 +36,20 @@ COST_GOAL, GROWTH_GOAL = 1.05, 1.2  # variant / hand-written; window decode 8k /
 KINDS = ("full", "window", "hand-window", "sinks")
 PAIRS = (("window", "hand-window"),)  # (variant, hand-written)
 GROWTH = (("window", GROWTH_GOAL), ("sinks", GROWTH_GOAL), ("full", None), ("hand-window", None))
+# The last run against the streaming layout class, before its removal (it cannot run now).
+STREAMING_LAYOUT_RUN = "variant_cost_bench_streaming_layout.json"
+
+
+def _streaming_layout_rows(out_dir: str) -> list:
+  """That run's sinks4-window1020 / streaming layout rows, marked recorded (none where
+  the file is absent)."""
+  path = os.path.join(out_dir, STREAMING_LAYOUT_RUN)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  return [dict(row, what=f"{row['what']} (recorded before its removal)") for row in rows
+          if row["what"].startswith("sinks / streaming")]
 
 
 def _engine(cfg, model, kind: str, max_model_len: int) -> kvjax.Engine:
@@ -120,9 +136,10 @@ def main(_):
   claims = common.claim_rows([
       ("49", r["what"] + ("" if "same_tokens" not in r else
                           f" (greedy tokens {'equal' if r['same_tokens'] else 'DIFFER'})"),
-       "grows" if r["goal"] is None else f"<= {r['goal']}x", r["ours"]) for r in rows])
+       "grows" if r["goal"] is None else f"<= {r['goal']}x", r["ours"])
+      for r in rows + _streaming_layout_rows(cfg.out_dir)])
   print()
-  common.print_claims(claims, "{claim:3s} {what:70s} {seed:>8s} {ours:>7s}", "{:.3f}")
+  common.print_claims(claims, "{claim:3s} {what:100s} {seed:>8s} {ours:>7s}", "{:.3f}")
   result = dict(config=cfg.to_dict(), device=common.device_label(),
                 device_info=common.describe_device(), shared_machine=True,
                 seconds=time.perf_counter() - start, step_seconds=seconds,
