@@ -24,8 +24,8 @@ Layers (imports only go down; tests/test_layering.py checks it):
      engine/row_group                                     RequestOutputs, one row group's run
   8  engine/config, engine/engine, engine/router,         the engine's request API, warm-up
      engine/warm_up, engine/generate, engine/kv_events,   and one-shot generate, data-parallel
-     engine/adapters                                      replicas, prefix-cache KV events,
-                                                         LoRA adapters
+     engine/adapters, engine/device_state                 replicas, prefix-cache KV events,
+                                                         LoRA adapters, the device state
   9  api, weights/, text/, constraints/vocabulary,        public surface, loading, tokenizers,
      training/, parallel/distributed, eval/               chat and tool text, training,
                                                          multi-host start-up, quality evals

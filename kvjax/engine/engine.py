@@ -43,17 +43,15 @@ import time
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention.variants import with_attention
-from kvjax.caches import PagedKVCache, create_paged_cache
 from kvjax.caches.layout import with_layout_variant
-from kvjax.caches.groups import create_grouped_cache
 from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.engine import generate as one_shot
 from kvjax.engine.adapters import Adapters
 from kvjax.engine.config import EngineConfig
+from kvjax.engine.device_state import apply_page_copies, clear_request_pages, initial_state
 from kvjax.engine.dispatch import dispatch
 from kvjax.engine.metrics import RequestMetrics, StepLog
 from kvjax.engine.output_processor import StepResult, record_prompt_logprobs, request_outputs
@@ -66,11 +64,10 @@ from kvjax.engine.sched.prefix_cache import PrefixCache
 from kvjax.engine.sched.scheduler import Scheduler
 from kvjax.engine.sched.state_snapshots import SnapshotPool
 from kvjax.engine.stats import EngineStats
-from kvjax.engine.validation import (check_arrival, check_cache_salt, check_int,
-                                     check_request_id, prompt_ids, sampling_options, stop_ids)
+from kvjax.engine.validation import check_request_id, checked_request
 from kvjax.engine.warm_up import WarmUp, WarmUpPlan, engine_plan, warm_up
 from kvjax.runtime.generation import GenerateResult
-from kvjax.runtime.serve_steps import EngineState, clear_pages, copy_pages, num_compiled
+from kvjax.runtime.serve_steps import num_compiled
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
 
@@ -94,7 +91,8 @@ class Engine:
     model = with_layout_variant(with_attention(model, config.attention), config.kv_dtype)
     config = config.resolve(model)
     cfg = model.config
-    self.model = model
+    self.loras = Adapters(config.max_loras, config.max_lora_rank)
+    self.model = self.loras.slotted(model)  # LoRA slots, empty until an adapter loads
     self.config = config
     self.model_config = cfg
     self.draft_model = config.draft_model
@@ -107,8 +105,7 @@ class Engine:
     # One pool per KV layer group (kvjax/caches/groups.py), or the one pool.
     pools = config.group_pools(cfg) or [(config.num_pages, config.page_release(cfg))]
     self.scheduler = Scheduler(
-        num_pages=pools[0][0], page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
+        num_pages=pools[0][0], page_size=config.page_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, enable_prefix_caching=config.prefix_cache,
         prefix_match=config.prefix_match, min_cacheable_tokens=config.min_cacheable_tokens,
@@ -121,31 +118,13 @@ class Engine:
         num_draft=self.num_draft, max_model_len=config.max_model_len,
         prefill_full_width=config.prefill_full_width(cfg), lora=config.max_loras > 0,
         num_groups=len(config.layer_groups(cfg)))
-    self.loras = Adapters(config.max_loras, config.max_lora_rank)
-    self.model = self.loras.slotted(self.model)
-    slots = config.max_num_seqs + 1  # + the padding rows' scratch slot
-    if config.layer_groups(cfg):
-      cache = create_grouped_cache(cfg, config.kv_dtype, slots, [n for n, _ in pools],
-                                   config.page_size, model.dtype)
-    else:
-      cache = create_paged_cache(
-          cfg, config.kv_dtype, slots, config.num_pages, config.page_size, model.dtype,
-          with_mtp=config.speculative == "mtp", mesh=config.backend.mesh,
-          num_snapshots=config.prefix_snapshots,
-          num_verify_states=self.num_draft + 1 if self.num_draft else 0)
     # A hybrid's prefix hits also need its recurrent state there
     # (kvjax/engine/sched/state_snapshots.py).
     self.snapshots = SnapshotPool(self.scheduler.prefix_cache, config.prefix_snapshots,
                                   config.num_pages) if config.prefix_snapshots else None
-    draft_cache = None
-    if self.draft_model is not None:
-      d = self.draft_model.config
-      draft_cache = PagedKVCache.create(d.num_layers, d.num_kv_heads, config.num_pages,
-                                        config.page_size, d.head_dim, self.draft_model.dtype)
-    k = 0 if self.ngram else self.num_draft  # n-gram drafts ride in the batch, not the slots
-    self.state = EngineState(cache=cache, drafts=jnp.zeros((slots, k), jnp.int32),
-                             draft_probs=jnp.zeros((slots, k, cfg.vocab_size), jnp.float32),
-                             draft_cache=draft_cache)
+    # n-gram drafts ride in the batch, not the slots.
+    self.state = initial_state(model, config, [n for n, _ in pools],
+                               0 if self.ngram else self.num_draft)
     self._ids = itertools.count()
     self.metrics: dict[str, RequestMetrics] = {}  # unfinished requests only
     self._pending: list[RequestOutput] = []  # returned by the next step()
@@ -245,39 +224,30 @@ class Engine:
                                arrival_s=arrival_s, constraint=constraint, lora=lora,
                                **extensions)
 
-  def _add_request(self, prompt, max_new_tokens, *, temperature, top_k, top_p, seed, stop,
-                   cache_salt, logprobs=None, prompt_logprobs=None, arrival_s=None,
-                   constraint=None, lora=None, **extensions) -> str:
+  def _add_request(self, prompt, max_new_tokens, *, constraint=None, lora=None,
+                   **options) -> str:
     request_id = str(next(self._ids))
     try:  # every argument checked before anything is queued
-      ids = prompt_ids(prompt, self.model_config.vocab_size)
-      max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-      sampling = sampling_options(self.model_config.vocab_size, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs,
-                                  max_tokens=max_new_tokens, prompt_logprobs=prompt_logprobs,
-                                  **extensions)
-      stops = stop_ids(stop, self.model_config.vocab_size)
-      cache_salt = check_cache_salt(cache_salt)
-      arrival_s = check_arrival(arrival_s)
-      if sampling.processed and self.num_draft:  # drafts are verified unprocessed
-        raise ValueError("min_tokens, penalties and logit_bias need an engine without "
-                         f"speculative decoding (this one: {self.config.speculative})")
+      checked = checked_request(self.model_config.vocab_size, prompt, max_new_tokens,
+                                speculative=self.config.speculative if self.num_draft else None,
+                                **options)
       matcher = None if constraint is None else self.constraints.compile(constraint)
-      lora_slot, cache_salt = self.loras.request(lora, cache_salt)
+      lora_slot, cache_salt = self.loras.request(lora, checked.cache_salt)
     except ValueError as error:
       raise ValueError(f"request {request_id!r}: {error}") from None
+    ids, sampling = checked.ids, checked.sampling
     scored = sampling.prompt_logprobs is not None
     # A prefix hit's positions are never computed, so they could not be scored: a request
     # asking for prompt logprobs takes none and computes its whole prompt.
-    self.scheduler.add_request(request_id, ids.tolist(), max_new_tokens,
-                               stop_token_ids=list(stops), cache_salt=cache_salt,
+    self.scheduler.add_request(request_id, ids.tolist(), checked.max_new_tokens,
+                               stop_token_ids=list(checked.stop_ids), cache_salt=cache_salt,
                                sampling=sampling, ignore_eos=sampling.ignore_eos,
                                takes_prefix_hits=not scored, lora_slot=lora_slot)
     if scored:
       self._prompt_scores[request_id] = [None] * int(ids.size)
     self.constraints.attach(request_id, matcher)
     now = time.perf_counter()
-    arrival = now if arrival_s is None else min(arrival_s, now)
+    arrival = now if checked.arrival_s is None else min(checked.arrival_s, now)
     self.metrics[request_id] = RequestMetrics(request_id, int(ids.size), arrival)
     return request_id
 
@@ -414,21 +384,11 @@ class Engine:
   __iter__ = stream
 
   def _copy_pages(self, copies) -> None:
-    """Apply token-mode prefix hits' page copies (none: the null page onto itself)."""
-    # At most one copy per admitted row: pad to max_num_seqs, one shape.
-    src, dst = (np.zeros(self.config.max_num_seqs, np.int32) for _ in range(2))
-    src[:len(copies)] = [cp.src for cp in copies]
-    dst[:len(copies)] = [cp.dst for cp in copies]
-    self.state = copy_pages(self.state, src, dst)
+    self.state = apply_page_copies(self.state, copies, self.config.max_num_seqs)
 
   def _clear(self, pages: tuple, slot: int) -> None:
-    """Zero a failed request's own pages (of each KV layer group), the null page and its
-    slot on the device."""
-    # One shape for every failure: the widest block table plus the null page.
-    padded = tuple(np.zeros(self.scheduler.max_pages_per_seq + 1, np.int32) for _ in pages)
-    for padded_pages, group_pages in zip(padded, pages):
-      padded_pages[:len(group_pages)] = group_pages
-    self.state = clear_pages(self.state, padded, np.array([slot], np.int32))
+    self.state = clear_request_pages(self.state, pages, slot,
+                                     self.scheduler.max_pages_per_seq)
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
            score_prompt: bool = False):

@@ -4,6 +4,7 @@ int), ranges that fit the device dtypes, finite floats.  Every error is a ValueE
 naming the field and the value, raised before anything touches the scheduler."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Collection, Optional, Sequence, Union
@@ -15,7 +16,7 @@ from kvjax.runtime.sampling import MAX_LOGPROBS
 
 __all__ = ["prompt_ids", "check_int", "sampling_options", "stop_ids", "per_prompt_seeds",
            "SEED_RANGE", "EXTENSIONS", "check_arrival", "check_cache_salt", "check_lora",
-           "check_request_id"]
+           "check_request_id", "CheckedRequest", "checked_request"]
 
 SEED_RANGE = (0, 2**32)  # a seed becomes a uint32 PRNG key on the device
 # vLLM's request extensions sampling_options takes (kvjax/engine/requests.py SamplingOptions).
@@ -169,6 +170,33 @@ def check_cache_salt(cache_salt) -> Optional[str]:
     raise ValueError(f"cache_salt must be a string, got {cache_salt!r:.200} "
                      f"({type(cache_salt).__name__})")
   return cache_salt
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+  """Engine.add_request's arguments, checked."""
+  ids: np.ndarray  # [prompt length] int32
+  max_new_tokens: int
+  sampling: SamplingOptions
+  stop_ids: tuple
+  cache_salt: Optional[str]
+  arrival_s: Optional[float]
+
+
+def checked_request(vocab_size: int, prompt, max_new_tokens, *, speculative: Optional[str],
+                    stop=None, cache_salt=None, arrival_s=None, **sampling) -> CheckedRequest:
+  """Engine.add_request's arguments in its order (the first bad one is named);
+  speculative: the engine's drafting (None: none), which min_tokens, penalties and
+  logit_bias cannot ride (drafts are verified unprocessed)."""
+  ids = prompt_ids(prompt, vocab_size)
+  max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+  options = sampling_options(vocab_size, max_tokens=max_new_tokens, **sampling)
+  request = CheckedRequest(ids, max_new_tokens, options, stop_ids(stop, vocab_size),
+                           check_cache_salt(cache_salt), check_arrival(arrival_s))
+  if options.processed and speculative:
+    raise ValueError("min_tokens, penalties and logit_bias need an engine without "
+                     f"speculative decoding (this one: {speculative})")
+  return request
 
 
 def check_lora(lora, loaded: Collection[str]) -> Optional[str]:
