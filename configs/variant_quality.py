@@ -3,11 +3,12 @@
 
 A variant name: "float" (the GGUF's Q4_1 weights dequantized to float32, fp32 KV
 pages), "kv-<bf16|int8|int4>", "window-<N>" (every layer's sliding window),
-"sinks<S>-window<W>" (S attention sinks + the last W tokens: the streaming KV
-layout) or "weights-<int8|int4|int4-g64|int4-g128>" (int4 = int4-g32, the GGUF's own
-Q4_1 blocks kept as codes; g64 / g128 re-quantized) or "weights-awq-<scheme>" (AWQ:
-activation-aware scales calibrated on text the perplexity does not score).  get_config("runlocal"): a smoke run of a few variants, short
-text, two problems, one needle length, two engines timed twice.
+"sinks<S>-window<W>" (S attention sinks + the last W tokens: the sinks_window
+attention variant as a kv_dtype) or "weights-<int8|int4|int4-g64|int4-g128>" (int4 =
+int4-g32, the GGUF's own Q4_1 blocks kept as codes; g64 / g128 re-quantized) or
+"weights-awq-<scheme>" (AWQ: activation-aware scales calibrated on text the perplexity
+does not score).  get_config("runlocal"): a smoke run of a few variants, short text, two
+problems, one needle length, two engines timed twice.
 """
 import ml_collections
 

@@ -6,10 +6,12 @@ paged cache the variant uses (prefill chunks + decode steps, kvjax/eval/perplexi
 and its delta against "float", KV bytes per token, HumanEval pass@1 (greedy, a
 subset, kvjax/eval/humaneval.py) and needle accuracy by context length
 (kvjax/eval/needle.py), and decode speed: every variant's engine runs the same batch
-in interleaved rounds, tokens/s = batch / median time per output token.  Sinks + window (the "streaming" KV layout,
-kvjax/caches/streaming.py) sits beside the plain window of the same size (4 + 252
-vs 256, 4 + 1020 vs 1024): what the sinks buy back.  Prints the goals (int8 KV within 0.5% of float perplexity, KIVI int4
-within 3%, int8 weights within 1%) beside ours, writes results/<name>.json + .png.
+in interleaved rounds, tokens/s = batch / median time per output token.  Sinks + window
+(the sinks_window attention variant as a kv_dtype, kvjax/eval/variant.py; "streaming"
+is its 4 + 1020) sits beside the plain window of the same size (4 + 252 vs 256,
+4 + 1020 vs 1024): what the sinks buy back.  Prints the goals (int8 KV within 0.5% of
+float perplexity, KIVI int4 within 3%, int8 weights within 1%) beside ours, writes
+results/<name>.json + .png.
 """
 import dataclasses
 import functools

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention.variants import with_attention
+from kvjax.caches.layout import with_layout_variant
 from kvjax.engine.validation import per_prompt_seeds, sampling_options
 from kvjax.model.config import DTYPE_SHORT_NAMES, ModelConfig
 from kvjax.model.decoder import forward as model_forward
@@ -238,7 +239,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
   through a one-shot continuous-batching Engine instead of the static batch.
   `attention`: an attention variant, as in `forward`, on every path.
   """
-  model = with_attention(model, attention)
+  model = with_layout_variant(with_attention(model, attention), kv_dtype)
   prompts = generation.validate_prompts(model.config, prompts, max_new_tokens)
   if cache not in generation.CACHE_KINDS:
     raise ValueError(f"unknown cache {cache!r}; use one of {generation.CACHE_KINDS}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
+from kvjax.attention.variants import sinks_window, skipping_range, sliding_window, soft_cap
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
 from tests.test_attention_variants import ALIBI, BOTH, LANDMARK, PROMPT, SLOPES
 from tests.test_paged_attention_kernel import SCALE, assert_close, make_problem
@@ -71,13 +71,13 @@ def test_kernel_and_reference_match_the_float64_rule(problem, name):
   variant, visible, score = RULES[name]
   rules = dict(mask_fn=variant.mask, score_fn=variant.score)
   kernel = ragged_paged_attention(*pb.args(), sm_scale=SCALE, interpret=True, **TILING,
-                                  kv_range_fn=variant.kv_range, **rules)
+                                  kv_range_fn=skipping_range(variant), **rules)
   want = _oracle(pb, visible, score)
   valid = int(pb.cu[-1])
   assert np.abs(want - full)[:valid].max() > 1e-2, f"{name} does not change the output"
   assert_close(np.asarray(kernel, np.float64)[:valid], want[:valid], F32_TOL, name)
   assert np.all(np.asarray(kernel)[valid:] == 0), "padding tokens must be zero"
-  if variant.kv_range is None:  # the reference has no kv_range (nothing to skip)
+  if skipping_range(variant) is None:  # the reference has no kv_range (nothing to skip)
     ref = ragged_paged_attention_reference(*pb.args(), sm_scale=SCALE, **rules)
     assert_close(np.asarray(ref, np.float64)[:valid], want[:valid], F32_TOL, f"ref {name}")
 

@@ -1,4 +1,5 @@
-"""Attention sinks + window (kvjax/caches/streaming.py): a KV layout added as one file.
+"""Attention sinks + window as a kv_dtype: variant_layout (kvjax/caches/paged.py) names the
+sinks_window attention variant over float pages ("streaming" is StreamingLLM's 4 + 1020).
 
 Oracles: a float64 numpy brute force of sinks + window attention (its mask written
 from the definition, key j visible iff j <= p and (j < S or j > p - W)); the
@@ -19,8 +20,9 @@ import pytest
 
 import kvjax
 from kvjax.attention.backends import get_backend
+from kvjax.attention.variants import sinks_window
 from kvjax.caches.layout import register
-from kvjax.caches.streaming import SinkWindowCache, streaming_layout
+from kvjax.caches.paged import PagedKVCache, variant_layout
 from kvjax.cli.memory import allocated_pool
 from kvjax.engine.sched.pages import NULL_PAGE
 from kvjax.model.params import init_params
@@ -28,7 +30,7 @@ from kvjax.parallel import ledger
 from kvjax.runtime.step_batch import make_step_batch
 
 SINKS, WINDOW, Z, BUDGET = 4, 16, 8, 16
-LAYOUT = register(streaming_layout(SINKS, WINDOW, store="fp32"))  # "sinks4-window16"
+LAYOUT = register(variant_layout(sinks_window(SINKS, WINDOW), store="fp32"))  # "sinks4-window16"
 # One sink page + ceil((W + n - 2) / Z) + 1 window pages: n = 1 decodes, n = 16 chunks.
 DECODE_BOUND = 1 + -(-(WINDOW + 1 - 2) // Z) + 1  # 4
 PREFILL_BOUND = 1 + -(-(WINDOW + BUDGET - 2) // Z) + 1  # 6
@@ -58,12 +60,12 @@ def test_attend_matches_float64_brute_force_over_released_pages():
   with the pages between sink and window swapped for the null page (as the scheduler
   releases them), then a decode; each step's output equals the brute force."""
   num_kv, n, h = 2, 4, 8
-  cache = SinkWindowCache.create(1, num_kv, 12, Z, h, jnp.float32).replace(sinks=SINKS,
-                                                                           window=WINDOW)
+  cache = PagedKVCache.create(1, num_kv, 12, Z, h, jnp.float32)
   tables = np.array([[3, 7, 1, 9, 4, 11]], np.int32)  # shuffled physical pages
   rng = np.random.default_rng(0)
   k_all, v_all = rng.normal(size=(2, 39, num_kv, h))
-  kwargs = dict(sm_scale=h ** -0.5, window=None, backend=get_backend("reference"))
+  kwargs = dict(sm_scale=h ** -0.5, window=None, backend=get_backend("reference"),
+                variant=LAYOUT.variant)
   start = 0
   for t in (21, 17, 1):
     q = rng.normal(size=(t, n, h))
@@ -152,7 +154,7 @@ def test_ledger_and_kvjax_memory_count_the_allocated_pool(capsys):
   per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
   eng = kvjax.Engine(_model(), **ENGINE)
   pool = eng.state.cache
-  assert isinstance(pool, SinkWindowCache)
+  assert isinstance(pool, PagedKVCache)
   pool_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(pool))
   assert pool_bytes == ledger.kv_bytes_per_token(cfg, LAYOUT.name) * eng.config.num_pages * Z
   assert ledger.kv_bytes_per_token(cfg, LAYOUT.name) == per_token
@@ -164,7 +166,13 @@ def test_ledger_and_kvjax_memory_count_the_allocated_pool(capsys):
                    LAYOUT.name, "--json"]) == 0
   printed = json.loads(capsys.readouterr().out)
   assert printed["kv_bytes_per_request"] == 40 * per_token
-  assert printed["allocated_pool"]["cache"] == "SinkWindowCache"
+  assert printed["allocated_pool"]["cache"] == "PagedKVCache"
+
+
+def test_streaming_is_an_alias_of_the_sinks_window_variant():
+  eng = kvjax.Engine(_model(), kv_dtype="streaming", max_model_len=64)
+  assert eng.model.config.attention_variant == sinks_window(4, 1020)
+  assert isinstance(eng.state.cache, PagedKVCache)
 
 
 def test_refusals_name_the_value():
@@ -172,7 +180,7 @@ def test_refusals_name_the_value():
   with pytest.raises(ValueError, match="needs a model without sliding windows"):
     kvjax.Engine(windowed, kv_dtype=LAYOUT)
   with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
-    streaming_layout(4, 0)
+    variant_layout(sinks_window(4, 0))
 
 
 def test_server_serves_it():

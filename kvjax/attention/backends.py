@@ -74,6 +74,7 @@ import pallas_kernels
 from kvjax.attention.gated_delta import delta_rule
 from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import gathered_attention, gathered_blocks_attention, paged_attention
+from kvjax.attention.variants import skipping_range
 from kvjax.parallel.sharding import MODEL
 
 __all__ = ["Backend", "BACKENDS", "get_backend", "backend_names", "on_mesh", "invariant"]
@@ -144,7 +145,7 @@ def _ragged(kernel: Callable, skips_pages: bool = True) -> Callable:
     if variant is not None:
       kwargs = dict(kwargs, mask_fn=variant.mask, score_fn=variant.score)
       if skips_pages:
-        kwargs["kv_range_fn"] = variant.kv_range
+        kwargs["kv_range_fn"] = skipping_range(variant)
     out = kernel(q.reshape(b * t, n, h), k_pages[layer], v_pages[layer], batch.kv_lens,
                  batch.block_tables, batch.cu_q_lens, **scales, **kwargs)
     return out.reshape(b, t, n, h)

@@ -16,7 +16,9 @@ unless a window bounds them: then the walk reads the window, not the whole table
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how
 many blocks its batch walks.  An attention variant's mask only hides keys, so the
-window's first block stays a bound; its kv_range may start the walk later.
+window's first block stays a bound; its kv_range may start the walk later, after a
+first walk over the blocks of its leading keys (attention sinks): the blocks between
+are never read.
 Learned sinks start each denominator at exp(0) with the sink as the running max.
 Shapes: docs/DIMENSIONS.md.
 """
@@ -54,7 +56,8 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
   -> f32 [K, B, Gq, T, Hv].
 
   Walks blocks first..last (traced): last covers the longest row, first is the
-  earliest block a real row's window (and the variant's kv_range) reaches (0 without).
+  earliest block a real row's window (and the variant's kv_range) reaches (0 without);
+  the blocks of the variant's leading keys before it.
   """
   num_kv, b, group, t, h = qg.shape
   q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
@@ -106,7 +109,12 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
     row_max = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, :, None, None], stats)
     denom = jnp.ones(stats, jnp.float32)
   acc = jnp.zeros((num_kv, b, group, t, value_dim), jnp.float32)
-  _, denom, acc = jax.lax.fori_loop(first, last, body, (row_max, denom, acc))
+  carry = (row_max, denom, acc)
+  leading = 0 if variant is None else variant.leading_keys
+  if leading and bounds:  # the leading keys' blocks before the window's
+    leading_blocks = -(-leading // block_size)
+    carry = jax.lax.fori_loop(0, jnp.minimum(leading_blocks, first), body, carry)
+  _, denom, acc = jax.lax.fori_loop(first, last, body, carry)
   return acc / jnp.where(denom == 0.0, 1.0, denom)
 
 

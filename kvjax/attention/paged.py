@@ -7,9 +7,10 @@ table must cover `kv_lens[b]` tokens.  Decode and verify steps (at most
 DECODE_COLUMNS columns) gather every column of the table at once; prefill
 chunks, and decode steps under a window (the model's, or a variant's
 kv_range), walk it a block at a time from the window's first block up to their
-rows' lengths (kvjax/attention/blocked.py), so their cost does not grow with
-the table's width.  Pallas backends receive the same call flattened into the ragged layout
-(see kvjax/attention/backends.py).
+rows' lengths, after the blocks of the variant's leading keys (sinks)
+(kvjax/attention/blocked.py), so their cost does not grow with the table's width.
+Pallas backends receive the same call flattened into the ragged layout (see
+kvjax/attention/backends.py).
 """
 from __future__ import annotations
 
@@ -83,8 +84,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
   # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/model/invariance.py).
   # A decode step under a window (the model's, or a variant's kv_range) walks from the
-  # window's first block: the gather would read every column, released pages included, so
-  # its cost would grow with the context the window hides.
+  # window's first block (after its leading keys' blocks, e.g. sinks): the gather would read
+  # every column, released pages included, so its cost would grow with the context the
+  # window hides.
   if q.shape[1] > DECODE_COLUMNS or invariance.is_on() or sliding_window is not None or (
       variant is not None and variant.kv_range is not None):
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,

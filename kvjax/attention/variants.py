@@ -15,8 +15,12 @@ model's soft-cap, before the softmax.
 
   monotone   declares that a key hidden from a query stays hidden from later ones: the
              Engine releases the pages it hides (kvjax/engine/sched/mask_release.py)
-  kv_range   (q_pos) -> (lo, hi): no key outside [lo, hi) is visible to q_pos; the
-             reference backend's prefill block walk starts at the lowest lo (hi unused)
+  kv_range   (q_pos) -> (lo, hi): no key outside [lo, hi) is visible to q_pos, but for
+             the first `leading_keys`; the reference backend's block walk (a prefill
+             chunk's, and a decode step's) reads the leading keys' blocks, then starts
+             at the lowest lo (hi unused)
+  leading_keys  keys 0 .. leading_keys - 1 (attention sinks) may be visible outside
+             kv_range: a walk reads their blocks too, and skips what lies between
 
 Parameters (a window, ALiBi slopes) are closed over as Python or numpy constants at this
 stage, so a new value is a new record and compiles anew; pytree parameters that change
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 from kvjax.model.config import ModelConfig
 
 __all__ = ["AttentionVariant", "register_variant", "get_variant", "variant_names",
-           "with_attention", "variant_mask", "variant_scores", "first_key",
+           "with_attention", "variant_mask", "variant_scores", "first_key", "skipping_range",
            "sliding_window", "sinks_window", "soft_cap", "parse_variant_name",
            "BUILT_IN_NAMES"]
 
@@ -50,6 +54,7 @@ class AttentionVariant:
   score: Optional[Callable] = None  # (s, q_pos, kv_pos, head) -> s, broadcast
   monotone: bool = False
   kv_range: Optional[Callable] = None  # (q_pos) -> (lo, hi)
+  leading_keys: int = 0  # the first keys, visible outside kv_range (sinks)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -61,6 +66,10 @@ class AttentionVariant:
                          f"{type(value).__name__}")
     if not isinstance(self.monotone, bool):
       raise ValueError(f"AttentionVariant.monotone must be a bool, got {self.monotone!r}")
+    if isinstance(self.leading_keys, bool) or not isinstance(self.leading_keys, int) or \
+        self.leading_keys < 0:
+      raise ValueError(f"AttentionVariant.leading_keys must be an int >= 0, got "
+                       f"{self.leading_keys!r}")
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -165,12 +174,18 @@ def variant_scores(variant: Optional[AttentionVariant], q_positions: jax.Array,
 
 def first_key(variant: Optional[AttentionVariant],
               q_positions: jax.Array) -> Optional[jax.Array]:
-  """q_positions [B, T] -> [B]: no query of the row sees a key before it (from kv_range),
-  or None where the variant gives no bound."""
+  """q_positions [B, T] -> [B]: no query of the row sees a key before it (from kv_range)
+  but the variant's leading keys, or None where the variant gives no bound."""
   if variant is None or variant.kv_range is None:
     return None
   lo, _ = variant.kv_range(q_positions)
   return jnp.maximum(jnp.min(jnp.broadcast_to(lo, q_positions.shape), axis=1), 0)
+
+
+def skipping_range(variant: AttentionVariant) -> Optional[Callable]:
+  """The variant's kv_range where a page walk that knows nothing of leading keys (a Pallas
+  kernel's) may skip what lies outside it, else None: it would skip the sinks."""
+  return None if variant.leading_keys else variant.kv_range
 
 
 def _count(field: str, value, least: int) -> int:
@@ -192,7 +207,8 @@ def sinks_window(sinks: int, window: int) -> AttentionVariant:
   """StreamingLLM: the first `sinks` keys and the last `window` ones."""
   _count("sinks", sinks, 0), _count("window", window, 1)
   return AttentionVariant(f"sinks{sinks}-window{window}", monotone=True,
-                          mask=lambda q, k: (k < sinks) | (k > q - window))
+                          mask=lambda q, k: (k < sinks) | (k > q - window),
+                          kv_range=lambda q: (q - window + 1, q + 1), leading_keys=sinks)
 
 
 @functools.cache

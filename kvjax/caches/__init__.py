@@ -9,7 +9,9 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
 (`SLOT_ARRAYS`) for page copies and for clearing a failed request's pages.
 
   paged.py       PagedKVCache: float or int8 pages (claims C6, C7); the shared
-                 page lookup (`physical_pages`, `token_slots`) and page copies
+                 page lookup (`physical_pages`, `token_slots`) and page copies;
+                 `variant_layout`: an attention variant named as a kv_dtype
+                 ("streaming": StreamingLLM's sinks + window)
   kivi.py        KIVIPagedKVCache: int4 pages, keys per channel, values per token
   mla.py         MLAPagedCache: one latent row per token (DeepSeek MLA)
   contiguous.py  ContiguousKVCache: one max-length buffer per slot (C7's baseline)
@@ -18,8 +20,6 @@ list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
   gathered.py    GatheredKVCache: a device decode loop's rows' float pages gathered
                  once before the loop and written back after it (same contract),
                  for backends whose paged attention is a gather (the reference)
-  streaming.py   SinkWindowCache: StreamingLLM's attention sinks + window, its
-                 pages between the two released (the one-file layout example)
   groups.py      GroupedKVCache: one page pool and block table per group of layers with
                  the same window (Gemma 3's sliding and global layers)
   layout.py      KVLayout: the spec record every layout registers by name (its

@@ -1,7 +1,7 @@
 """KV layouts as spec records, registered by name: the one place a layout is declared.
 
 A `KVLayout` says everything the rest of kvjax needs about one way of storing
-K/V (float pages, int8, KIVI int4, MLA latents, StreamingLLM's sinks + window):
+K/V (float pages, int8, KIVI int4, MLA latents):
   arrays(cfg, store, sizes) -> {field: ArraySpec}   every array of its cache, with
       its shape, stored dtype and role ("page": pages on axis PAGE_AXIS, tokens on
       the next; "slot": slots on axis 1), so the pool is allocated from it
@@ -17,7 +17,10 @@ K/V (float pages, int8, KIVI int4, MLA latents, StreamingLLM's sinks + window):
       pages no future query reads, so the scheduler may free them).
 A layout module registers its records at import (`register`); the package
 imports every module in kvjax/caches/, so a new layout is one new file.
-A record may also be passed where a name goes (`kv_dtype=KVLayout(...)`).
+A record may also be passed where a name goes (`kv_dtype=KVLayout(...)`).  A record
+with a `variant` is an alias: pages of another layout whose every layer runs that
+attention variant (kvjax/attention/variants.py; "streaming" is the float pages under
+StreamingLLM's sinks + window), applied to the model by `with_layout_variant`.
 """
 from __future__ import annotations
 
@@ -28,11 +31,12 @@ from typing import Callable, Optional, Sequence, Union
 import jax.numpy as jnp
 
 from kvjax.attention.backends import Backend
+from kvjax.attention.variants import AttentionVariant
 from kvjax.model.config import ModelConfig, short_dtype_name
 
 __all__ = ["ArraySpec", "PoolSizes", "KVLayout", "PageRelease", "WindowRelease", "register",
-           "layout_names", "get_layout", "sizing_layout", "FLOAT_STORES", "STORE_DTYPES",
-           "store_name", "allocate"]
+           "layout_names", "get_layout", "sizing_layout", "with_layout_variant", "FLOAT_STORES",
+           "STORE_DTYPES", "store_name", "allocate"]
 
 # Stored dtypes of cache arrays by short name (kvjax/model/config.py's vocabulary).
 FLOAT_STORES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -162,6 +166,8 @@ class KVLayout:
   # Its caches take an attention variant (kvjax/attention/variants.py) in `attend` and
   # apply its mask and score (through the backend or by themselves); False: refused.
   variants: bool = False
+  # An alias's attention variant, run on every layer of the model it serves (module doc).
+  variant: Optional[AttentionVariant] = None
 
   def create(self, cfg: ModelConfig, sizes: PoolSizes, dtype):
     """The empty cache for cfg (model dtype `dtype`) sized by `sizes`."""
@@ -198,10 +204,17 @@ class KVLayout:
     specs = self.arrays(cfg, self.store or store, PoolSizes(1, page_size, 1))
     return sum(a.nbytes for a in specs.values() if a.role == "slot")
 
-  def tokens_held(self, context: int, page_size: int) -> int:
-    """Tokens of a `context`-token request still in its pages after the layout's own
-    release (the model's window aside)."""
-    return context - page_size * len(self.page_release(page_size, None).dead_pages(context))
+  def serving_config(self, cfg: ModelConfig) -> ModelConfig:
+    """cfg as this layout serves it: with the alias's attention variant on every layer;
+    ValueError if cfg runs another variant (one rule of what a query sees)."""
+    if self.variant is None or cfg.attention_variant == self.variant:
+      return cfg
+    if cfg.attention_variant is not None:
+      raise ValueError(f"kv_dtype {self.name!r} runs the attention variant "
+                       f"{self.variant.name!r} and takes no other attention variants "
+                       f"(attention={', '.join(cfg.variant_names)}); use kv_dtype None "
+                       f"with attention={self.variant.name!r}")
+    return cfg.replace(attention_variant=self.variant)
 
   def static_fields(self, cfg: ModelConfig) -> dict:
     """Non-array fields of the cache record (e.g. MLA's value width, the options)."""
@@ -235,6 +248,18 @@ def sizing_layout(kv_dtype: Union[None, str, KVLayout], cfg: ModelConfig) -> KVL
 
 def _default(cfg: ModelConfig) -> KVLayout:
   return next(l for l in _LAYOUTS.values() if l.default and l.attention == cfg.attention_type)
+
+
+def with_layout_variant(model, kv_dtype: Union[None, str, "KVLayout"]):
+  """`model` (a kvjax.Model) as kv_dtype's layout serves it (KVLayout.serving_config):
+  an alias's attention variant on every layer; any other kv_dtype leaves it as it is
+  (get_layout checks the name)."""
+  layout = kv_dtype
+  if isinstance(kv_dtype, str):
+    layout = _LAYOUTS.get(short_dtype_name(kv_dtype))
+  if not isinstance(layout, KVLayout) or layout.variant is None:
+    return model
+  return dataclasses.replace(model, config=layout.serving_config(model.config))
 
 
 def get_layout(kv_dtype: Union[None, str, KVLayout], cfg: ModelConfig, *,

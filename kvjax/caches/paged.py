@@ -11,12 +11,15 @@ The page lookup every paged cache shares is here: `physical_pages` (logical
 page -> physical page through the block table) and `token_slots` (each
 column's page and offset, padding sent to the null page).  The layouts "float"
 (the model dtype, the default), "fp32", "bf16", "fp16" and "int8" are
-registered at the end (kvjax/caches/layout.py).
+registered at the end (kvjax/caches/layout.py), and the alias "streaming": float
+pages under StreamingLLM's 4 attention sinks + 1020 recent tokens (`variant_layout`
+names any attention variant as a kv_dtype).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.attention.backends import Backend
+from kvjax.attention.variants import AttentionVariant, sinks_window
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.engine.sched.pages import NULL_PAGE
@@ -32,7 +36,7 @@ from kvjax.quant.symmetric import quantize
 from kvjax.runtime.step_batch import StepBatch
 
 __all__ = ["PagedKVCache", "PagedLayout", "NULL_PAGE", "physical_pages", "token_slots",
-           "copy_cache_pages", "clear_cache_pages", "kv_page_arrays"]
+           "copy_cache_pages", "clear_cache_pages", "kv_page_arrays", "variant_layout"]
 
 
 def physical_pages(block_tables: jax.Array, logical: jax.Array) -> jax.Array:
@@ -196,11 +200,30 @@ def _reads(kv_dtype):
   return functools.partial(Backend.check_kv_dtype, kv_dtype=kv_dtype)
 
 
-register(KVLayout("float", kv_page_arrays, PagedKVCache, default=True, hybrid=True,
-                  contiguous=_contiguous, prefill_full_width=True, variants=True))
+def _without_windows(cfg: ModelConfig) -> None:
+  """ValueError if cfg has sliding windows: they would hide keys an alias's variant keeps."""
+  if cfg.sliding_window is not None or any(w is not None for w in cfg.layer_windows or ()):
+    raise ValueError(f"a kv layout with an attention variant needs a model without sliding "
+                     f"windows; {cfg.name!r} has them")
+
+
+def variant_layout(variant: AttentionVariant, name: Optional[str] = None,
+                   store: Optional[str] = None) -> KVLayout:
+  """Float pages (`store`: "fp32", "bf16", "fp16"; None: the model dtype) whose every layer
+  runs `variant`, named `name` (None: the variant's name): an alias, the variant by a
+  kv_dtype name.  A monotone variant's hidden pages are released as the attention=
+  variant's are (kvjax/engine/sched/mask_release.py)."""
+  return dataclasses.replace(_FLOAT_LAYOUTS[store or "float"], name=name or variant.name,
+                             default=False, variant=variant, check_model=_without_windows)
+
+
+_FLOAT_LAYOUTS = {"float": register(KVLayout(
+    "float", kv_page_arrays, PagedKVCache, default=True, hybrid=True, contiguous=_contiguous,
+    prefill_full_width=True, variants=True))}
 for _store in ("fp32", "bf16", "fp16"):
-  register(KVLayout(_store, kv_page_arrays, PagedKVCache, store=_store, hybrid=True,
-                    contiguous=_contiguous, check_backend=_reads(_store),
-                    prefill_full_width=True, variants=True))
+  _FLOAT_LAYOUTS[_store] = register(KVLayout(
+      _store, kv_page_arrays, PagedKVCache, store=_store, hybrid=True, contiguous=_contiguous,
+      check_backend=_reads(_store), prefill_full_width=True, variants=True))
 register(KVLayout("int8", _int8_arrays, PagedKVCache, store="int8", hybrid=True,
                   check_backend=_reads("int8"), prefill_full_width=True, variants=True))
+register(variant_layout(sinks_window(4, 1020), name="streaming"))  # StreamingLLM's sizes

@@ -48,8 +48,8 @@ def add_parser(subparsers) -> None:
   p.add_argument("--weight-dtype", default=None,
                  help="quantized weights: int8 | int4 | a kvjax.weights.quantize scheme")
   p.add_argument("--sliding-window", type=int, default=None,
-                 help="every layer attends to its last N tokens (sinks + window: --kv-dtype "
-                      "streaming)")
+                 help="every layer attends to its last N tokens (sinks + window: "
+                      "--attention sinks4-window1020, or --kv-dtype streaming)")
   p.add_argument("--out-dir", default="results/eval")
   add_engine_flags(p)
   ppl = p.add_argument_group("perplexity (the stdlib text of kvjax/eval/text_set.py)")

@@ -71,7 +71,8 @@ class EngineConfig:
       a burst's tokens stream out together.  1: one step per call.
     kv_dtype: the KV layout, by name or as a KVLayout record (kvjax/caches/layout.py):
       None (the model dtype), "fp32", "bf16", "fp16", "int8", "int4" or any
-      registered layout (e.g. "streaming": attention sinks + a window).  A layout
+      registered layout; "streaming" is an alias, float pages under the attention
+      variant sinks4-window1020 (StreamingLLM's sinks + window).  A layout
       declares what it refuses: int4 (KIVI) keeps each slot's incomplete page in
       a per-slot full-precision residual, not in the pool, so it refuses what
       would resume a slot mid-page on stale residual data: token-mode prefix hits

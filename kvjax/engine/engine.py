@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from kvjax.attention.variants import with_attention
+from kvjax.caches.layout import with_layout_variant
 from kvjax.constraints import Constraint, ConstraintBook
 from kvjax.engine import generate as one_shot
 from kvjax.engine.adapters import Adapters
@@ -86,7 +87,8 @@ class Engine:
 
   def __init__(self, model, config: Optional[EngineConfig] = None, **options):
     config = dataclasses.replace(config or EngineConfig(), **options)
-    model = with_attention(model, config.attention)  # its config carries the variant
+    # Its config carries the variant (attention=, or an alias kv_dtype's such as "streaming").
+    model = with_layout_variant(with_attention(model, config.attention), config.kv_dtype)
     config = config.resolve(model)
     cfg = model.config
     self.loras = Adapters(config.max_loras, config.max_lora_rank)

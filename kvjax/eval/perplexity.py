@@ -30,6 +30,7 @@ import numpy as np
 
 from kvjax.api import Model
 from kvjax.caches import create_paged_cache
+from kvjax.caches.layout import with_layout_variant
 from kvjax.eval.variant import kv_bytes_per_token, resolved_engine_config, with_window
 from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import lm_logits
@@ -71,6 +72,7 @@ def score_segments(model: Model, windows: np.ndarray, *, chunk: int = 128,
     raise ValueError(f"decode_tokens must be in [0, context={context}], got {decode_tokens}")
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
+  model = with_layout_variant(model, kv_dtype)  # an alias's variant ("streaming") on its steps
   engine = resolved_engine_config(model, page_size=page_size, kv_dtype=kv_dtype,
                                   backend=backend, max_model_len=context)
   pages_per_row = -(-context // page_size)

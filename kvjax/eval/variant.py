@@ -5,9 +5,10 @@ Weight variants are chosen at load time (kvjax.load_checkpoint's weight_dtype);
 what the engine decides (kv_dtype, page_size, backend) is validated here by
 EngineConfig.resolve, the Engine's own checks, so an evaluation refuses
 exactly what serving would.  A sliding window is a model property
-(ModelConfig.sliding_window, every layer); attention sinks + a window are a KV
-layout (kvjax/caches/streaming.py), so "sinks<S>-window<W>" is a kv_dtype: the
-model keeps full attention and the cache masks (and frees) what lies between.
+(ModelConfig.sliding_window, every layer); attention sinks + a window are the
+attention variant sinks_window (kvjax/attention/variants.py) named as a kv_dtype
+(kvjax/caches/paged.py variant_layout), so "sinks<S>-window<W>" is a kv_dtype: the
+float pages under the variant, which masks (and frees) what lies between.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import re
 from typing import Optional
 
 from kvjax.api import Model
+from kvjax.attention.variants import sinks_window
 from kvjax.caches.layout import PoolSizes, get_layout, register, store_name
-from kvjax.caches.streaming import streaming_layout
+from kvjax.caches.paged import variant_layout
 from kvjax.engine.config import EngineConfig
 
 __all__ = ["parse_variant", "with_window", "resolved_engine_config", "kv_bytes_per_token"]
@@ -28,7 +30,7 @@ _SINKS_WINDOW = re.compile(r"sinks(\d+)-window(\d+)")
 def parse_variant(name: str) -> dict:
   """'float' | 'kv-<dtype>' | 'window-<N>' | 'sinks<S>-window<W>' | 'weights-<scheme>' ->
   load / engine options (weight_dtype, kv_dtype, sliding_window).  sinks + window
-  registers streaming_layout(S, W) under the variant's name, its kv_dtype."""
+  registers variant_layout(sinks_window(S, W)) under the variant's name, its kv_dtype."""
   options = dict(weight_dtype=None, kv_dtype=None, sliding_window=None)
   kind, _, value = name.partition("-")
   if name == "float":
@@ -37,10 +39,12 @@ def parse_variant(name: str) -> dict:
     return options | dict(kv_dtype=value)
   if kind == "window" and value.isdigit():
     return options | dict(sliding_window=int(value))
-  sinks_window = _SINKS_WINDOW.fullmatch(name)
-  if sinks_window:
+  sizes = _SINKS_WINDOW.fullmatch(name)
+  if sizes:
+    if int(sizes[1]) < 1:
+      raise ValueError(f"variant {name!r}: sinks must be >= 1 (none: window-{sizes[2]})")
     try:
-      layout = streaming_layout(int(sinks_window[1]), int(sinks_window[2]))
+      layout = variant_layout(sinks_window(int(sizes[1]), int(sizes[2])))
     except ValueError as error:
       raise ValueError(f"variant {name!r}: {error}") from None
     return options | dict(kv_dtype=register(layout).name)

@@ -42,6 +42,7 @@ from typing import Optional
 from kvjax.caches.groups import layer_groups
 from kvjax.caches.layout import FLOAT_STORES, PoolSizes, sizing_layout
 from kvjax.caches.recurrent import state_arrays
+from kvjax.engine.sched.mask_release import mask_release
 from kvjax.model.config import ModelConfig, short_dtype_name
 from kvjax.model.layer_kinds import layer_kind
 from kvjax.model.learned_sinks import LEARNED_SINKS
@@ -119,9 +120,13 @@ def kv_scale_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16",
 def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
                          include_mtp: bool = False, count_scales: bool = False) -> int:
   """KV bytes one request of `context` tokens holds: each windowed layer caps it, and
-  a layout that releases pages itself (sinks + window) holds what it keeps."""
+  pages a monotone attention variant hides (cfg's, or an alias kv_dtype's such as
+  "streaming": sinks + window) are released as the engine releases them."""
   check_positive_int(context, "context")
-  held = sizing_layout(kv_dtype, cfg).tokens_held(context, PAGE_SIZE)
+  layout = sizing_layout(kv_dtype, cfg)
+  release = mask_release(layout.page_release(PAGE_SIZE, None), layout.serving_config(cfg),
+                         draft=False)
+  held = context - PAGE_SIZE * len(release.dead_pages(context))
   tokens = sum(held if w is None else min(held, w)
                for w in _cache_layer_windows(cfg, include_mtp))
   per_token = _per_layer_token(cfg, kv_dtype) + (
