@@ -10,6 +10,7 @@ import pytest
 import kvjax
 from kvjax.runtime import generation
 from kvjax.runtime import steps
+from kvjax.runtime import sampling
 from kvjax.runtime.sampling import SamplingParams, filtered_logits, greedy_tokens, sample
 
 PROMPTS = [[5, 9, 11], [7] * 13, [100, 3, 200, 4, 300, 5, 400, 6, 1]]
@@ -131,6 +132,64 @@ def test_top_k_top_p_filter_matches_brute_force(k, p):
     np.testing.assert_array_equal(np.isfinite(got[row]), _brute_force_filter(logits[row], k, p))
 
 
+def _candidate_rows(vocab):
+  """Rows whose top-k set and nucleus lie among their 8 largest logits (a peaked row) and
+  rows reaching past them (a flat row with top_p 0.99, top_k 20 > 8, a row with every
+  token), with their (top_k, top_p)."""
+  rng = np.random.default_rng(7)
+  peaked = rng.normal(size=vocab) * 0.5
+  peaked[rng.choice(vocab, 3, replace=False)] += 12  # three tokens hold ~all the mass
+  flat = rng.normal(size=vocab) * 0.1
+  rows = [(peaked, 0, 0.9), (flat, 5, 1.0), (peaked, 3, 0.5), (flat, 0, 1.0),
+          (flat, 0, 0.99), (peaked, 20, 0.95), (flat, 20, 1.0)]
+  logits, k, p = zip(*rows)
+  return np.stack(logits).astype(np.float32), np.array(k, np.int32), np.array(p, np.float32)
+
+
+def test_the_largest_candidates_decide_only_the_rows_they_can():
+  """A row is settled by its 8 largest logits when its top-k set (k <= 8), or with top-k
+  off its nucleus (or every token: top_p 1), ends among them; not when top_k > 8 or the
+  nucleus reaches past them."""
+  logits, k, p = _candidate_rows(64)
+  largest, _ = jax.lax.top_k(jnp.asarray(logits), 8)
+  top_k = jnp.asarray(np.where(k > 0, k, 64))  # kept_threshold's k: the vocabulary when off
+  _, settled = sampling.kept_threshold(largest, top_k, jnp.asarray(p), jnp.asarray(logits))
+  assert np.asarray(settled).tolist() == [True, True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, 1, 2, 3, 4], list(range(7))])
+def test_top_k_top_p_from_the_largest_candidates_match_brute_force(rows):
+  """Batches every row of which the 8 largest candidates settle, and batches with rows
+  they do not (the whole batch then sorts): the kept sets equal the float64 oracle's."""
+  logits, k, p = (a[rows] for a in _candidate_rows(64))
+  got = np.asarray(sampling.filtered_logits(jnp.asarray(logits), jnp.asarray(k),
+                                            jnp.asarray(p), candidates=8))
+  for row in range(len(rows)):
+    want = _brute_force_filter(logits[row], int(k[row]), float(p[row]))
+    np.testing.assert_array_equal(np.isfinite(got[row]), want)
+    np.testing.assert_array_equal(got[row][want], logits[row][want])
+
+
+def test_bisection_finds_the_sorted_thresholds():
+  """bisected_threshold against the float64 oracle on rows a sort-free search could trip
+  on: ties (integer logits), -inf entries (a grammar's mask) with top_k past the finite
+  ones, one dominant token, top_k over the vocabulary, top_p 1 and a tiny top_p."""
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(6, 300)).astype(np.float32) * 2
+  logits[1, 50:] = -np.inf
+  logits[2] = np.round(logits[2])
+  logits[3, :5] += 15
+  top_k = np.array([0, 80, 7, 0, 400, 299], np.int32)
+  top_p = np.array([0.9, 0.99, 0.5, 0.95, 1.0, 1e-30], np.float32)
+  k = jnp.asarray(np.where(top_k > 0, np.minimum(top_k, 300), 300))
+  threshold = np.asarray(sampling.bisected_threshold(jnp.asarray(logits), k,
+                                                     jnp.asarray(top_p)))
+  for row in range(6):
+    want = _brute_force_filter(logits[row], int(top_k[row]), float(top_p[row]))
+    finite = np.isfinite(logits[row])
+    np.testing.assert_array_equal((logits[row] >= threshold[row]) & finite, want & finite)
+
+
 def test_no_top_k_and_top_p_one_leave_the_logits_unchanged():
   """A row without top-k / top-p comes out bit for bit (prefill programs always filter,
   kvjax/runtime/serve_steps.py program_variant), tails that float32's cumulative mass rounds to 1
@@ -153,13 +212,17 @@ TINY_TO_ONE = [5e-324, float(np.nextafter(np.float32(0), np.float32(1))), 1e-39,
                float(np.finfo(np.float32).tiny), 1e-30, 1e-10, 1e-3, 0.1, 0.5, 0.9]
 
 
+@pytest.mark.parametrize("candidates", [64, 8, 1], ids=["sorted", "candidates", "bisection"])
 @pytest.mark.parametrize("p", TINY_TO_ONE)
-def test_top_p_keeps_the_top_token_over_the_float32_range(p):
+def test_top_p_keeps_the_top_token_over_the_float32_range(p, candidates):
+  """Each way the filter finds a row's threshold: sorting a vocabulary no larger than the
+  candidates, from the 8 largest logits, and by bisection (a single candidate settles
+  a row only when its nucleus is the top token)."""
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(4, 64)).astype(np.float32) * 3
   for k in (0, 5):
     got = np.asarray(filtered_logits(jnp.asarray(logits), jnp.full((4,), k, jnp.int32),
-                                     jnp.full((4,), p, jnp.float32)))
+                                     jnp.full((4,), p, jnp.float32), candidates=candidates))
     for row in range(4):
       want = _brute_force_filter(logits[row], k, float(np.float32(p)))
       np.testing.assert_array_equal(np.isfinite(got[row]), want)
