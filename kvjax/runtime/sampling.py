@@ -74,7 +74,7 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
   if vocab <= candidates:
     threshold, _ = kept_threshold(jnp.sort(logits, axis=-1)[:, ::-1], k, top_p, logits)
   else:
-    largest, _ = jax.lax.top_k(logits, candidates)  # [B, C] descending
+    largest, _ = jax.lax.top_k(logits, candidates)  # [B, Vc] descending
     threshold, settled = kept_threshold(largest, k, top_p, logits)
     threshold = jax.lax.cond(jnp.all(settled), lambda _: threshold,
                              lambda x: bisected_threshold(x, k, top_p), logits)
@@ -82,7 +82,7 @@ def filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
 
 
 def kept_threshold(largest: jax.Array, k: jax.Array, top_p: jax.Array, logits: jax.Array):
-  """Each row's least kept logit from its n largest, descending [B, n] (n = V: the whole
+  """Each row's least kept logit from its largest, descending [B, Vc] (Vc = V: the whole
   row) -> (threshold [B, 1], settled [B]: they decide it, its top-k set (k [B], V: off)
   and nucleus ending within them)."""
   n, vocab = largest.shape[-1], logits.shape[-1]
