@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-# LLVM at -O0: these tiny models' checks are XLA-compile bound (hundreds of distinct
+# LLVM at -O0: these tiny models' checks are XLA-compile bound (many distinct
 # sharded programs) and compare programs built alike; -O0 halves each compile, the HLO (its
 # sharding and collectives, what is checked) is the same.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
