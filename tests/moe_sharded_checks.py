@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
+# LLVM at -O0: these tiny models' checks are XLA-compile bound (many distinct
+# sharded programs) and compare programs built alike; -O0 halves each compile, the HLO (its
+# sharding and collectives, what is checked) is the same.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8")
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib  # noqa: E402

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,10 +17,16 @@ from experiments.hf_peer import hf_generate, to_hf_on_device
 from kvjax.server.bench import workloads as bench_workloads
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """(config, the JSON as written) of one runlocal run, trimmed to fit the test budget:
-  the reference backend throughout (the interpret-mode kernel runs in the full dry run)."""
+  the reference backend throughout (the interpret-mode kernel runs in the full dry run).
+  The script runs as its command line does, in a subprocess whose XLA compiles at LLVM
+  -O0: the tiny model's run is compile bound (-O0 halves each compile), its timings mean
+  nothing, and what is checked (counts, bits, tokens) does not depend on it."""
   cfg = gpu_scale_config.get_config("runlocal")
   cfg.out_dir = str(tmp_path_factory.mktemp("gpu_scale"))
   cfg.backend = "reference"
@@ -26,9 +34,20 @@ def run(tmp_path_factory):
   cfg.decode_contexts = (64,)
   cfg.quant_batches = (1,)
   cfg.invariance_backends = ("reference",)
-  gpu_scale.run(cfg)
+  overrides = [f"--config.{key}={getattr(cfg, key)!s}" for key in (
+      "out_dir", "backend", "engine_runs", "decode_contexts", "quant_batches",
+      "invariance_backends")]
+  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
+                                     " --xla_backend_optimization_level=0")}
+  proc = subprocess.run([sys.executable, "-m", "experiments.gpu_scale",
+                         "--config=configs/gpu_scale.py:runlocal", *overrides], cwd=_ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(cfg.out_dir, cfg.name + ".json")) as f:
-    return cfg, json.load(f)
+    report = json.load(f)
+  # The run used this config (what the tests below read), overrides and all.
+  assert report["config"] == json.loads(json.dumps(cfg.to_dict()))
+  return cfg, report
 
 
 def test_every_section_ran_and_files_written(run):
