@@ -321,7 +321,7 @@ class Engine:
       raise RuntimeError(f"the scheduler admitted none of {waiting} waiting requests into "
                          f"an idle pool of {self.scheduler.allocator.num_usable} pages")
     if plan.copies:
-      self._copy_pages(plan.copies)
+      self.state = apply_page_copies(self.state, plan.copies, self.config.max_num_seqs)
     decode = [i for i, r in enumerate(plan.rows) if r.is_decode]
     prefill = [i for i, r in enumerate(plan.rows) if not r.is_decode]
     k_prefill = prefill_drafts(self.draft_policy, self.scheduler, self.packing, self.num_draft,
@@ -351,7 +351,8 @@ class Engine:
     before = {rid: self.scheduler.requests[rid].num_output_tokens for rid in result.new_ids}
     sampled = {rid: self.scheduler.requests[rid] for rid in result.new_ids}
     for req, good in result.broken:
-      self._clear(*self.scheduler.fail(req.request_id, good))
+      pages, slot = self.scheduler.fail(req.request_id, good)
+      self.state = clear_request_pages(self.state, pages, slot, self.scheduler.max_pages_per_seq)
     self.scheduler.update_from_output(plan, result.new_ids)
     if self.snapshots:
       self.snapshots.settle()
@@ -383,13 +384,6 @@ class Engine:
       yield from self.step()
 
   __iter__ = stream
-
-  def _copy_pages(self, copies) -> None:
-    self.state = apply_page_copies(self.state, copies, self.config.max_num_seqs)
-
-  def _clear(self, pages: tuple, slot: int) -> None:
-    self.state = clear_request_pages(self.state, pages, slot,
-                                     self.scheduler.max_pages_per_seq)
 
   def _run(self, batch, num_draft: int, logprobs: bool, burst=None, mask=None,
            score_prompt: bool = False):

@@ -54,6 +54,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from kvjax.engine.device_state import apply_page_copies, clear_request_pages
 from kvjax.engine.sched.batching import StepShape, burst_limits
 from kvjax.engine.sched.draft_policy import FixedDrafts
 from kvjax.engine.sched.ngram import host_draft_shapes
@@ -252,9 +253,11 @@ def engine_plan(engine, **variants) -> WarmUpPlan:
 def _warm_up_pages(engine) -> None:
   with engine._lock:
     if engine.config.prefix_cache and engine.config.prefix_match == "token":
-      engine._copy_pages([])
+      engine.state = apply_page_copies(engine.state, [], engine.config.max_num_seqs)
     # No page of any KV layer group, the scratch slot.
-    engine._clear(([],) * len(engine.scheduler.groups), engine.config.max_num_seqs)
+    engine.state = clear_request_pages(engine.state, ([],) * len(engine.scheduler.groups),
+                                       engine.config.max_num_seqs,
+                                       engine.scheduler.max_pages_per_seq)
 
 
 def _run_padding(engine, shape: StepShape, stop_width: int = 1,
