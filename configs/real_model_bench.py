@@ -11,6 +11,8 @@ Q4_1, the same GGUF file and chat prompts for every engine.
     max_tokens and EOS ignored by both.
 The peers come from `bash experiments/install_cpu_peers.sh PEERS_DIR`; a peer that is
 not there is skipped (the run says the install command).
+`get_config("gemma3")` runs the same on Gemma 3 270M Q4_K_M (a base model: the prompts are
+texts it continues), writing results/real_model_bench_gemma3.*.
 `get_config("runlocal")` is a kvjax-only smoke run on `checkpoint` (a tiny GGUF in the
 tests): one repeat, short outputs, concurrency 2, writing
 results/real_model_bench_runlocal.*.
@@ -48,6 +50,14 @@ def get_config(arg=None):
   config.max_tries = 3  # a kvjax round that compiled a step program runs again
   config.out_dir = "results"
   config.name = "real_model_bench"
+  if arg == "gemma3":  # the base model (no chat template): it continues each text
+    config.checkpoint = "gemma3-270m"
+    config.prompts = (
+        "def fibonacci(n):",
+        "The capital of France is",
+        "The sky is blue because",
+    )
+    config.name = "real_model_bench_gemma3"
   if arg == "runlocal":
     config.prompts = config.prompts[:2]
     config.weight_dtypes = ("float32",)

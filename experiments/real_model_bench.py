@@ -1,7 +1,8 @@
 """The CPU peers side by side on the real model (issue 27 item 5).
 
-One GGUF file (configs/real_model_bench.py: SmolLM2-135M-Instruct Q4_1), one set of
-chat prompts rendered with its own template and encoded once, so every engine gets the
+One GGUF file (configs/real_model_bench.py: SmolLM2-135M-Instruct Q4_1; its `gemma3` arg:
+Gemma 3 270M Q4_K_M), one set of prompts (chat messages rendered with the checkpoint's own
+template, or plain text for a base model without one) encoded once, so every engine gets the
 same token ids, on the same machine, in interleaved rounds (experiments/common.py):
 
 (a) batch 1, greedy, `new_tokens` per prompt, EOS ignored: TTFT and decode tok/s
@@ -258,6 +259,14 @@ def _bench(client, sessions, concurrency: int, url: str) -> dict:
                        metrics_interval_s=None).result()["summary"]
 
 
+def _as_prompt(tokenizer, text: str) -> str:
+  """One user message in the checkpoint's chat template; a base model (no template, e.g.
+  Gemma 3 270M) continues the text itself."""
+  if tokenizer.chat_template is None:
+    return text
+  return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 def part_a(models: dict, prompts, c, model_path: str, llamacpp) -> dict:
   longest = max(map(len, prompts)) + c.new_tokens
   runs = {}
@@ -411,8 +420,7 @@ def main(argv):
     models[dtype] = kvjax.Model(loaded.config.replace(eos_token_id=None), loaded.params,
                                 loaded.dtype, loaded.tokenizer)
   tokenizer = models[c.weight_dtypes[0]].tokenizer
-  prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-             for p in c.prompts]
+  prompts = [tokenizer.encode(_as_prompt(tokenizer, p)) for p in c.prompts]
   llamacpp = None
   if peers["llamacpp_python"] is not None:
     llamacpp = _LlamaCpp(peers["llamacpp_python"], model_path,

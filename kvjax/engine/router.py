@@ -102,8 +102,7 @@ class Router:
   def cached_prefix(self, replica: int, prompt: Sequence[int],
                     cache_salt: Optional[str] = None) -> int:
     """Prompt tokens the replica's prefix cache would reuse now (0 without a cache)."""
-    return sum(cache.lookup(list(prompt), cache_salt).num_tokens
-               for cache in self.engines[replica].prefix_caches())
+    return self.engines[replica].cached_prefix(prompt, cache_salt)
 
   def choose(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
     """The replica the policy sends `prompt` to (nothing is queued)."""

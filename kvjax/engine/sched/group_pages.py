@@ -82,18 +82,25 @@ class GroupPages:
   def lookup(self, req: Request) -> tuple[PrefixHit, ...]:
     """Each group's part of `req`'s prefix hit (none if it takes no hits), all of the same
     num_tokens (module doc); nothing is held until `admit`."""
-    caches = self.prefix_caches
-    if not caches or not req.takes_prefix_hits:
+    if not self.prefix_caches or not req.takes_prefix_hits:
       return (PrefixHit(num_queried=req.num_tokens),) * len(self.groups)
-    if len(caches) == 1:
-      return (caches[0].lookup(req.token_ids, req.cache_salt),)
-    return self._hit_every_group_serves(req)
+    return self.hits(req.token_ids, req.cache_salt)
 
-  def _hit_every_group_serves(self, req: Request) -> tuple[PrefixHit, ...]:
+  def hits(self, token_ids: Sequence[int], cache_salt: Optional[str] = None
+           ) -> tuple[PrefixHit, ...]:
+    """Each group's part of the prefix hit a prompt of `token_ids` would take now (the
+    engine's prefix cache must exist)."""
+    caches = self.prefix_caches
+    if len(caches) == 1:
+      return (caches[0].lookup(token_ids, cache_salt),)
+    return self._hit_every_group_serves(token_ids, cache_salt)
+
+  def _hit_every_group_serves(self, token_ids: Sequence[int], cache_salt: Optional[str]
+                              ) -> tuple[PrefixHit, ...]:
     """The largest block-aligned hit every group serves (module doc), or none."""
     size = self.groups[0].page_size
-    hashes = self.prefix_caches[0].block_hashes(req.token_ids, (req.num_tokens - 1) // size,
-                                                req.cache_salt)
+    hashes = self.prefix_caches[0].block_hashes(token_ids, (len(token_ids) - 1) // size,
+                                                cache_salt)
     pages = [[group.prefix_cache.page_of(h) for h in hashes] for group in self.groups]
     # missing_before[g][i]: how many of blocks 0 .. i - 1 group g does not cache.
     missing_before = [np.cumsum([0] + [page is None for page in group_pages])
@@ -108,9 +115,9 @@ class GroupPages:
         return tuple(PrefixHit(num_blocks * size,
                                tuple(NULL_PAGE if page is None else page
                                      for page in group_pages[:num_blocks]),
-                               tuple(hashes[:num_blocks]), num_queried=req.num_tokens)
+                               tuple(hashes[:num_blocks]), num_queried=len(token_ids))
                      for group_pages in pages)
-    return (PrefixHit(num_queried=req.num_tokens),) * len(self.groups)
+    return (PrefixHit(num_queried=len(token_ids)),) * len(self.groups)
 
   def without_copy(self, hits: tuple[PrefixHit, ...]) -> tuple[PrefixHit, ...]:
     """The hits' full blocks only (a token-mode copy source that cannot be pinned)."""
