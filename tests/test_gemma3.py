@@ -98,6 +98,37 @@ def test_greedy_generate_matches_transformers(model, hf, prompt):
   assert out.tokens[0] == ref
 
 
+def test_a_2000_token_prefix_hit_resumes_both_kv_groups(model, hf):
+  """One page pool per layer group (15 sliding layers of window 512, 3 global) with the
+  prefix cache: A computes a 2,000-token prompt, B extends it and resumes at 2,000 in both
+  groups (the sliding pool still caches the blocks its window sees there, the global one
+  every block); B's greedy tokens equal transformers' on B's whole prompt."""
+  import torch
+
+  text = "\n\n".join(inspect.getsource(module) for module in (
+      kvjax.model.decoder, kvjax.engine.engine, kvjax.engine.sched.scheduler))
+  shared = hf[1](text)["input_ids"][:2000]
+  assert len(shared) == 2000
+  extended = shared + hf[1]("\n\n# The end.\n", add_special_tokens=False)["input_ids"]
+  with torch.no_grad():
+    ref = hf[0].generate(torch.tensor([extended]), max_new_tokens=8, do_sample=False,
+                         eos_token_id=1, pad_token_id=0)[0, len(extended):].tolist()
+  eng = kvjax.Engine(model, page_size=16, max_num_seqs=1, max_num_batched_tokens=512,
+                     max_model_len=2048, prefix_cache=True, kv_groups=True)
+  hits = []
+  for prompt, new_tokens in ((shared, 1), (extended, 8)):
+    eng.add_request(prompt, new_tokens)
+    tokens, finished = [], None
+    while finished is None:
+      for out in eng.step():
+        eng.scheduler.check_invariants()
+        tokens += out.new_token_ids
+        finished = out if out.finished else None
+    hits.append(finished.metrics.prefix_hit_tokens)
+  assert hits == [0, 2000] and len(eng.scheduler.groups) == 2
+  assert tokens == ref
+
+
 # Gemma's own texts beside the shared unicode-heavy set: its turn markers, runs of spaces
 # its vocabulary stores whole (up to 31), characters outside its vocabulary (byte fallback).
 GEMMA_TEXTS = [
