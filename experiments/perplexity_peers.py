@@ -165,7 +165,7 @@ def _plot(results, path):
   checkpoints = results["checkpoints"]
   with common.figure(path, 1, len(checkpoints), figsize=(5.5 * len(checkpoints), 4),
                      squeeze=False) as (fig, axes):
-    fig.suptitle(f"perplexity of the same ids and GGUF file, {results['machine']}")
+    fig.suptitle(f"same ids, same GGUF file, {results['machine'].split(',')[0]}", fontsize=10)
     for ax, (name, r) in zip(axes[0], checkpoints.items()):
       engines = list(r["engines"])
       values = [r["engines"][e]["perplexity"] for e in engines]
