@@ -4,7 +4,10 @@ Two goals on the CPU reference path, the default model (its positions extended p
 its 2,048 so a request runs to 8k; RoPE has no table to outgrow):
 - a variant's step costs <= 1.05x the hand-written path it replaces: the window512
   variant against the model config's sliding_window = 512, an Engine decode step at
-  each context and a prefill chunk, greedy tokens checked equal.  sinks4-window1020's
+  each context and a prefill chunk, greedy tokens checked equal.  Since the model's window
+  became that variant too (kvjax/attention/variants.py layer_variant), both runs trace one
+  program: the row checks that nothing else differs (results/variant_cost_bench.json is
+  the last run against the hand-written path).  sinks4-window1020's
   hand-written path, the "streaming" KV layout class, is gone ("streaming" now names
   the variant); its last comparison is results/variant_cost_bench_streaming_layout.json;
 - window512's and sinks4-window1020's decode step at 8k context <= 1.2x its cost at 1k

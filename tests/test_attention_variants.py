@@ -13,6 +13,7 @@ import pytest
 
 import kvjax
 from kvjax.attention.backends import get_backend
+from kvjax.attention import variants
 from kvjax.attention.paged import paged_attention
 from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
 from kvjax.caches import PagedKVCache
@@ -170,7 +171,7 @@ def _paged_steps(variant, dtype, steps=(21, 9, 1)):
     batch = make_step_batch(np.zeros((1, t)), [start], [t], tables, [0])
     cache, o = cache.attend(0, *(jnp.asarray(x[None, start:start + t], jnp.float32)
                                  for x in (q_all, k_all, v_all)),
-                            batch, sm_scale=h ** -0.5, window=None,
+                            batch, sm_scale=h ** -0.5,
                             backend=get_backend("reference"), variant=variant)
     out.append(np.asarray(o[0], np.float64))
     start += t
@@ -205,3 +206,73 @@ def test_int8_pages_with_a_variant_agree_as_closely_as_without_one():
   assert err["full", jnp.float32] < 1e-5 and err["variant", jnp.float32] < 1e-5
   assert 1e-3 < err["full", jnp.int8] < 0.1 * changed  # int8 is lossy, the variant matters
   assert err["variant", jnp.int8] <= 1.5 * err["full", jnp.int8], err
+
+
+def _pages_float64(q, keys, values, kv_lens, tables, rules):
+  """float64 paged attention of q [B, T, N, H] (padded rows) over keys / values [K, P, Z, H]
+  through tables, RULES' numpy rules applied in turn on the scaled scores -> [B, T, N, H]."""
+  b, t, n, h = q.shape
+  group = n // keys.shape[0]
+  z = keys.shape[2]
+  out = np.zeros(q.shape)
+  for row in range(b):
+    s_len = kv_lens[row]
+    j = np.arange(s_len)
+    k_row, v_row = (np.repeat(x[:, tables[row, j // z], j % z], group, axis=0).astype(np.float64)
+                    for x in (keys, values))  # [N, S, H]
+    q_pos, k_pos = (s_len - t + np.arange(t))[:, None], j[None, :]
+    s = np.einsum("tnh,nsh->nts", q[row].astype(np.float64), k_row) * 0.3
+    visible = k_pos <= q_pos
+    for rule in rules:
+      visible, s = rule(visible, s, q_pos, k_pos)
+    s = np.where(visible, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    out[row] = np.einsum("nts,nsh->tnh", w / w.sum(-1, keepdims=True), v_row)
+  return out
+
+
+_CAP = lambda vis, s, q, k: (vis, 2.0 * np.tanh(s / 2.0))
+_WINDOW = lambda w: lambda vis, s, q, k: (vis & (k > q - w), s)
+# name -> (both(first, second), the two numpy rules in the same order)
+COMBINED = {
+    # the sinks' leading keys survive a second mask without a kv_range: the walk must read
+    # block 0 then jump to the window's blocks
+    "sinks+landmark": (variants.both(sinks_window(4, 24), LANDMARK),
+                       (lambda vis, s, q, k: (vis & ((k < 4) | (k > q - 24)), s),
+                        RULES["landmark"][1])),
+    "window+landmark-alibi": (variants.both(sliding_window(30), BOTH),
+                              (_WINDOW(30), RULES["landmark"][1], RULES["alibi"][1])),
+    "softcap then alibi": (variants.both(soft_cap(2.0), ALIBI), (_CAP, RULES["alibi"][1])),
+    "window24+sinks2-window40": (variants.both(sliding_window(24), sinks_window(2, 40)),
+                                 (_WINDOW(24), lambda vis, s, q, k: (
+                                     vis & ((k < 2) | (k > q - 40)), s))),
+}
+
+
+@pytest.mark.parametrize("t", [12, 2], ids=["blocked prefill", "decode gather"])
+@pytest.mark.parametrize("name", sorted(COMBINED))
+def test_two_variants_at_once_match_the_float64_oracle(pages, name, t):
+  variant, rules = COMBINED[name]
+  q, k, v, _, tables = pages
+  kv_lens = np.array([310, 300, 280], np.int32)  # every row's window past block 2's start
+  got = paged_attention(jnp.asarray(q[:, :t]), jnp.asarray(k), jnp.asarray(v),
+                        jnp.asarray(kv_lens), jnp.asarray(tables), sm_scale=0.3, layer=1,
+                        variant=variant)
+  want = _pages_float64(q[:, :t], k[1], v[1], kv_lens, tables, rules)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  alone = _pages_float64(q[:, :t], k[1], v[1], kv_lens, tables, rules[1:])
+  assert np.abs(want - alone).max() > 1e-2, f"{name}: the first variant changes nothing"
+  reversed_rules = _pages_float64(q[:, :t], k[1], v[1], kv_lens, tables, rules[::-1])
+  if name == "softcap then alibi":  # the order of the scores matters, and is kept
+    assert np.abs(want - reversed_rules).max() > 1e-2
+
+
+def test_both_record():
+  window, sinks = sliding_window(8), sinks_window(4, 16)
+  assert variants.both(window, None) is window and variants.both(None, None) is None
+  assert variants.both(window, sinks) is variants.both(window, sinks)  # one compilation
+  combined = variants.both(window, sinks)
+  assert combined.monotone and combined.leading_keys == 4
+  assert [int(x) for x in combined.kv_range(jnp.asarray(100))] == [93, 101]
+  assert variants.both(window, soft_cap(3.0)).monotone  # a score hides nothing
+  assert not variants.both(window, kvjax.AttentionVariant("m", mask=LANDMARK.mask)).monotone

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import kvjax
 from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import paged_attention
+from kvjax.attention.variants import sliding_window
 from kvjax.engine.sched.batching import Packing
 
 pytestmark = pytest.mark.quick
@@ -55,16 +56,18 @@ def pages():
   return q, k, v, kv_lens, tables
 
 
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 70}, {"soft_cap": 2.0},
+@pytest.mark.parametrize("options", [{}, {"window": 70}, {"soft_cap": 2.0},
                                      {"sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32)}],
                          ids=["causal", "window", "soft_cap", "sinks"])
 def test_blocked_prefill_matches_a_float64_brute_force(pages, options):
   q, k, v, kv_lens, tables = pages
+  kwargs = {key: value for key, value in options.items() if key != "window"}
+  if "window" in options:  # the model's window is a variant (kvjax/attention/variants.py)
+    kwargs["variant"] = sliding_window(options["window"])
   got = paged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_lens),
-                        jnp.asarray(tables), sm_scale=0.3, layer=1, **options)
-  expected = _brute_force(q, k[1], v[1], kv_lens, tables, 0.3,
-                          window=options.get("sliding_window"), sinks=options.get("sinks"),
-                          soft_cap=options.get("soft_cap"))
+                        jnp.asarray(tables), sm_scale=0.3, layer=1, **kwargs)
+  expected = _brute_force(q, k[1], v[1], kv_lens, tables, 0.3, window=options.get("window"),
+                          sinks=options.get("sinks"), soft_cap=options.get("soft_cap"))
   np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
 
 
@@ -97,22 +100,25 @@ def test_a_window_skips_blocks_no_real_row_sees(pages):
   q, k, v, kv_lens, tables = pages
   q_lens = np.array([0, T, 0], np.int32)  # row 1 alone is real: its window starts past 128
   got = paged_attention(jnp.asarray(q), jnp.asarray(k[0]), jnp.asarray(v[0]), jnp.asarray(kv_lens),
-                        jnp.asarray(tables), sm_scale=0.3, sliding_window=20,
+                        jnp.asarray(tables), sm_scale=0.3, variant=sliding_window(20),
                         q_lens=jnp.asarray(q_lens))
   expected = _brute_force(q, k[0], v[0], kv_lens, tables, 0.3, window=20)
   np.testing.assert_allclose(np.asarray(got)[1], expected[1], rtol=2e-5, atol=2e-5)
 
 
-def test_blocked_mla_matches_a_float64_brute_force(pages):
+@pytest.mark.parametrize("t", [T, 2], ids=["blocked prefill", "decode gather"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_blocked_mla_matches_a_float64_brute_force(pages, window, t):
   _, _, _, kv_lens, tables = pages
   rng = np.random.default_rng(2)
   r, hr = 12, 4
   latent = rng.normal(size=(2, P, Z, r + hr)).astype(np.float32)  # [L, P, Z, R + Hr]
-  q = rng.normal(size=(B, T, N, r + hr)).astype(np.float32)
+  q = rng.normal(size=(B, t, N, r + hr)).astype(np.float32)
   got = mla_paged_attention(jnp.asarray(q), jnp.asarray(latent), jnp.asarray(kv_lens),
-                            jnp.asarray(tables), value_dim=r, sm_scale=0.2, layer=1)
+                            jnp.asarray(tables), value_dim=r, sm_scale=0.2, layer=1,
+                            variant=None if window is None else sliding_window(window))
   entries = latent[1][None]  # one kv head: [1, P, Z, R + Hr]
-  expected = _brute_force(q, entries, entries[..., :r], kv_lens, tables, 0.2)
+  expected = _brute_force(q, entries, entries[..., :r], kv_lens, tables, 0.2, window=window)
   np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5)
 
 

@@ -50,7 +50,7 @@ def _loop(cache, gather: bool, backend="reference"):
       for layer in range(L):
         loop_cache, out = loop_cache.attend(
             layer, qkv[0][step, layer], qkv[1][step, layer], qkv[2][step, layer], batch,
-            sm_scale=H ** -0.5, window=None, backend=record)
+            sm_scale=H ** -0.5, backend=record)
         outs.append(out)
     ends = jnp.asarray(STARTS + (STEPS - 1) * T + q_lens)
     if gather:
@@ -140,10 +140,10 @@ def test_a_loop_of_the_trunk_gathers_and_settles_only_its_layers():
   for step in range(STEPS):
     batch = make_step_batch(np.zeros((3, T), np.int32), STARTS + step * T, q_lens, tables)
     loop_cache, _ = loop_cache.attend(0, qkv[0][step, 0], qkv[1][step, 0], qkv[2][step, 0],
-                                      batch, sm_scale=H ** -0.5, window=None, backend=record)
+                                      batch, sm_scale=H ** -0.5, backend=record)
   with pytest.raises(IndexError):
     loop_cache.attend(1, qkv[0][0, 1], qkv[1][0, 1], qkv[2][0, 1], batch, sm_scale=H ** -0.5,
-                      window=None, backend=record)
+                      backend=record)
   settled = settle(loop_cache, jnp.asarray(STARTS), jnp.asarray(STARTS + (STEPS - 1) * T + q_lens),
                    STEPS * T)
   np.testing.assert_array_equal(np.asarray(settled.k_pages)[0, :, 1:],

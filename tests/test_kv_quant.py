@@ -79,7 +79,7 @@ def test_int8_attention_relative_error_is_small():
   ref = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.float32)
   q8 = PagedKVCache.create(L, K, 1 + 2 * PAGES_PER_SEQ, G, H, jnp.int8)
   batch = _batch([0, 1], [0, 0], 18, [18, 18])
-  kwargs = dict(sm_scale=H ** -0.5, window=None, backend=get_backend("reference"))
+  kwargs = dict(sm_scale=H ** -0.5, backend=get_backend("reference"))
   _, want = ref.attend(0, q, k, v, batch, **kwargs)
   cache, got = q8.attend(0, q, k, v, batch, **kwargs)
   assert cache.k_pages.dtype == jnp.int8 and cache.k_scales.shape == (L, K, 13, G)

@@ -64,7 +64,7 @@ def test_attend_matches_float64_brute_force_over_released_pages():
   tables = np.array([[3, 7, 1, 9, 4, 11]], np.int32)  # shuffled physical pages
   rng = np.random.default_rng(0)
   k_all, v_all = rng.normal(size=(2, 39, num_kv, h))
-  kwargs = dict(sm_scale=h ** -0.5, window=None, backend=get_backend("reference"),
+  kwargs = dict(sm_scale=h ** -0.5, backend=get_backend("reference"),
                 variant=LAYOUT.variant)
   start = 0
   for t in (21, 17, 1):

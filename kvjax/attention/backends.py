@@ -3,15 +3,16 @@
 A `Backend` says what one implementation can do; caches and the speculative
 step call through it and never compare functions by identity:
   attention(q [B, T, N, H], k_pages, v_pages [L, K, P, Z, H], batch: StepBatch, *, layer,
-            sm_scale, sliding_window=None, k_scales=None, v_scales=None)
+            sm_scale, k_scales=None, v_scales=None, variant=None)
       -> [B, T, N, H]    layer `layer` of every layer's float or int8 pages (scales
                          [L, K, P, Z] f32 with int8): given whole, so a loop inside
-                         reads the layer in place instead of a copy of its pool
+                         reads the layer in place instead of a copy of its pool;
+                         `variant`: the layer's attention variant (below)
   verify(draft_tokens [B, J], draft_probs [B, J, V], target_logits [B, J+1, V],
          num_draft [B], keys [B], *, temperature [B]) -> (tokens [B, J+1], accepted [B])
       the whole batch at once, one PRNG key per row (claim C10)
   mla_attention(q [B, T, N, R + Hr], pages [L, P, Z, R + Hr], batch, *, layer, value_dim,
-                sm_scale, sliding_window) -> [B, T, N, R], or None: cannot read
+                sm_scale, variant=None) -> [B, T, N, R], or None: cannot read
                 MLA's latent pages
   delta_rule(q, k [B, T, Nv, Hk], v [B, T, Nv, Hv], g, beta [B, T, Nv], state
              [B, Nv, Hk, Hv], chunk, capture [B, Y] or None) -> (o [B, T, Nv, Hv],
@@ -19,7 +20,7 @@ step call through it and never compare functions by identity:
       a hybrid's Gated DeltaNet rule, float32 (every built-in: the jnp reference,
       kvjax/attention/gated_delta.py; a Pallas kernel would go here)
   gathered_attention(q [B, T, N, H], keys_t [K, B, H, S], values [K, B, S, H], batch, *,
-            page_size, sm_scale, sliding_window=None) -> [B, T, N, H]    or None
+            page_size, sm_scale, variant=None) -> [B, T, N, H]    or None
       attention over rows' K/V already gathered out of their float pages (row b's
       positions 0..S-1): a backend whose `attention` is that gather plus this
       sets it, and a device loop of decode steps over fixed rows (a multi-step
@@ -29,11 +30,13 @@ step call through it and never compare functions by identity:
       that replaces `attention` of a record that has it replaces it too (or
       sets None), or bursts bypass the new `attention`.  page_size: the pages' Z
       (a batch-invariant record walks the copy in its fixed blocks of whole pages).
-  variants: `attention` and `gathered_attention` take `variant=` (an attention variant,
-      kvjax/attention/variants.py) and apply its mask and score (every built-in: the
-      Pallas kernels trace them per tile; on a mesh each device's score sees global
-      head indices); False: a model with a variant is refused, never served as if it
-      had none.
+  variants: `attention` and `gathered_attention` apply the `variant=` they are given
+      (an attention variant, kvjax/attention/variants.py: its mask, score and kv_range;
+      the Pallas kernels trace them per tile; on a mesh each device's score sees global
+      head indices).  A layer's variant is its model window and its attention= variant
+      together (`layer_variant`), so every record's functions take `variant=`: a model
+      with a sliding window passes one.  False: attention= variants are refused, never
+      served as if there were none (the model's own windows still come as variants).
   prefill_full_width: a prefill chunk's `attention` (and `mla_attention`) reads each
       row's pages only as far as its kv_lens, whatever the block table's width (the
       reference backend walks blocks, kvjax/attention/blocked.py; the ragged kernels
@@ -199,12 +202,11 @@ def on_mesh(backend: Backend, mesh: Optional[Mesh]) -> Backend:
     raise ValueError(f"backend {backend.name!r} already runs on another mesh")
   heads, pages, whole = P(None, None, MODEL, None), P(None, MODEL), P()  # pages [L, K, ...]
 
-  def attention(q, k_pages, v_pages, batch, *, layer, sm_scale, sliding_window=None,
-                variant=None, **scales):
+  def attention(q, k_pages, v_pages, batch, *, layer, sm_scale, variant=None, **scales):
     def local(q, k_pages, v_pages, batch, scales):
       options = {} if variant is None else dict(variant=_global_heads(variant, q.shape[2]))
       return backend.attention(q, k_pages, v_pages, batch, layer=layer, sm_scale=sm_scale,
-                               sliding_window=sliding_window, **scales, **options)
+                               **scales, **options)
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, pages),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, batch, scales)
 

@@ -11,20 +11,20 @@ and weighted sum.  A
 prefill program can then take the widest table whatever its rows hold: one
 program per chunk shape.  Decode and verify steps (a few columns) keep the one
 gather, which their short loops would not beat (kvjax/runtime/xla_options.py DECODE_COLUMNS),
-unless a window bounds them: then the walk reads the window, not the whole table.
+unless a variant's kv_range bounds them (a sliding window, the model's included): then the
+walk reads the window, not the whole table.
 
 A block that a query sees nothing of leaves its state exactly as it was (weights
 exp(-inf) = 0, rescale exp(0) = 1), so a query's result does not depend on how
-many blocks its batch walks.  An attention variant's mask only hides keys, so the
-window's first block stays a bound; its kv_range may start the walk later, after a
-first walk over the blocks of its leading keys (attention sinks): the blocks between
-are never read.
+many blocks its batch walks.  The attention variant (kvjax/attention/variants.py; the
+model's sliding window is one, `layer_variant`) decides what each query sees; its kv_range
+starts the walk at its first block, after a first walk over the blocks of its leading keys
+(attention sinks): the blocks between are never read.
 Learned sinks start each denominator at exp(0) with the sink as the running max.
 Shapes: docs/DIMENSIONS.md.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -46,8 +46,8 @@ def block_pages(page_size: int) -> int:
 
 def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
                       kv_lens: jax.Array, q_lens: Optional[jax.Array], num_blocks: int,
-                      block_size: int, *, sm_scale: float, sliding_window: Optional[int] = None,
-                      soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+                      block_size: int, *, sm_scale: float, soft_cap: Optional[float] = None,
+                      sinks: Optional[jax.Array] = None,
                       value_dim: int, variant: Optional[AttentionVariant] = None) -> jax.Array:
   """qg [K, B, Gq, T, H]; read_block(c) -> (k_t [K, B, H, Sb], v [K, B, Sb, Hv]) of key
   positions c*Sb .. (c+1)*Sb - 1 (Sb = block_size); kv_lens [B] (padded layout: query t
@@ -56,19 +56,15 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
   -> f32 [K, B, Gq, T, Hv].
 
   Walks blocks first..last (traced): last covers the longest row, first is the
-  earliest block a real row's window (and the variant's kv_range) reaches (0 without);
-  the blocks of the variant's leading keys before it.
+  earliest block the variant's kv_range lets a real row reach (0 without); the blocks of
+  the variant's leading keys before it.
   """
   num_kv, b, group, t, h = qg.shape
   q_positions = kv_lens[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
   last = jnp.minimum(-(-jnp.max(kv_lens) // block_size), num_blocks)
   first = jnp.zeros((), jnp.int32)
-  bounds = [first_key(variant, q_positions)]  # each [B] or None: keys before it are hidden
-  if sliding_window is not None:
-    bounds.append(jnp.maximum(q_positions[:, 0] - sliding_window + 1, 0))
-  bounds = [bound for bound in bounds if bound is not None]
-  if bounds:
-    earliest = functools.reduce(jnp.maximum, bounds)  # [B]
+  earliest = first_key(variant, q_positions)  # [B] or None: keys before it are hidden
+  if earliest is not None:
     if q_lens is not None:  # padding rows (start 0) would pin the walk at block 0
       earliest = jnp.where(q_lens > 0, earliest, jnp.iinfo(jnp.int32).max)
     first = jnp.minimum(jnp.min(earliest) // block_size, last)
@@ -87,8 +83,6 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
       scores = score_mod(scores)
     visible = (k_positions[None, None] <= q_positions[:, :, None]) & (
         k_positions[None, None] < kv_lens[:, None, None])  # [B, T, Sb]
-    if sliding_window is not None:
-      visible &= k_positions[None, None] > q_positions[:, :, None] - sliding_window
     masked = variant_mask(variant, q_positions[:, :, None], k_positions[None, None])
     if masked is not None:
       visible &= masked
@@ -111,7 +105,7 @@ def blocked_attention(qg: jax.Array, read_block: Callable[[jax.Array], tuple],
   acc = jnp.zeros((num_kv, b, group, t, value_dim), jnp.float32)
   carry = (row_max, denom, acc)
   leading = 0 if variant is None else variant.leading_keys
-  if leading and bounds:  # the leading keys' blocks before the window's
+  if leading and earliest is not None:  # the leading keys' blocks before the window's
     leading_blocks = -(-leading // block_size)
     carry = jax.lax.fori_loop(0, jnp.minimum(leading_blocks, first), body, carry)
   _, denom, acc = jax.lax.fori_loop(first, last, body, carry)

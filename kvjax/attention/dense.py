@@ -3,8 +3,8 @@
 Used by the no-cache forward (keys are the query tokens themselves) and by the
 contiguous cache (keys are a per-row [S] buffer).  Query row i of batch row b sits
 at `q_positions[b, i]`; key j at `k_positions[b, j]`; it is visible iff it is
-valid, not in the future and (with a window W) fewer than W tokens back, and an
-attention variant's mask and score (kvjax/attention/variants.py) apply on top.
+valid, not in the future and the attention variant's mask shows it
+(kvjax/attention/variants.py; the model's sliding window is one), whose score applies too.
 
 `grouped_attention` is the shared core (the paged reference backend calls it
 too), written kv-head-major ([K, B, ...]) so both matmuls batch over leading
@@ -28,14 +28,12 @@ __all__ = ["masked_attention", "grouped_attention", "visibility_mask", "padded_v
 
 
 def visibility_mask(q_positions: jax.Array, k_positions: jax.Array,
-                    k_valid: jax.Array, window: Optional[int],
+                    k_valid: jax.Array,
                     variant: Optional[AttentionVariant] = None) -> jax.Array:
-  """[B, T, S] bool: causal (and sliding-window, and the variant's mask) visibility."""
+  """[B, T, S] bool: causal (and the variant's mask) visibility."""
   qp = q_positions[:, :, None]  # [B, T, 1]
   kp = k_positions[:, None, :]  # [B, 1, S]
   visible = (kp <= qp) & k_valid[:, None, :]
-  if window is not None:
-    visible &= kp > qp - window
   masked = variant_mask(variant, qp, kp)
   return visible if masked is None else visible & masked
 
@@ -48,16 +46,15 @@ def padded_positions(kv_lens: jax.Array, t: int, s: int) -> tuple[jax.Array, jax
   return q_positions, jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
 
 
-def padded_visibility(kv_lens: jax.Array, t: int, s: int, window: Optional[int],
+def padded_visibility(kv_lens: jax.Array, t: int, s: int,
                       variant: Optional[AttentionVariant] = None) -> jax.Array:
   """[B, T, S] visibility of kv_lens [B] padded rows (padded_positions).
 
   The layout every paged read shares (kvjax/runtime/step_batch.py): keys past kv_lens
-  are invalid, the rest causal, windowed and masked by the variant.
+  are invalid, the rest causal and masked by the variant.
   """
   q_positions, k_positions = padded_positions(kv_lens, t, s)
-  return visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None], window,
-                         variant)
+  return visibility_mask(q_positions, k_positions, k_positions < kv_lens[:, None], variant)
 
 
 def padded_scores(kv_lens: jax.Array, t: int, s: int,

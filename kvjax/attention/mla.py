@@ -6,7 +6,10 @@ head, instead of K and V: with the up-projections absorbed into the query and
 the output, attention is MQA over a single "kv head" whose keys are the whole
 row and whose values are its first R dims.  The latent pages themselves are
 kvjax/caches/mla.py.  Prefill chunks walk the table a block at a time, as
-paged GQA's do (kvjax/attention/blocked.py).
+paged GQA's do (kvjax/attention/blocked.py).  The layer's attention variant applies as on
+every path: the model's sliding window (an MLA layout refuses attention= variants, so
+that is all it gets; its query heads are one kv head's group, so a score would see them
+as heads 0..N-1).
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.blocked import block_pages, blocked_attention
-from kvjax.attention.dense import masked_attention, padded_visibility
+from kvjax.attention.dense import masked_attention, padded_scores, padded_visibility
 from kvjax.attention.paged import block_of, padded_tables
+from kvjax.attention.variants import AttentionVariant
 from kvjax.runtime.xla_options import DECODE_COLUMNS
 
 __all__ = ["mla_paged_attention"]
@@ -25,10 +29,11 @@ __all__ = ["mla_paged_attention"]
 
 def mla_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array,
                         block_tables: jax.Array, *, value_dim: int, sm_scale: float,
-                        sliding_window: Optional[int] = None, layer: Optional[int] = None,
-                        q_lens: Optional[jax.Array] = None) -> jax.Array:
+                        layer: Optional[int] = None, q_lens: Optional[jax.Array] = None,
+                        variant: Optional[AttentionVariant] = None) -> jax.Array:
   """q [B, T, N, R + Hr]; pages [P, Z, R + Hr], or every layer's [L, P, Z, R + Hr] with
-  `layer`; kv_lens [B]; block_tables [B, W]; q_lens [B] or None -> [B, T, N, R]
+  `layer`; kv_lens [B]; block_tables [B, W]; q_lens [B] or None; the layer's attention
+  variant or None -> [B, T, N, R]
   (R = value_dim): gather the rows' pages, padded layout.  Every layer's pages let a
   prefill chunk's block loop index the layer in its body (kvjax/attention/paged.py)."""
   b, t = q.shape[:2]
@@ -44,10 +49,11 @@ def mla_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array,
 
     qg = q.transpose(0, 2, 1, 3)[None]  # [1, B, N, T, R + Hr]: one kv head, N per group
     out = blocked_attention(qg, read_block, kv_lens, q_lens, num_blocks, wb * page_size,
-                            sm_scale=sm_scale, sliding_window=sliding_window,
-                            value_dim=value_dim)
+                            sm_scale=sm_scale, value_dim=value_dim, variant=variant)
     return out[0].transpose(0, 2, 1, 3).astype(q.dtype)
   entries = pick(pages)[block_tables]  # [B, W, Z, R + Hr]
   entries = entries.reshape(b, -1, 1, entries.shape[-1])  # [B, S, 1, R + Hr]
-  visible = padded_visibility(kv_lens, t, entries.shape[1], sliding_window)  # [B, T, S]
-  return masked_attention(q, entries, entries[..., :value_dim], visible, sm_scale=sm_scale)
+  s = entries.shape[1]
+  visible = padded_visibility(kv_lens, t, s, variant)  # [B, T, S]
+  return masked_attention(q, entries, entries[..., :value_dim], visible, sm_scale=sm_scale,
+                          score_mod=padded_scores(kv_lens, t, s, variant))

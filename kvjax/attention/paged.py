@@ -5,8 +5,8 @@ padded, not ragged: q is [B, T, N, H] and row i of batch row b sits at position
 `kv_lens[b] - T + i` (every row counted, padding rows included), so the block
 table must cover `kv_lens[b]` tokens.  Decode and verify steps (at most
 DECODE_COLUMNS columns) gather every column of the table at once; prefill
-chunks, and decode steps under a window (the model's, or a variant's
-kv_range), walk it a block at a time from the window's first block up to their
+chunks, and decode steps under a variant's kv_range (a sliding window, the
+model's included), walk it a block at a time from the window's first block up to their
 rows' lengths, after the blocks of the variant's leading keys (sinks)
 (kvjax/attention/blocked.py), so their cost does not grow with the table's width.
 Pallas backends receive the same call flattened into the ragged layout (see
@@ -45,8 +45,7 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array,
 
 
 def gathered_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array, kv_lens: jax.Array,
-                       *, sm_scale: float, sliding_window: Optional[int] = None,
-                       soft_cap: Optional[float] = None,
+                       *, sm_scale: float, soft_cap: Optional[float] = None,
                        sinks: Optional[jax.Array] = None,
                        variant: Optional[AttentionVariant] = None) -> jax.Array:
   """q [B, T, N, H]; keys_t [K, B, H, S], values [K, B, S, H] (row b's positions 0..S-1,
@@ -55,7 +54,7 @@ def gathered_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array, kv_le
   (kvjax/caches/gathered.py) calls it directly, so it applies the variant too."""
   b, t, n, h = q.shape
   num_kv, s = keys_t.shape[0], keys_t.shape[3]
-  visible = padded_visibility(kv_lens, t, s, sliding_window, variant)  # [B, T, S]
+  visible = padded_visibility(kv_lens, t, s, variant)  # [B, T, S]
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   out = grouped_attention(qg, keys_t, values, visible, sm_scale=sm_scale, soft_cap=soft_cap,
                           sinks=None if sinks is None else sinks.reshape(num_kv, -1),
@@ -65,8 +64,7 @@ def gathered_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array, kv_le
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     kv_lens: jax.Array, block_tables: jax.Array, *, sm_scale: float,
-                    layer: Optional[int] = None,
-                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                    layer: Optional[int] = None, soft_cap: Optional[float] = None,
                     k_scales: Optional[jax.Array] = None,
                     v_scales: Optional[jax.Array] = None,
                     sinks: Optional[jax.Array] = None,
@@ -83,22 +81,22 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   """
   pick = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
   # Batch-invariant steps walk fixed blocks whatever the table width (kvjax/model/invariance.py).
-  # A decode step under a window (the model's, or a variant's kv_range) walks from the
+  # A decode step under a variant's kv_range (a window, the model's included) walks from the
   # window's first block (after its leading keys' blocks, e.g. sinks): the gather would read
   # every column, released pages included, so its cost would grow with the context the
   # window hides.
-  if q.shape[1] > DECODE_COLUMNS or invariance.is_on() or sliding_window is not None or (
+  if q.shape[1] > DECODE_COLUMNS or invariance.is_on() or (
       variant is not None and variant.kv_range is not None):
     return _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, sm_scale=sm_scale,
-                    sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
-                    v_scales=v_scales, sinks=sinks, variant=variant)
+                    soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales, sinks=sinks,
+                    variant=variant)
   k_pages, v_pages, k_scales, v_scales = map(pick, (k_pages, v_pages, k_scales, v_scales))
   keys = gather_pages(k_pages, block_tables, k_scales)  # [K, B, S, H]
   values = gather_pages(v_pages, block_tables, v_scales)
   keys_t = jnp.swapaxes(keys, 2, 3)  # [K, B, H, S]: one gather fusion writes it this way
   return gathered_attention(q, keys_t.astype(q.dtype) if k_scales is None else keys_t, values,
-                            kv_lens, sm_scale=sm_scale, sliding_window=sliding_window,
-                            soft_cap=soft_cap, sinks=sinks, variant=variant)
+                            kv_lens, sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks,
+                            variant=variant)
 
 
 def padded_tables(block_tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
@@ -117,7 +115,6 @@ def block_of(tables: jax.Array, c: jax.Array, pages_per_block: int) -> jax.Array
 def gathered_blocks_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array,
                               kv_lens: jax.Array, q_lens: Optional[jax.Array] = None, *,
                               page_size: int, sm_scale: float,
-                              sliding_window: Optional[int] = None,
                               soft_cap: Optional[float] = None, sinks: Optional[jax.Array] = None,
                               variant: Optional[AttentionVariant] = None) -> jax.Array:
   """gathered_attention's batch-invariant form: keys_t [K, B, H, S], values [K, B, S, H]
@@ -133,12 +130,12 @@ def gathered_blocks_attention(q: jax.Array, keys_t: jax.Array, values: jax.Array
             jax.lax.dynamic_slice_in_dim(values, start, block_size, axis=2))
 
   return _walk(q, read_block, kv_lens, q_lens, keys_t.shape[0], keys_t.shape[3] // block_size,
-               block_size, values.shape[-1], sm_scale=sm_scale, sliding_window=sliding_window,
-               soft_cap=soft_cap, sinks=sinks, variant=variant)
+               block_size, values.shape[-1], sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks,
+               variant=variant)
 
 
-def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_scale,
-             sliding_window, soft_cap, k_scales, v_scales, sinks, variant):
+def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_scale, soft_cap,
+             k_scales, v_scales, sinks, variant):
   """paged_attention of a prefill chunk, block by block (kvjax/attention/blocked.py);
   pick(array) -> the layer's [K, P, Z, ...] (indexed inside the loop body)."""
   page_size = k_pages.shape[-2]
@@ -152,20 +149,19 @@ def _blocked(q, k_pages, v_pages, kv_lens, block_tables, q_lens, pick, *, sm_sca
             gather_pages(pick(v_pages), columns, pick(v_scales)))
 
   return _walk(q, read_block, kv_lens, q_lens, k_pages.shape[-4], num_blocks, wb * page_size,
-               v_pages.shape[-1], sm_scale=sm_scale, sliding_window=sliding_window,
-               soft_cap=soft_cap, sinks=sinks, variant=variant)
+               v_pages.shape[-1], sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks,
+               variant=variant)
 
 
 def _walk(q, read_block, kv_lens, q_lens, num_kv, num_blocks, block_size, value_dim, *,
-          sm_scale, sliding_window, soft_cap, sinks, variant):
+          sm_scale, soft_cap, sinks, variant):
   """q [B, T, N, H] attending read_block(c)'s K kv heads block by block (batch-invariant
   steps: ROW_TILE query columns at a time) -> [B, T, N, Hv]."""
   b, t, n, h = q.shape
   qg = q.reshape(b, t, num_kv, n // num_kv, h).transpose(2, 0, 3, 1, 4)  # [K, B, Gq, T, H]
   attend = functools.partial(blocked_attention, read_block=read_block, q_lens=q_lens,
                              num_blocks=num_blocks, block_size=block_size,
-                             sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap, value_dim=value_dim,
+                             sm_scale=sm_scale, soft_cap=soft_cap, value_dim=value_dim,
                              sinks=None if sinks is None else sinks.reshape(num_kv, -1),
                              variant=variant)
   out = query_tiles(attend, qg, kv_lens) if invariance.is_on() and t > 1 else \

@@ -8,10 +8,10 @@ both written with element-wise jnp ops over broadcast integer arrays of LOGICAL 
 (never pages or slots) and the query head index (kv head k, group g -> head k * Gq + g).
 Every path (the no-cache forward, the paged reference backend's gather and block walk,
 the gathered decode loop, the contiguous and int4 caches) calls the helpers below, so
-they all apply the same rule.  Causality and the model's own window are applied on top:
-the mask is ANDed in, so it can only hide keys (a prefill's block walk may still start
-where the window lets it; `kv_range` can start it later).  The score runs after the
-model's soft-cap, before the softmax.
+they all apply the same rule.  A layer's rule is `layer_variant`: the model's own window
+(ModelConfig.sliding_window / layer_windows, a `sliding_window`) and the attention=
+variant joined by `both` (masks ANDed, scores in turn, the tighter kv_range); causality
+applies on top.  The score runs after the model's soft-cap, before the softmax.
 
   monotone   declares that a key hidden from a query stays hidden from later ones: the
              Engine releases the pages it hides (kvjax/engine/sched/mask_release.py)
@@ -43,8 +43,8 @@ from kvjax.model.config import ModelConfig
 
 __all__ = ["AttentionVariant", "register_variant", "get_variant", "variant_names",
            "with_attention", "variant_mask", "variant_scores", "first_key", "skipping_range",
-           "sliding_window", "sinks_window", "soft_cap", "parse_variant_name",
-           "BUILT_IN_NAMES"]
+           "sliding_window", "sinks_window", "soft_cap", "parse_variant_name", "both",
+           "layer_variant", "BUILT_IN_NAMES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,57 @@ def with_attention(model, attention: AttentionArg):
     return model
   config = model.config.replace(attention_variant=_resolve(model.config, attention))
   return dataclasses.replace(model, config=config)
+
+
+@functools.cache
+def both(first: Optional[AttentionVariant],
+         second: Optional[AttentionVariant]) -> Optional[AttentionVariant]:
+  """The two variants at once (None: the other one; both None: None): a key is visible iff
+  both masks show it, the scores run first's then second's, kv_range is the tighter of the
+  two.  Keys outside that range are visible only if one of the two lets them be (its
+  leading keys), so the leading keys are the larger count; monotone if each is (a variant
+  without a mask hides nothing: it counts as monotone).  Cached: the same two give the
+  same record (one compilation)."""
+  if first is None or second is None:
+    return second if first is None else first
+  masks = [v.mask for v in (first, second) if v.mask is not None]
+  scores = [v.score for v in (first, second) if v.score is not None]
+  ranges = [v.kv_range for v in (first, second) if v.kv_range is not None]
+  hides_monotonically = lambda v: v.monotone or v.mask is None
+  return AttentionVariant(
+      f"{first.name}+{second.name}", mask=_joined(masks, _both_masks),
+      score=_joined(scores, _scores_in_turn), kv_range=_joined(ranges, _tighter_range),
+      monotone=hides_monotonically(first) and hides_monotonically(second),
+      leading_keys=max(first.leading_keys, second.leading_keys))
+
+
+def _joined(functions: list, join: Callable) -> Optional[Callable]:
+  """None, the one function, or the two joined."""
+  return join(*functions) if len(functions) == 2 else (functions or [None])[0]
+
+
+def _both_masks(first: Callable, second: Callable) -> Callable:
+  # `&`, not jnp: mask_release evaluates masks on numpy arrays
+  return lambda q, k: first(q, k) & second(q, k)
+
+
+def _scores_in_turn(first: Callable, second: Callable) -> Callable:
+  return lambda s, q, k, h: second(first(s, q, k, h), q, k, h)
+
+
+def _tighter_range(first: Callable, second: Callable) -> Callable:
+  def kv_range(q):
+    (lo_a, hi_a), (lo_b, hi_b) = first(q), second(q)
+    return jnp.maximum(lo_a, lo_b), jnp.minimum(hi_a, hi_b)
+  return kv_range
+
+
+def layer_variant(cfg: ModelConfig, layer: int) -> Optional[AttentionVariant]:
+  """What cache layer `layer` of cfg attends with: its model window (`window_of_layer`, a
+  `sliding_window`) and its attention= variant (`variant_of_layer`) together, or None.
+  The one rule every attention path applies (causality on top)."""
+  window = cfg.window_of_layer(layer)
+  return both(None if window is None else sliding_window(window), cfg.variant_of_layer(layer))
 
 
 def variant_mask(variant: Optional[AttentionVariant], q_positions: jax.Array,

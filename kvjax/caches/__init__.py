@@ -1,10 +1,12 @@
 """KV caches: one contract, layouts declared as spec records (and a decode loop's view).
 
 Every cache is a frozen pytree with
-  cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
+  cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, backend, variant=None)
 which writes the step's new k, v [B, T, K, H] for `batch` (a StepBatch,
 kvjax/runtime/step_batch.py) and attends q [B, T, N, H] over everything the rows can
-see; the cache goes in and comes out, nothing is mutated.  Paged caches also
+see, `variant` (kvjax/attention/variants.py layer_variant: the model's window and the
+attention= variant) deciding which keys; the cache goes in and comes out, nothing is
+mutated.  Paged caches also
 list their per-page arrays (`PAGE_ARRAYS`, `PAGE_AXIS`) and per-slot arrays
 (`SLOT_ARRAYS`) for page copies and for clearing a failed request's pages.
 

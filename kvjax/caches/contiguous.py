@@ -29,11 +29,12 @@ class ContiguousKVCache:
                v=jnp.zeros(shape + (value_dim or head_dim,), dtype))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend=None, sinks: Optional[jax.Array] = None,
+             backend=None, sinks: Optional[jax.Array] = None,
              variant: Optional[AttentionVariant] = None):
     """Write k [B, T, K, H], v [B, T, K, Hv] into each row's slot; q attends the slot's
     buffer (`sinks` [N]: a layer kind's learned sink logits, kvjax/model/learned_sinks.py;
-    `variant`: an attention variant's mask and score, kvjax/attention/variants.py)."""
+    `variant`: the layer's attention variant's mask and score, kvjax/attention/variants.py,
+    its model window included)."""
     del backend  # a contiguous buffer needs no page gather
     slots = batch.slot_ids[:, None]  # [B, 1]
     # Padding columns land past the buffer end and are dropped.
@@ -44,12 +45,6 @@ class ContiguousKVCache:
     keys = cache.k[layer, batch.slot_ids]  # [B, S, K, H]
     values = cache.v[layer, batch.slot_ids]
     t, s = q.shape[1], keys.shape[1]
-    visible = self.visibility(batch.kv_lens, t, s, window, variant)
+    visible = padded_visibility(batch.kv_lens, t, s, variant)
     return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale, sinks=sinks,
                                    score_mod=padded_scores(batch.kv_lens, t, s, variant))
-
-  def visibility(self, kv_lens: jax.Array, t: int, s: int, window: Optional[int],
-                 variant: Optional[AttentionVariant] = None) -> jax.Array:
-    """[B, T, S] keys each query sees: causal, windowed and the variant's (a layout's
-    twin may mask otherwise, e.g. attention sinks)."""
-    return padded_visibility(kv_lens, t, s, window, variant)

@@ -58,11 +58,12 @@ class GatheredKVCache:
     keys_t = tuple(jnp.swapaxes(k, 2, 3) for k in dense(pages.k_pages))
     return cls(pages=pages, k=keys_t, v=dense(pages.v_pages))
 
-  def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend, **options):
+  def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float, backend,
+             **options):
     """Write k, v [B, T, K, H] at their positions, then q [B, T, N, H] attends the copy;
     batch's rows are the gathered rows (padding columns write nothing); `options` (a
-    layer kind's extras, e.g. sinks) go to the backend's attention."""
+    layer kind's extras, e.g. sinks; the layer's attention variant) go to the backend's
+    attention."""
     rows = jnp.arange(q.shape[0])[:, None]  # [B, 1]
     positions = jnp.where(batch.valid, batch.positions, self.num_positions)  # S: dropped
     # Advanced indices split by a slice put their [B, T] first: the value is new [B, T, K, H].
@@ -73,7 +74,7 @@ class GatheredKVCache:
     cache = self.replace(k=_with(self.k, layer, keys), v=_with(self.v, layer, values))
     out = backend.gathered_attention(q, keys.astype(q.dtype), values, batch,
                                      page_size=self.pages.page_size, sm_scale=sm_scale,
-                                     sliding_window=window, **options)
+                                     **options)
     return cache, out
 
   @property

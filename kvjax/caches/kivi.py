@@ -130,15 +130,14 @@ class KIVIPagedKVCache(PagedLayout):
             gather(self.v_pages, self.v_scales, self.v_offsets, self.v_residual, 4))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Backend,
-             variant: Optional[AttentionVariant] = None):
+             backend: Backend, variant: Optional[AttentionVariant] = None):
     """Write k, v [B, T, K, H]; q [B, T, N, H] attends the dequantized pages densely
-    (with an attention variant's mask and score)."""
+    (with the layer's attention variant's mask and score, its model window included)."""
     del backend  # dequantized here, attended densely
     cache = self.write(layer, k, v, batch)
     keys, values = cache.read(layer, batch)  # [B, S, K, H] f32
     t, s = q.shape[1], keys.shape[1]
-    visible = padded_visibility(batch.kv_lens, t, s, window, variant)
+    visible = padded_visibility(batch.kv_lens, t, s, variant)
     return cache, masked_attention(q, keys, values, visible, sm_scale=sm_scale,
                                    score_mod=padded_scores(batch.kv_lens, t, s, variant))
 

@@ -16,6 +16,7 @@ import jax
 from flax import struct
 
 from kvjax.attention.backends import Backend
+from kvjax.attention.variants import AttentionVariant
 from kvjax.caches.contiguous import ContiguousKVCache
 from kvjax.caches.layout import ArraySpec, KVLayout, PoolSizes, allocate, register, store_name
 from kvjax.caches.paged import PagedLayout, token_slots
@@ -50,13 +51,14 @@ class MLAPagedCache(PagedLayout):
         entry.astype(self.pages.dtype)))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Backend):
-    """q [B, T, N, R + Hr], k [B, T, 1, R + Hr]; v is k[..., :R] and is not stored."""
+             backend: Backend, variant: Optional[AttentionVariant] = None):
+    """q [B, T, N, R + Hr], k [B, T, 1, R + Hr]; v is k[..., :R] and is not stored;
+    `variant`: the layer's (its model window: the layout refuses attention= variants)."""
     del v
     backend.check_mla()
     cache = self.write(layer, k[:, :, 0], batch)
     out = backend.mla_attention(q, cache.pages, batch, layer=layer, value_dim=self.value_dim,
-                                sm_scale=sm_scale, sliding_window=window)
+                                sm_scale=sm_scale, variant=variant)
     return cache, out
 
 

@@ -119,15 +119,15 @@ class PagedKVCache(PagedLayout):
         v_scales=self.v_scales.at[layer, :, pages, offsets].set(v_scale))
 
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
-             window: Optional[int], backend: Backend, **options):
+             backend: Backend, **options):
     """Write k, v [B, T, K, H], then q [B, T, N, H] attends -> (cache, out [B, T, N, H]);
-    `options` (a layer kind's extras, e.g. sinks; an attention variant) go to the backend's
-    attention."""
+    `options` (a layer kind's extras, e.g. sinks; the layer's attention variant) go to the
+    backend's attention."""
     cache = self.write(layer, k, v, batch)
     scales = {} if cache.k_scales is None else dict(k_scales=cache.k_scales,
                                                      v_scales=cache.v_scales)
     out = backend.attention(q, cache.k_pages, cache.v_pages, batch, layer=layer,
-                            sm_scale=sm_scale, sliding_window=window, **scales, **options)
+                            sm_scale=sm_scale, **scales, **options)
     return cache, out
 
 

@@ -7,7 +7,7 @@ DeltaNet layers keep, per slot, a conv state (the last Kc - 1 conv inputs) and
 a delta-rule state [Nv, Hk, Hv] that do not grow with the context.  One record
 holds both and keeps the one contract:
 
-  cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, window, backend)
+  cache, out = cache.attend(layer, q, k, v, batch, *, sm_scale, backend, variant=None)
 
 for attention layers (the KV base class's attend), while a linear layer calls
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from kvjax.attention.dense import masked_attention, visibility_mask
 from kvjax.attention.gated_delta import LinearInputs
-from kvjax.attention.variants import variant_scores
+from kvjax.attention.variants import layer_variant, variant_scores
 from kvjax.model.config import ModelConfig
 from kvjax.model.hybrid import stateless_mix
 from kvjax.model.layer_kinds import LayerKind, MLPKind, layer_kind, mlp_kind, register_layer_kind, \
@@ -252,8 +252,8 @@ def _dense_attend(cfg: ModelConfig, positions: jax.Array) -> Attend:
   valid = jnp.ones(positions.shape, bool)
 
   def attention(cache, layer, q, k, v, sinks=None):
-    variant = cfg.variant_of_layer(layer)
-    visible = visibility_mask(positions, positions, valid, cfg.window_of_layer(layer), variant)
+    variant = layer_variant(cfg, layer)  # the model's window and attention= at once
+    visible = visibility_mask(positions, positions, valid, variant)
     return cache, masked_attention(q, k, v, visible, sm_scale=cfg.attention_scale,
                                    sinks=sinks,
                                    score_mod=variant_scores(variant, positions, positions))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.backends import Backend, get_backend
+from kvjax.attention.variants import layer_variant
 from kvjax.lora.weight import route
 from kvjax.model.config import ModelConfig
 from kvjax.model.decoder import Attend, decoder, lm_logits
@@ -40,11 +41,11 @@ def cache_attend(config: ModelConfig, batch: StepBatch, backend: BackendArg) -> 
   backend = get_backend(backend)
 
   def attention(cache, layer, q, k, v, **options):
-    variant = config.variant_of_layer(layer)
-    if variant is not None:  # only then: a cache or backend without variants never sees one
+    variant = layer_variant(config, layer)  # the model's window and attention= at once
+    if variant is not None:  # only then: a layer without either passes nothing
       options = dict(options, variant=variant)
     return cache.attend(layer, q, k, v, batch, sm_scale=config.attention_scale,
-                        window=config.window_of_layer(layer), backend=backend, **options)
+                        backend=backend, **options)
 
   def linear(cache, index, inputs):
     return cache.linear_attend(index, inputs, batch, backend)
