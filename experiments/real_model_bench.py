@@ -367,7 +367,7 @@ def _table(results: dict, c) -> list:
       rows.append(("C12", f"{results['model']} batch-1 decode tok/s, {dtype} / float32 "
                           "weights (kvjax)", "faster", f"{ratio:.2f}x"))
   widest = str(max(c.concurrency))
-  for conc, by_name in results["b"]["by_concurrency"].items():
+  for conc, by_name in results.get("b", {}).get("by_concurrency", {}).items():
     rows += [("issue 27", f"{conc} concurrent: output tok/s, TTFT ms: {name}", "-",
               f"{r['output_tokens_per_s']:.0f}, {r['ttft_mean_s'] * 1e3:.0f}")
              for name, r in by_name.items()]
@@ -380,7 +380,8 @@ def _table(results: dict, c) -> list:
 
 
 def _plot(results, path):
-  a, b = results["a"]["engines"], results["b"]["by_concurrency"]
+  a = results["a"]["engines"]
+  b = results.get("b", {}).get("by_concurrency", {})  # none: written after part (a)
   with common.figure(path, 1, 2, figsize=(13, 4.6)) as (fig, axes):
     fig.suptitle(f"{results['model']} ({os.path.basename(results['gguf'])}), "
                  f"{results['machine'].split(',')[0]}, shared")
@@ -397,7 +398,8 @@ def _plot(results, path):
       axes[1].bar(x + (i - (len(servers) - 1) / 2) * width, rates, width, label=server)
     axes[1].set_xticks(x, [f"{n} concurrent" for n in b])
     axes[1].set(ylabel="output tokens/s", title="(b) served, same client, EOS ignored")
-    axes[1].legend(fontsize=8)
+    if b:
+      axes[1].legend(fontsize=8)
 
 
 def main(argv):
@@ -439,7 +441,8 @@ def main(argv):
     if llamacpp is not None:
       llamacpp.close()
   # Part (a) kept now: on busy cores part (b) (a server's compilations) can take as long.
-  common.write_json(os.path.join(c.out_dir, c.name + ".json"), results)
+  results["table"] = common.claim_rows(_table(results, c))
+  common.write_results(c.out_dir, c.name, results, plot=functools.partial(_plot, results))
   # Looked up again: part (a) takes minutes, and a peer build may finish meanwhile.
   peers["llama_server"] = find_peers(c.peers_dir)["llama_server"]
   results["b"] = part_b(models, prompts, c, model_path, peers["llama_server"])

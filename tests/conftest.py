@@ -142,6 +142,25 @@ def pytest_collection_modifyitems(items):
       item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+# `JAX_DISABLE_MOST_OPTIMIZATIONS=1 python -m pytest ...` compiles at LLVM -O0 without
+# XLA's expensive passes: 5-16% less wall time on the files measured (2026-12-07), the
+# golden replays bit-identical.  Not the default until a full run passes with it.  These
+# modules keep full optimization: at -O0 test_hybrid's multi-turn prefix hit drifts 2e-4
+# from the no-cache forward in its last log-probability (over its 1e-4).
+OPTIMIZED = {"test_hybrid"}
+
+
+@pytest.fixture(autouse=True)
+def _optimized_modules(request):
+  if request.module.__name__.rsplit(".", 1)[-1] not in OPTIMIZED:
+    yield
+    return
+  was = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", was)
+
+
 @pytest.fixture(autouse=True)
 def _bounded_compiled_programs():
   yield
