@@ -122,15 +122,15 @@ def test_a_sliding_group_whose_blocks_were_evicted_computes_the_prompt():
 
 def test_a_router_sees_the_hit_every_group_serves():
   """The global group lost block 5: the engine resumes B at 20 however much the sliding
-  group (group 0) caches, and `cached_prefix` (what a Router routes by) says the same
-  before B is added."""
+  group (group 0) caches, and the scheduler's `cached_prefix` (what a Router routes by)
+  says the same before B is added."""
   eng = kvjax.Engine(_model(), **GROUPED)
   served = _serve(eng, [A])
   glob = eng.scheduler.groups[1].prefix_cache
   glob.discard([glob.page_of(glob.block_hashes(SHARED, 6)[5])])
   assert eng.scheduler.groups[0].prefix_cache.lookup(B[0]).num_tokens == len(SHARED)
   router = kvjax.Router([eng])
-  assert eng.cached_prefix(B[0]) == router.cached_prefix(0, B[0]) == 5 * G
+  assert eng.scheduler.cached_prefix(B[0]) == router.cached_prefix(0, B[0]) == 5 * G
   served += _serve(eng, [B])
   assert served[1][2] == 5 * G
   _assert_exact(served, [A, B])

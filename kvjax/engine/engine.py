@@ -294,13 +294,6 @@ class Engine:
     cache = self.scheduler.prefix_cache
     return [] if cache is None else [cache]
 
-  def cached_prefix(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
-    """Prompt tokens a request would reuse from the prefix cache now (0 without one): with
-    KV layer groups, the hit every group serves (kvjax/engine/sched/group_pages.py)."""
-    if self.scheduler.prefix_cache is None:
-      return 0
-    return self.scheduler.groups.hits(list(prompt), cache_salt)[0].num_tokens
-
   # -- stepping ---------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:

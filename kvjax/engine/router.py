@@ -102,7 +102,7 @@ class Router:
   def cached_prefix(self, replica: int, prompt: Sequence[int],
                     cache_salt: Optional[str] = None) -> int:
     """Prompt tokens the replica's prefix cache would reuse now (0 without a cache)."""
-    return self.engines[replica].cached_prefix(prompt, cache_salt)
+    return self.engines[replica].scheduler.cached_prefix(prompt, cache_salt)
 
   def choose(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
     """The replica the policy sends `prompt` to (nothing is queued)."""

@@ -305,6 +305,13 @@ class Scheduler:
 
   # -- checks -----------------------------------------------------------------
 
+  def cached_prefix(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> int:
+    """Prompt tokens a request would reuse from the prefix cache now (0 without one): with
+    KV layer groups, the hit every group serves (kvjax/engine/sched/group_pages.py)."""
+    if self.prefix_cache is None:
+      return 0
+    return self.groups.hits(list(prompt), cache_salt)[0].num_tokens
+
   def check_invariants(self) -> None:
     """AssertionError unless pages, slots and queues are all consistent."""
     self.groups.check_invariants(self.running)
