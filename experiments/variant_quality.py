@@ -1,7 +1,7 @@
 """Claims C6, C12, C16 on a real model: what each KV and weight variant costs in quality.
 
 For every variant of the config (configs/variant_quality.py says the names) on
-SmolLM2-135M-Instruct: teacher-forced perplexity of the stdlib text through the
+SmolLM2-135M-Instruct (or Gemma 3 270M, the config's "gemma3"): teacher-forced perplexity of the stdlib text through the
 paged cache the variant uses (prefill chunks + decode steps, kvjax/eval/perplexity.py)
 and its delta against "float", KV bytes per token, HumanEval pass@1 (greedy, a
 subset, kvjax/eval/humaneval.py) and needle accuracy by context length
@@ -57,7 +57,7 @@ def _row(cfg, name: str, model, ids) -> dict:
                           max_num_seqs=cfg.max_num_seqs,
                           max_model_len=max(cfg.needle_lengths) + 16)
     row["needle"] = needle.needle_accuracy(engine, model.tokenizer, cfg.needle_lengths,
-                                           cfg.needle_depths, label=name)
+                                           cfg.needle_depths, label=name, mode=cfg.needle_mode)
   return row
 
 
@@ -83,6 +83,8 @@ def _speed(cfg, models: dict, ids) -> dict:
   variant's engine generates from the same text prompts in interleaved rounds (the
   machine's drift hits them alike); tokens/s = batch / the median round's mean time per
   output token, so prefill is not in it."""
+  if not cfg.speed_variants:
+    return {}
   n = cfg.speed_prompt_len
   prompts = [list(ids[i * n:(i + 1) * n]) for i in range(cfg.speed_batch)]
   runs = {}
@@ -108,7 +110,7 @@ def _speed(cfg, models: dict, ids) -> dict:
 
 def _claims(rows: dict, cfg) -> list:
   base = rows["float"]["perplexity"]["nats_per_token"]
-  ctx = f"SmolLM2-135M, {rows['float']['perplexity']['tokens']}-token stdlib text"
+  ctx = f"{cfg.model_label}, {rows['float']['perplexity']['tokens']}-token stdlib text"
   out = []
 
   def delta(name):
@@ -127,26 +129,26 @@ def _claims(rows: dict, cfg) -> list:
                       f"float {base:.4f} nats/token)", seed=seed, ours=f"{delta(name):+.2f}%"))
   for name, seed in (("kv-int8", "1/4 (int8 / fp32)"), ("kv-int4", "1/8 (int4 / fp32)")):
     if name in rows:
-      out.append(dict(claim="C6", what=f"SmolLM2-135M: KV bytes/token {name} / fp32 (scales "
+      out.append(dict(claim="C6", what=f"{cfg.model_label}: KV bytes/token {name} / fp32 (scales "
                       "included)", seed=seed,
                       ours=round(rows[name]["kv_bytes_per_token"]
                                  / rows["float"]["kv_bytes_per_token"], 4)))
   he = {n: r["humaneval"] for n, r in rows.items() if "humaneval" in r}
   if he:
-    out.append(dict(claim="C12", what=f"SmolLM2-135M HumanEval pass@1 (greedy, first "
-                    f"{cfg.humaneval_limit}): " + ", ".join(he), seed="-",
+    out.append(dict(claim="C12", what=f"{cfg.model_label} HumanEval pass@1 (greedy, "
+                    f"{cfg.humaneval_mode}, first {cfg.humaneval_limit}): " + ", ".join(he), seed="-",
                     ours=" / ".join(f"{h['passed']}/{h['count']}" for h in he.values())))
   for name in ("weights-int8", "weights-int4", "weights-int4-g128", "weights-awq-int4-g128",
                "kv-int8", "kv-int4"):
     if "speed" in rows.get(name, {}) and "speed" in rows["float"]:
       claim, seed = ("C12", "faster") if name.startswith("weights") else ("C6", "-")
-      out.append(dict(claim=claim, what=f"SmolLM2-135M decode tokens/s at batch "
+      out.append(dict(claim=claim, what=f"{cfg.model_label} decode tokens/s at batch "
                       f"{cfg.speed_batch}, {name} / float (interleaved rounds)", seed=seed,
                       ours=round(rows[name]["speed"]["decode_tokens_per_s"]
                                  / rows["float"]["speed"]["decode_tokens_per_s"], 3)))
   nd = {n: r["needle"] for n, r in rows.items() if "needle" in r}
   for n, r in nd.items():
-    out.append(dict(claim="C16", what=f"SmolLM2-135M needle accuracy, {n}, context "
+    out.append(dict(claim="C16", what=f"{cfg.model_label} needle accuracy, {n}, context "
                     + "/".join(r["by_length"]) + f" (depths {list(cfg.needle_depths)})",
                     seed="a window loses far context" if n != "float" else "-",
                     ours=" / ".join(f"{v:.2f}" for v in r["by_length"].values())))

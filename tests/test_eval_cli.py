@@ -97,3 +97,30 @@ def test_eval_attention_reaches_the_model_every_task_runs(tmp_path, monkeypatch)
                    "--out-dir", str(tmp_path)])
   assert code == 2
   assert models[0].config.attention_variant == sliding_window(8)
+
+
+@pytest.mark.parametrize("template, mode", [(True, "chat"), (False, "completion")])
+def test_prompt_mode_auto_is_completion_for_a_model_without_a_chat_template(
+    template, mode, tmp_path, monkeypatch):
+  import kvjax
+  from kvjax.eval import needle
+
+  load = kvjax.load_checkpoint
+
+  def load_base(*args, **kwargs):  # tiny-code's byte tokenizer, its template taken away
+    model = load(*args, **kwargs)
+    if not template:
+      model.tokenizer.chat_template = None
+    return model
+
+  modes = []
+
+  def capture(engine, tokenizer, lengths, depths, mode):
+    modes.append(mode)
+    raise ValueError("captured")
+
+  monkeypatch.setattr(kvjax, "load_checkpoint", load_base)
+  monkeypatch.setattr(needle, "needle_accuracy", capture)
+  code = cli.main(["eval", "needle", "--checkpoint", "tiny-code", "--lengths", "64",
+                   "--out-dir", str(tmp_path)])
+  assert code == 2 and modes == [mode]

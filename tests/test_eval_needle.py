@@ -52,6 +52,26 @@ def test_prompt_builder_refuses_what_cannot_fit():
     needle.build_prompt(tok, 20, 0.5)
 
 
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_completion_mode_is_plain_text_ending_in_the_cue(depth):
+  """A base model's prompt: no chat template, the filler and needle, then the cue the
+  number continues."""
+  tok = _CharTokenizer()
+  tok.apply_chat_template = None  # a base model's tokenizer cannot render a chat
+  prompt = needle.build_prompt(tok, 1000, depth, mode="completion")
+  text = tok.decode(prompt["ids"])
+  assert "<u>" not in text and text.endswith("\n\n" + needle.COMPLETION_CUE)
+  body = text[:-len("\n\n" + needle.COMPLETION_CUE)]
+  before = body.split(needle.NEEDLE)[0]
+  assert body.count(needle.NEEDLE) == 1
+  assert sum(before.count(s) for s in needle.FILLER) == prompt["needle_index"] == round(
+      depth * prompt["num_filler"])
+  following = needle.FILLER[prompt["num_filler"] % len(needle.FILLER)]
+  assert len(prompt["ids"]) <= 1000 < len(prompt["ids"]) + len(" " + following)
+  with pytest.raises(ValueError, match="needle prompt mode must be one of"):
+    needle.build_prompt(tok, 1000, depth, mode="instruct")
+
+
 def test_scoring():
   assert needle.is_correct("73914")
   assert needle.is_correct("The secret number is 73914.")

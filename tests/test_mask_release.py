@@ -72,7 +72,7 @@ def test_max_pages_held_is_the_most_any_start_holds(name):
 
 def _masks_of(attention, model) -> tuple:
   """The distinct masks mask_release takes from `attention` on `model` (() if none)."""
-  release = mask_release(PageRelease(Z), with_attention(model, attention).config, draft=False)
+  release = mask_release(PageRelease(Z), with_attention(model, attention).config, draft=None)
   return release.masks if isinstance(release, MaskRelease) else ()
 
 
@@ -136,7 +136,9 @@ def test_release_needs_a_monotone_mask_in_every_cache_layer(model):
   assert _masks_of(kvjax.AttentionVariant("score-only", score=lambda s, q, k, h: s,
                                           monotone=True), model) == ()
   cfg = with_attention(model, window).config
-  assert mask_release(PageRelease(Z), cfg, draft=True) == PageRelease(Z)  # drafts read all
+  # a draft model without a variant reads every page: nothing released
+  assert mask_release(PageRelease(Z), cfg, draft=model.config) == PageRelease(Z)
+  assert _masks_of(window, model) == (window.mask,)
 
 
 def _run_engine(model, attention, masks):

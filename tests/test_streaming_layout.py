@@ -193,3 +193,20 @@ def test_server_serves_it():
     body = {"model": "streaming", "prompt": prompt, "max_tokens": 40, "temperature": 0}
     got = httpx.post(handle.url + "/completions", json=body, timeout=120).json()
   assert got["choices"][0]["token_ids"] == want
+
+
+def test_a_draft_model_runs_the_variant_too_and_middle_pages_still_go():
+  """The draft's cache reads the same pages, so it attends under the alias's variant too
+  and the middle pages are released as without it.  The draft here is the target itself:
+  under the same rule its greedy drafts are the target's, so every one is accepted; a
+  draft attending with full attention would read the released pages (null) and miss."""
+  want = _oracle()
+  eng = kvjax.Engine(_model(), speculative=_model(), num_draft=3, **ENGINE)
+  assert eng.draft_model.config.attention_variant == LAYOUT.variant
+  used = _record_pages(eng)
+  result = eng.generate([LONG], 120)
+  assert result.tokens == [want[0]]
+  assert max(used) <= PREFILL_BOUND + 1  # the sink page, the window and the draft slots
+  assert result.stats["num_verify_steps"] > 20 and result.stats["acceptance_rate"] == 1.0
+  eng.scheduler.check_invariants()
+  assert eng.scheduler.allocator.num_used == 0

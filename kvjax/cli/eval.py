@@ -64,10 +64,12 @@ def add_parser(subparsers) -> None:
                   help="the first N problems (default 164) or choice questions (default all)")
   he.add_argument("--max-new-tokens", type=int, default=256,
                   help="tokens per answer (default 256)")
-  he.add_argument("--prompt-mode", choices=("completion", "chat"), default="chat",
-                  help="chat (default: the prompt as a user turn of the chat template, the "
-                       "reply's code block run; for instruct models) or completion (the raw "
-                       "prompt continued; for base and code models)")
+  he.add_argument("--prompt-mode", choices=("auto", "completion", "chat"), default="auto",
+                  help="humaneval and needle: chat (the prompt as a user turn of the chat "
+                       "template, for instruct models; humaneval runs the reply's code block), "
+                       "completion (the plain prompt continued, for base and code models) or "
+                       "auto (default: chat when the model's tokenizer has a chat template, "
+                       "else completion)")
   he.add_argument("--timeout", type=float, default=10.0, help="seconds per check")
   nd = p.add_argument_group("needle")
   nd.add_argument("--lengths", type=_ints, default=[512, 1024], help="context lengths")
@@ -150,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
   if model.tokenizer is None:
     raise ValueError(f"--checkpoint {args.checkpoint}: the model has no tokenizer; every eval "
                      "task encodes text")
+  if args.prompt_mode == "auto":  # a base model (Gemma 3 270M) ships no chat template
+    has_template = getattr(model.tokenizer, "chat_template", None) is not None
+    args.prompt_mode = "chat" if has_template else "completion"
   model = with_attention(model, args.attention)  # every task, perplexity's steps too
   windowed = variant.with_window(model, args.sliding_window)
   if args.task == "perplexity":
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     summary = f"acc {result['acc']:.3f}, acc_norm {result['acc_norm']:.3f} ({result['count']})"
   else:
     engine = _engine(args, windowed, max(args.lengths) + 16)
-    result = needle.needle_accuracy(engine, model.tokenizer, args.lengths, args.depths)
+    result = needle.needle_accuracy(engine, model.tokenizer, args.lengths, args.depths,
+                                    mode=args.prompt_mode)
     summary = f"accuracy {result['accuracy']:.3f} by length {result['by_length']}"
   options = {k: v for k, v in vars(args).items() if k != "func"}
   os.makedirs(args.out_dir, exist_ok=True)

@@ -244,7 +244,7 @@ class EngineConfig:
     """(group, its page release) of each layer group (none: one pool)."""
     layout = get_layout(self.kv_dtype, cfg)
     return [(group, mask_release(layout.page_release(self.page_size, group.window), cfg,
-                                 draft=False, layers=group.layers))
+                                 draft=None, layers=group.layers))
             for group in self.layer_groups(cfg)]
 
   def group_pools(self, cfg: ModelConfig) -> list:
@@ -274,7 +274,8 @@ class EngineConfig:
     a monotone attention variant hides; kvjax/engine/sched/mask_release.py)."""
     layout = get_layout(self.kv_dtype, cfg)
     base = layout.page_release(self.page_size, self.widest_window(cfg))
-    return mask_release(base, cfg, draft=self.draft_model is not None)
+    draft = self.draft_model
+    return mask_release(base, cfg, draft=None if draft is None else draft.config)
 
   def prefill_full_width(self, cfg: ModelConfig) -> bool:
     """Whether prefill chunks may take the widest block table (kvjax/engine/sched/batching.py): the

@@ -110,8 +110,8 @@ def check_program(problem: dict, program: str, *, timeout_s: float = 10.0,
 
 def prompt_ids(tokenizer, problem: dict, mode: str) -> list[int]:
   """The ids a problem is asked with in `mode` (MODES)."""
-  if mode == "completion":
-    return tokenizer.encode(problem["prompt"], add_special_tokens=False)
+  if mode == "completion":  # the tokenizer's own BOS rule: Gemma's base model needs its BOS
+    return tokenizer.encode(problem["prompt"])
   text = tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True)
   return tokenizer.encode(text, add_special_tokens=False)
 

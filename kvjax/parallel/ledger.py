@@ -125,7 +125,7 @@ def kv_bytes_per_request(cfg: ModelConfig, context: int, kv_dtype: str = "bf16",
   check_positive_int(context, "context")
   layout = sizing_layout(kv_dtype, cfg)
   release = mask_release(layout.page_release(PAGE_SIZE, None), layout.serving_config(cfg),
-                         draft=False)
+                         draft=None)
   held = context - PAGE_SIZE * len(release.dead_pages(context))
   tokens = sum(held if w is None else min(held, w)
                for w in _cache_layer_windows(cfg, include_mtp))

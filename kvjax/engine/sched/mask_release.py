@@ -105,15 +105,18 @@ class MaskRelease(PageRelease):
     return np.where(never, _NEVER, lo)
 
 
-def mask_release(base: PageRelease, cfg: ModelConfig, *, draft: bool,
+def mask_release(base: PageRelease, cfg: ModelConfig, *, draft: Optional[ModelConfig],
                  layers: Optional[Sequence[int]] = None) -> PageRelease:
-  """`base` plus release from cfg's attention variants when every cache layer reading the
-  pages (`layers`, default all: a KV layer group's, kvjax/caches/groups.py) has a monotone
-  one with a mask and no draft model reads the pages; else `base` itself."""
+  """`base` plus release from the attention variants when every cache layer reading the
+  pages has a monotone one with a mask: cfg's `layers` (default all; a KV layer group's,
+  kvjax/caches/groups.py) and every layer of the `draft` model's config, which reads the
+  same pages through its own cache (None: no draft model); else `base` itself.  A page is
+  released only once every one of those masks hides it."""
   layers = range(cfg.num_cache_layers) if layers is None else layers
   variants = [cfg.variant_of_layer(layer) for layer in layers]
-  if draft or not all(v is not None and v.monotone and v.mask is not None
-                      for v in variants):
+  if draft is not None:
+    variants += [draft.variant_of_layer(layer) for layer in range(draft.num_cache_layers)]
+  if not all(v is not None and v.monotone and v.mask is not None for v in variants):
     return base
   masks = tuple(dict.fromkeys(v.mask for v in variants))
   return MaskRelease(base.page_size, base, masks, cfg.max_position_embeddings)
