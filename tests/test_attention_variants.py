@@ -14,6 +14,7 @@ import pytest
 import kvjax
 from kvjax.attention.backends import get_backend
 from kvjax.attention import variants
+from kvjax.attention.mla import mla_paged_attention
 from kvjax.attention.paged import paged_attention
 from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
 from kvjax.caches import PagedKVCache
@@ -209,12 +210,13 @@ def test_int8_pages_with_a_variant_agree_as_closely_as_without_one():
 
 
 def _pages_float64(q, keys, values, kv_lens, tables, rules):
-  """float64 paged attention of q [B, T, N, H] (padded rows) over keys / values [K, P, Z, H]
-  through tables, RULES' numpy rules applied in turn on the scaled scores -> [B, T, N, H]."""
-  b, t, n, h = q.shape
+  """float64 paged attention of q [B, T, N, H] (padded rows) over keys [K, P, Z, H] and
+  values [K, P, Z, Hv] through tables, RULES' numpy rules applied in turn on the scaled
+  scores -> [B, T, N, Hv]."""
+  b, t, n, _ = q.shape
   group = n // keys.shape[0]
   z = keys.shape[2]
-  out = np.zeros(q.shape)
+  out = np.zeros((b, t, n, values.shape[-1]))
   for row in range(b):
     s_len = kv_lens[row]
     j = np.arange(s_len)
@@ -276,3 +278,26 @@ def test_both_record():
   assert [int(x) for x in combined.kv_range(jnp.asarray(100))] == [93, 101]
   assert variants.both(window, soft_cap(3.0)).monotone  # a score hides nothing
   assert not variants.both(window, kvjax.AttentionVariant("m", mask=LANDMARK.mask)).monotone
+
+
+@pytest.mark.parametrize("t", [12, 2], ids=["blocked prefill", "decode gather"])
+@pytest.mark.parametrize("name", ["alibi", "landmark", "sinks_window"])
+def test_mla_latent_pages_apply_the_variant(pages, name, t):
+  """MLA's latent attention (one kv head whose keys are the whole row [R + Hr], values its
+  first R dims; query head n is score head n) under each rule against the float64 oracle."""
+  *_, tables = pages
+  kv_lens = np.array([310, 300, 280], np.int32)
+  rng = np.random.default_rng(2)
+  r, hr = 12, 4
+  latent = rng.normal(size=(2, 48, 8, r + hr)).astype(np.float32)  # [L, P, Z, R + Hr]
+  q = rng.normal(size=(3, t, 4, r + hr)).astype(np.float32)  # [B, T, N, R + Hr]
+  variant, rule = RULES[name]
+  got = mla_paged_attention(jnp.asarray(q), jnp.asarray(latent), jnp.asarray(kv_lens),
+                            jnp.asarray(tables), value_dim=r, sm_scale=0.3, layer=1,
+                            variant=variant)
+  entries = latent[1][None]  # [1, P, Z, R + Hr]
+  want = _pages_float64(q, entries, entries[..., :r], kv_lens, tables, (rule,))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  full = _pages_float64(q, entries, entries[..., :r], kv_lens, tables, ())
+  assert np.abs(want - full).max() > 1e-2, f"{name} changes nothing"
+

@@ -12,6 +12,7 @@ import transformers
 import kvjax
 from kvjax.caches import MLAPagedCache, create_paged_cache
 from kvjax.parallel import ledger
+from tests.test_attention_variants import BOTH, PROMPT
 
 # Dense: first_k_dense_replace = num_hidden_layers, so no layer is MoE.  Wide init
 # so greedy argmax margins dwarf float32 rounding.
@@ -105,3 +106,20 @@ def test_moe_checkpoint_is_refused_clearly(mla_pair, tmp_path):
   from kvjax.weights.hf_config import config_from_hf
   with pytest.raises(ValueError, match="MoE"):
     config_from_hf(hf)
+
+
+def test_a_variant_runs_on_every_mla_cache_path(mla_pair):
+  """Landmark + ALiBi (tests/test_attention_variants.py, whose float64 oracle holds MLA's
+  latent attention to each rule) on DeepSeek-V2: paged, contiguous and the Engine with a
+  prefix hit give the no-cache greedy, which the variant changes."""
+  _, model, _ = mla_pair("deepseek_v2")
+  prompts = [PROMPT + list(b"(n - 1)"), PROMPT + list(b"(n - 2)")]
+  want = kvjax.generate(model, prompts, 12, cache="none", attention=BOTH).tokens
+  assert want != kvjax.generate(model, prompts, 12, cache="none").tokens
+  for cache in ("paged", "contiguous"):
+    assert kvjax.generate(model, prompts, 12, cache=cache, page_size=8,
+                          attention=BOTH).tokens == want, cache
+  engine = kvjax.Engine(model, attention=BOTH, page_size=8, max_num_seqs=2, max_model_len=128)
+  got = [engine.generate([p], 12).tokens[0] for p in prompts]  # the second one hits
+  assert engine.stats().prefix_hit_tokens >= len(PROMPT) - 8
+  assert got == want

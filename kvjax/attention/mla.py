@@ -7,9 +7,8 @@ the output, attention is MQA over a single "kv head" whose keys are the whole
 row and whose values are its first R dims.  The latent pages themselves are
 kvjax/caches/mla.py.  Prefill chunks walk the table a block at a time, as
 paged GQA's do (kvjax/attention/blocked.py).  The layer's attention variant applies as on
-every path: the model's sliding window (an MLA layout refuses attention= variants, so
-that is all it gets; its query heads are one kv head's group, so a score would see them
-as heads 0..N-1).
+every path (its model window joined with an attention= variant): the query heads are
+one kv head's group, so a score's head index is the query head's own, 0..N-1.
 """
 from __future__ import annotations
 

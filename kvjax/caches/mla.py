@@ -53,7 +53,7 @@ class MLAPagedCache(PagedLayout):
   def attend(self, layer: int, q, k, v, batch: StepBatch, *, sm_scale: float,
              backend: Backend, variant: Optional[AttentionVariant] = None):
     """q [B, T, N, R + Hr], k [B, T, 1, R + Hr]; v is k[..., :R] and is not stored;
-    `variant`: the layer's (its model window: the layout refuses attention= variants)."""
+    `variant`: the layer's (its model window joined with an attention= variant)."""
     del v
     backend.check_mla()
     cache = self.write(layer, k[:, :, 0], batch)
@@ -80,4 +80,4 @@ def _contiguous(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
 
 register(KVLayout("latent", latent_arrays, MLAPagedCache, attention="mla", default=True,
                   check_backend=Backend.check_mla, contiguous=_contiguous,
-                  prefill_full_width=True))
+                  prefill_full_width=True, variants=True))
