@@ -28,6 +28,7 @@ from experiments import common
 from pallas_kernels import mosaic_decode
 from pallas_kernels import paged_attention as rpa_lib
 from pallas_kernels import spec_verify
+from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/kernel_bench.py", "experiment config", lock_config=True)
@@ -84,7 +85,7 @@ def mosaic_probe(cfg):
     tables = jnp.asarray(rng.permutation(b * pps).reshape(b, pps), jnp.int32)
     lens, cu = jnp.full((b,), pps * ps, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
     got = mosaic_decode.mosaic_paged_decode(q, k, v, tables, sm_scale=sm_scale)
-    want = rpa_lib.ragged_paged_attention_reference(q, k, v, lens, tables, cu,
+    want = ragged_paged_attention_reference(q, k, v, lens, tables, cu,
                                                     sm_scale=sm_scale)
     out["max_err_vs_reference"] = _err(got, want)
   except Exception as e:  # pylint: disable=broad-except
@@ -133,6 +134,14 @@ def _tune_kwargs(entry):
   return dict(pages_per_block=ppb, pages_per_split=pps, num_warps=warps, num_stages=stages)
 
 
+def _window40(q_pos, kv_pos):  # a 40-key sliding window, as kvjax's variant states it
+  return kv_pos > q_pos - 40
+
+
+def _window40_range(q_pos):  # the pages behind the window are skipped, not masked
+  return q_pos - 39, q_pos + 1
+
+
 def _err(a, b):
   return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
@@ -153,7 +162,7 @@ def run_checks(cfg, sm_scale):
   n, kh, hd, ps = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
   rpa = functools.partial(rpa_lib.ragged_paged_attention, sm_scale=sm_scale,
                           interpret=cfg.interpret)
-  ref = functools.partial(rpa_lib.ragged_paged_attention_reference, sm_scale=sm_scale)
+  ref = functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale)
   q_lens = np.array([1, 4, 0, 7, 1, 1, 16, 1, 0, 3, 130, 1], np.int32)
   kv_lens = np.array([17, 16, 5, 40, 1, 15, 16, 33, 0, 31, 300, 1000], np.int32)
   pps = -(-kv_lens.max() // ps)
@@ -177,10 +186,10 @@ def run_checks(cfg, sm_scale):
                 rpa_kv_swapped_max_err=_err(rpa(q, v, k, *meta), want),  # must be large
                 rpa_batch_invariance_max_diff=_err(alone, full[cu[s]:cu[s + 1]]))
 
-  def window_cap():
-    kw = dict(sliding_window=40, soft_cap=20.0)
-    return dict(rpa_window40_cap20_max_err=_err(rpa(q, k, v, *meta, **kw),
-                                                ref(q, k, v, *meta, **kw)))
+  def window_cap():  # the window as kvjax passes it: position rules
+    kw = dict(mask_fn=_window40, soft_cap=20.0)
+    return dict(rpa_window40_cap20_max_err=_err(
+        rpa(q, k, v, *meta, kv_range_fn=_window40_range, **kw), ref(q, k, v, *meta, **kw)))
 
   def int8():
     k8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
@@ -241,7 +250,7 @@ def run_checks(cfg, sm_scale):
               jnp.array([0, 1, 5, 12], jnp.int32))
       res[f"shapes_hd{hd2}_page{ps2}_max_err"] = _err(
           rpa_lib.ragged_paged_attention(*args, sm_scale=hd2 ** -0.5, interpret=cfg.interpret),
-          rpa_lib.ragged_paged_attention_reference(*args, sm_scale=hd2 ** -0.5))
+          ragged_paged_attention_reference(*args, sm_scale=hd2 ** -0.5))
     return res
 
   _guarded(out, "rpa_mixed", mixed)

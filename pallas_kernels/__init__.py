@@ -3,8 +3,9 @@
 Each module holds a kernel, its jitted wrapper and a pure-jnp reference (paged
 attention's reference and input contract sit beside it, in their own file):
   paged_attention  ragged paged attention (decode, speculative verify, chunked
-                   prefill in one call; GQA packing, int8 KV, sliding window,
-                   soft cap, batch-invariant split-K); paged_attention_reference
+                   prefill in one call; GQA packing, int8 KV, position rules
+                   (mask / score / kv_range: windows, sinks, ALiBi), soft cap,
+                   batch-invariant split-K); paged_attention_reference
   spec_verify      fused rejection-sampling verification (claim C10)
   mosaic_decode    full-context paged decode in Mosaic GPU (Hopper: TMA page
                    ring, wgmma); Mosaic GPU is imported on first use

@@ -6,8 +6,9 @@ paged_attention_reference.py holds the input contract both check and the pure-jn
 oracle (`ragged_paged_attention_reference`), with the same shapes.
 
 Semantics.  Query token i of sequence s (of q_len_s tokens) sits at position
-p = kv_lens[s] - q_len_s + i and sees key j iff j <= p and, with a window W,
-j > p - W, and mask_fn(p, j) where an attention variant gives one.  Scores are
+p = kv_lens[s] - q_len_s + i and sees key j iff j <= p and mask_fn(p, j) where an
+attention variant gives one (a sliding window is such a variant: j > p - W, with
+kv_range_fn p -> (p - W + 1, p + 1) so the walk skips the pages behind it).  Scores are
 sm_scale * q.k, then soft_cap * tanh(score / soft_cap), then score_fn(score, p, j,
 query head n) where given; int8 K/V are dequantized as value * scale (per token,
 per kv head).  Tokens at or past cu_q_lens[-1] are padding and come back as zeros;
@@ -31,9 +32,9 @@ head, H head_dim, P pages, Z page size, S key positions).
     invariance).  Partials (unnormalized f32 accumulator, running max, running
     sum) are merged by log-sum-exp in the wrapper.
   * Each program loops only over the pages that intersect [first key any of
-    its rows can see, last row's position] within its chunk: causal limits and
-    the sliding window skip whole pages; the mask handles the ragged edges.  A
-    variant's kv_range_fn narrows that range the same way; its mask_fn is
+    its rows can see, last row's position] within its chunk: causal limits skip
+    whole pages; the mask handles the ragged edges.  A variant's kv_range_fn
+    (a window's) narrows that range the same way; its mask_fn is
     evaluated per step (positions only, before any load), and a step it hides
     from every row of the tile reads no page (lax.cond).
   * Pages are gathered inside the kernel through the block table (vector page
@@ -117,7 +118,6 @@ def _rpa_kernel(
     *rest,
     sm_scale: float,
     soft_cap: Optional[float],
-    sliding_window: Optional[int],
     rules: TileRules,
     group: int,
     block_q: int,
@@ -151,8 +151,6 @@ def _rpa_kernel(
   chunk_lo = split * (pages_per_split * page_size)
   chunk_hi = chunk_lo + pages_per_split * page_size
   lo = chunk_lo
-  if sliding_window is not None:
-    lo = jnp.maximum(lo, pos0 - sliding_window + 1)
   hi = jnp.minimum(chunk_hi, pos0 + n_rows)  # exclusive; n_rows 0 -> empty
   if rules.kv_range is not None:  # the variant's hint narrows the page walk
     col_pos = pos0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [block_q]
@@ -202,8 +200,6 @@ def _rpa_kernel(
     key = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     key_ok = (key >= chunk_lo) & (key < hi)  # [block_k]
     mask = key_ok[None, :] & row_ok[:, None] & (key[None, :] <= row_pos[:, None])
-    if sliding_window is not None:
-      mask = mask & (key[None, :] > row_pos[:, None] - sliding_window)
     if rules.mask is None:
       return attend(pages, key, key_ok, mask, carry)
     mask = mask & rules.mask(mask_consts, row_pos[:, None], key[None, :])[0].astype(bool)
@@ -259,7 +255,7 @@ def _tile_metadata(cu_q_lens, kv_lens, num_tiles, block_q):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_fn", "score_fn",
+    static_argnames=("sm_scale", "soft_cap", "mask_fn", "score_fn",
                      "kv_range_fn", "interpret",
                      "block_q", "pages_per_block", "pages_per_split",
                      "num_warps", "num_stages"))
@@ -272,7 +268,6 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # [B + 1] int32
     *,
     sm_scale: float,
-    sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
     v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
@@ -296,7 +291,7 @@ def ragged_paged_attention(
   hides from the whole tile reads no page.
   """
   quantized = check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                            sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+                            sm_scale, soft_cap, k_scales, v_scales)
   check_rules(mask_fn, score_fn, kv_range_fn)
   total_q, num_q_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -318,7 +313,7 @@ def ragged_paged_attention(
   kernel = functools.partial(
       _rpa_kernel, sm_scale=float(sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
-      sliding_window=sliding_window, rules=rules, group=group, block_q=block_q,
+      rules=rules, group=group, block_q=block_q,
       pages_per_block=pages_per_block, pages_per_split=pages_per_split,
       quantized=quantized)
   in_specs, operands = _kernel_inputs(meta, tables, q_t, k_pages, v_pages,

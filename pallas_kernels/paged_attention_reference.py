@@ -53,7 +53,7 @@ def check_q_and_pages(q, k_pages, v_pages, q_rows: str = "total_q_tokens"):
 
 
 def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                  sm_scale, sliding_window, soft_cap, k_scales, v_scales):
+                  sm_scale, soft_cap, k_scales, v_scales):
   check_q_and_pages(q, k_pages, v_pages)
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   if not 8 <= page_size <= 128:
@@ -75,9 +75,6 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                      f"({num_seqs + 1},)")
   if not isinstance(sm_scale, (int, float)):
     raise ValueError(f"sm_scale must be a static Python float, got {sm_scale!r}")
-  if sliding_window is not None and (not isinstance(sliding_window, int)
-                                     or sliding_window < 1):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
   if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
     raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")
   quantized = k_pages.dtype == jnp.int8
@@ -97,8 +94,7 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
   return quantized
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "mask_fn", "score_fn"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "mask_fn", "score_fn"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, P, Z, H]
@@ -108,7 +104,6 @@ def ragged_paged_attention_reference(
     cu_q_lens: jax.Array,  # [B + 1] int32
     *,
     sm_scale: float,
-    sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     k_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
     v_scales: Optional[jax.Array] = None,  # [K, P, Z] f32
@@ -125,7 +120,7 @@ def ragged_paged_attention_reference(
   Any head_dim and page_size are accepted.
   """
   check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                sm_scale, sliding_window, soft_cap, k_scales, v_scales)
+                sm_scale, soft_cap, k_scales, v_scales)
   check_rules(mask_fn, score_fn, None)
   total_q, num_q_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -159,8 +154,6 @@ def ragged_paged_attention_reference(
     if score_fn is not None:
       s = jnp.broadcast_to(score_fn(s, pos, key, heads), s.shape).astype(f32)
     mask = key <= pos
-    if sliding_window is not None:
-      mask = mask & (key > pos - sliding_window)
     if mask_fn is not None:
       mask = mask & jnp.broadcast_to(mask_fn(pos, key), mask.shape).astype(bool)
     s = jnp.where(mask, s, -jnp.inf)

@@ -103,7 +103,7 @@ def brute_force(pb: Problem, *, window=None, soft_cap=None, pos_shift=0):
 def run_both(pb: Problem, **kw):
   kernel = ragged_paged_attention(*pb.args(), sm_scale=SCALE, interpret=True,
                                   **pb.scales(), **kw)
-  ref_kw = {k: v for k, v in kw.items() if k in ("sliding_window", "soft_cap")}
+  ref_kw = {k: v for k, v in kw.items() if k in ("soft_cap", "mask_fn", "score_fn")}
   ref = ragged_paged_attention_reference(*pb.args(), sm_scale=SCALE, **pb.scales(),
                                          **ref_kw)
   return np.asarray(kernel, np.float64), np.asarray(ref, np.float64)
@@ -175,8 +175,10 @@ def test_prefill_only():
 
 @pytest.mark.parametrize("window", [1, 5, 20])
 def test_sliding_window(window):
+  """A window as position rules: the mask, and the range that skips the pages behind it."""
   pb = make_problem(**MIXED, seed=5)
-  kernel, ref = run_both(pb, sliding_window=window, pages_per_split=1)
+  kernel, ref = run_both(pb, mask_fn=lambda p, j: j > p - window,
+                         kv_range_fn=lambda p: (p - window + 1, p + 1), pages_per_split=1)
   want = brute_force(pb, window=window)
   assert_close(kernel, want, F32_TOL, "kernel")
   assert_close(ref, want, F32_TOL, "reference")
