@@ -3,7 +3,10 @@
   switched (small decode batches, Ae = Bt Ke <= Ne assignments): per assignment a
       `jax.lax.switch` on its expert id whose branch e runs expert e's gated MLP
       on the one token: only the chosen experts' weights are read (a batch-1
-      step reads Ke experts, not Ne), each in place.
+      step reads Ke experts, not Ne), each in place.  On a CPU whose last-level
+      cache holds a dense model of the same active size but not all Ne experts,
+      those reads mostly come from DRAM: what bounds a small MoE's batch-1 step
+      there (experiments/moe_bench.py's cache section).
   grouped (prefill, big batches): the Ae (token, expert) assignments sorted by
       expert, `jax.lax.ragged_dot` over the stacked experts with the group sizes
       from the routing (each row's biases gathered by its expert), the outputs
