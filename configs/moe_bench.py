@@ -3,7 +3,8 @@
 MoE vs a dense model with the same active parameters, bytes per step from the HLO,
 the switched vs grouped expert paths of one layer.
 `get_config("runlocal")` shrinks it to a smoke run and writes
-results/moe_bench_runlocal.*, never the committed results.
+results/moe_bench_runlocal.*, never the committed results; `get_config("gpu")` is
+experiments/run_moe_device.sh's (prefill-sized grouped matmuls, tokamax's kernels).
 """
 import ml_collections
 
@@ -11,7 +12,7 @@ import ml_collections
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.repeats = 5  # median of interleaved timed runs per variant
+  config.repeats = 9  # median of interleaved timed runs per variant (a shared 2-core VM: noisy)
   # The MoE: top-2 of 16 experts of width 512 in every layer; its dense twin has
   # intermediate_size = 2 x 512, so the same active parameters (+ the router).
   config.vocab_size = 512
@@ -26,6 +27,7 @@ def get_config(arg=None):
   config.prompt_len = 16
   config.new_tokens = 32  # decode steps per timed generate (tpot = their mean)
   config.page_size = 16
+  config.grouped_tokens = 64  # a prefill chunk's tokens for the grouped-matmul records
   config.goal_ratio = 1.3  # MoE tpot / dense tpot at batch 1 (issue 30's goal)
   config.out_dir = "results"
   config.name = "moe_bench"
@@ -34,4 +36,7 @@ def get_config(arg=None):
     config.num_layers = 2
     config.new_tokens = 8
     config.name = "moe_bench_runlocal"
+  if arg == "gpu":
+    config.grouped_tokens = 4096
+    config.name = "moe_bench_gpu"
   return config
