@@ -93,8 +93,10 @@ def section_paths(c, built: dict) -> dict:
           for name, path in (("switched", switched_experts), ("grouped", grouped_experts))}
   timings = common.interleaved(runs, c.repeats, inner=20, block=jax.block_until_ready)
   seconds = timings.medians()
-  np.testing.assert_allclose(timings.first_results["switched"], timings.first_results["grouped"],
-                             rtol=1e-4, atol=1e-5)
+  grouped = np.asarray(timings.first_results["grouped"])
+  # float32 sums in another order: the error grows with the outputs' scale (wide layers)
+  np.testing.assert_allclose(timings.first_results["switched"], grouped, rtol=1e-4,
+                             atol=1e-5 * max(1.0, float(np.abs(grouped).max())))
   return {"seconds": seconds, "grouped_over_switched": seconds["grouped"] / seconds["switched"]}
 
 
