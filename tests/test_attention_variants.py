@@ -19,6 +19,7 @@ from kvjax.attention.paged import paged_attention
 from kvjax.attention.variants import sinks_window, sliding_window, soft_cap
 from kvjax.caches import PagedKVCache
 from kvjax.runtime.step_batch import make_step_batch
+from tests import engine_helpers
 from tests.test_blocked_attention import _brute_force, pages  # noqa: F401 (a fixture)
 
 
@@ -301,3 +302,19 @@ def test_mla_latent_pages_apply_the_variant(pages, name, t):
   full = _pages_float64(q, entries, entries[..., :r], kv_lens, tables, ())
   assert np.abs(want - full).max() > 1e-2, f"{name} changes nothing"
 
+
+
+@pytest.mark.parametrize("speculative", [None, "mtp"])
+def test_engine_under_preemption_and_mtp_drafts_applies_the_variant(speculative):
+  """A pool too small for three requests at once (preempted, resumed) and MTP drafts
+  verified under landmark + ALiBi give the no-cache greedy, which the variant changes."""
+  model = engine_helpers.mtp_model()  # 'tiny': 4 query heads, as SLOPES
+  prompts = engine_helpers.prompts(3, seed=4, lengths=(40, 48))
+  want = _no_cache_greedy(model, prompts, 24)
+  assert want != kvjax.generate(model, prompts, 24, cache="none").tokens
+  engine = kvjax.Engine(model, attention=BOTH, speculative=speculative, page_size=8,
+                        max_num_seqs=3, num_pages=14, max_model_len=96)
+  assert engine.generate(prompts, 24).tokens == want
+  assert engine.scheduler.num_preemptions > 0
+  if speculative:
+    assert max(engine.steps.num_draft) > 0
