@@ -211,8 +211,7 @@ def test_one_group_keeps_the_one_pool():
   assert not isinstance(eng.state.cache, GroupedKVCache) and len(eng.scheduler.groups) == 1
 
 
-@pytest.mark.parametrize("option, value", [("speculative", "ngram"),
-                                           ("backend", "pallas_interpret"),
+@pytest.mark.parametrize("option, value", [("backend", "pallas_interpret"),
                                            ("kv_dtype", "int4")])
 def test_what_groups_do_not_cover_yet_is_refused_by_name(option, value):
   with pytest.raises(ValueError, match=option if option != "kv_dtype" else "int4"):
