@@ -59,8 +59,9 @@ def _live(pages) -> int:
 
 
 def _checked(eng) -> list:
-  """Every group's invariants checked after every schedule and every step; per scheduled
-  row, (positions it writes, sliding pages, global pages, its end position)."""
+  """Every group's invariants checked after every schedule and every step (and after a step,
+  each running request's tables cover its tokens, no more); per scheduled row, (positions
+  it writes, sliding pages, global pages, its end position)."""
   held, schedule, step = [], eng.scheduler.schedule, eng.step
 
   def schedule_and_record(*args, **kwargs):
@@ -73,6 +74,9 @@ def _checked(eng) -> list:
   def step_and_check():
     outputs = step()
     eng.scheduler.check_invariants()
+    for group in eng.scheduler.groups:  # no group keeps a page reserved for a rejected draft
+      assert all(len(group.table(r)) <= group.pages_for(r.num_tokens)
+                 for r in eng.scheduler.running)
     return outputs
 
   eng.scheduler.schedule, eng.step = schedule_and_record, step_and_check
