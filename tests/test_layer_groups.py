@@ -211,12 +211,22 @@ def test_one_group_keeps_the_one_pool():
   assert not isinstance(eng.state.cache, GroupedKVCache) and len(eng.scheduler.groups) == 1
 
 
-@pytest.mark.parametrize("option, value", [("speculative", "ngram"),
-                                           ("backend", "pallas_interpret"),
-                                           ("kv_dtype", "int4")])
-def test_what_groups_do_not_cover_yet_is_refused_by_name(option, value):
-  with pytest.raises(ValueError, match=option if option != "kv_dtype" else "int4"):
-    kvjax.Engine(_model(), **{**ENGINE, option: value})
+def test_what_groups_do_not_cover_yet_is_refused_by_name():
+  with pytest.raises(ValueError, match="int4"):
+    kvjax.Engine(_model(), **{**ENGINE, "kv_dtype": "int4"})
+
+
+def test_the_pallas_kernel_reads_each_group_through_its_table():
+  """The kernel needs pages of 8 or more: window 16, pages of 8, and n-gram verify steps."""
+  model = _model((16, 16, None, 16))
+  prompts = [LONG * 2, LONG[5:] * 2]  # longer than the window: the sliding group recycles
+  want = kvjax.generate(model, prompts, 30, cache="none").tokens
+  for speculative in (None, "ngram"):
+    eng = kvjax.Engine(model, **{**ENGINE, "page_size": 8, "max_num_batched_tokens": 32,
+                                 "backend": "pallas_interpret", "speculative": speculative})
+    _record_groups(eng)
+    assert eng.generate(prompts, 30).tokens == want
+    assert [g.allocator.num_used for g in eng.scheduler.groups] == [0, 0]
 
 
 # -- the ledger: bytes per request from the groups, equal to the allocated pools ------------

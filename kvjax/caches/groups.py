@@ -9,12 +9,13 @@ lets a group free what its own layers no longer read (vLLM's hybrid KV-cache man
 keeps one block pool per KVCacheGroupSpec the same way).
 
 `layer_groups(cfg)` is the one place the groups are declared: cfg's cache layers grouped
-by (window, variant), in order of their first layer; a model whose layers all attend
-alike has one group (and the engine keeps its plain one-pool cache).  `GroupedKVCache`
-holds one `PagedKVCache` per group, of that group's layers and its own number of pages;
-a step's StepBatch carries one block table per group (`group_tables`), and layer l
-reads and writes its group's pool, at its index within the group, through its group's
-table.  Page 0 of every pool is the null page (kvjax/caches/paged.py).
+by (window, variant), in order of their first layer (with MTP drafting, the MTP modules'
+layers too, each in its window's group: the model's `sliding_window`, none for Gemma 3);
+a model whose layers all attend alike has one group (and the engine keeps its plain
+one-pool cache).  `GroupedKVCache` holds one `PagedKVCache` per group, of that group's
+layers and its own number of pages; a step's StepBatch carries one block table per group
+(`group_tables`), and layer l reads and writes its group's pool, at its index within the
+group, through its group's table.  Page 0 of every pool is the null page (kvjax/caches/paged.py).
 """
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ class LayerGroup:
   layers: tuple
 
 
-def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
-  """cfg's trunk cache layers grouped by (window, variant), in order of first layer."""
+def layer_groups(cfg: ModelConfig, with_mtp: bool = False) -> tuple[LayerGroup, ...]:
+  """cfg's cache layers (the trunk's, and with_mtp the MTP modules' after them) grouped by
+  (window, variant), in order of first layer."""
   layers_of: dict = {}
-  for layer in range(cfg.cache_layers(False)):
+  for layer in range(cfg.cache_layers(with_mtp)):
     key = (cfg.window_of_layer(layer), cfg.variant_of_layer(layer))
     layers_of.setdefault(key, []).append(layer)
   return tuple(LayerGroup(window, variant, tuple(layers))
@@ -68,6 +70,11 @@ class GroupedKVCache:
         index, q, k, v, batch.replace(block_tables=batch.group_tables[group]), **options)
     return self.replace(pools=self.pools[:group] + (pool,) + self.pools[group + 1:]), out
 
+  def keep_accepted(self, batch: StepBatch, accepted) -> "GroupedKVCache":
+    """After verifying drafts: nothing to undo in any group's pages, since the host's
+    lengths and each group's block table drop the rejected positions (PagedKVCache's)."""
+    return self
+
   def cleared(self, pages: tuple, slots) -> "GroupedKVCache":
     """pages[g] (page ids) zeroed in group g's pool (kvjax/caches/paged.py
     clear_cache_pages: a failed request's)."""
@@ -87,11 +94,12 @@ def check_grouped_layout(kv_dtype, cfg: ModelConfig) -> KVLayout:
 
 def create_grouped_cache(cfg: ModelConfig, kv_dtype, num_slots: int,
                          group_pages: Sequence[int], page_size: int,
-                         dtype) -> GroupedKVCache:
-  """Empty pools for cfg's layer groups, group g of group_pages[g] pages (null page
-  included), in kv_dtype's layout at model dtype `dtype`."""
+                         dtype, with_mtp: bool = False) -> GroupedKVCache:
+  """Empty pools for cfg's layer groups (with_mtp: the MTP modules' layers in theirs),
+  group g of group_pages[g] pages (null page included), in kv_dtype's layout at model
+  dtype `dtype`."""
   layout = check_grouped_layout(kv_dtype, cfg)
-  groups = layer_groups(cfg)
+  groups = layer_groups(cfg, with_mtp)
   if len(group_pages) != len(groups):
     raise ValueError(f"group_pages has {len(group_pages)} entries for {len(groups)} layer "
                      "groups")

@@ -98,7 +98,9 @@ class EngineConfig:
       layers).  A model whose layers all attend alike has one group: nothing changes.
       The prefix cache works per group (a hit resumes where every group still caches
       the blocks its layers read; kvjax/engine/sched/group_pages.py), by whole blocks only.
-      Not yet with prefix_match="token", speculation, a backend other than "reference", a
+      Speculation ("ngram", "mtp": the MTP modules' layers join their window's group)
+      verifies through every group's pages, on any backend (a layer's group pool and
+      table go to its attention).  Not yet with a draft model, prefix_match="token", a
       mesh, or layouts other than float and int8 pages (each refused by name).
   """
 
@@ -237,7 +239,8 @@ class EngineConfig:
   def layer_groups(self, cfg: ModelConfig) -> tuple:
     """cfg's KV layer groups when the engine keeps a pool per group (kv_groups and more
     than one group; kvjax/caches/groups.py), else ()."""
-    groups = layer_groups(cfg) if self.kv_groups else ()
+    # MTP modules draft through cache layers of their own, each in its window's group.
+    groups = layer_groups(cfg, self.speculative == "mtp") if self.kv_groups else ()
     return groups if len(groups) > 1 else ()
 
   def _group_releases(self, cfg: ModelConfig) -> list:
@@ -261,10 +264,15 @@ class EngineConfig:
     if not self.layer_groups(cfg):
       return
     check_grouped_layout(self.kv_dtype, cfg)
+    if backend.mesh is not None:  # the group pools are not sharded
+      raise ValueError("kv_groups does not support a model on a mesh (tensor, expert or "
+                       "data parallelism) yet")
+    if self.draft_model is not None:  # its one pool follows group 0's table only
+      raise ValueError("kv_groups does not support a draft model (speculative=kvjax.Model) "
+                       "yet: its KV pages would need a pool and block table per group of "
+                       "its own layers; use speculative='ngram' or 'mtp'")
     for name, value, ok in (("prefix_match", self.prefix_match,
                              not self.prefix_cache or self.prefix_match == "block"),
-                            ("speculative", self.speculative, self.speculative is None),
-                            ("backend", backend.name, backend.name == "reference"),
                             ("batch_invariant", self.batch_invariant, not self.batch_invariant)):
       if not ok:
         raise ValueError(f"kv_groups does not support {name}={value!r} yet")

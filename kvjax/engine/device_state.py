@@ -32,7 +32,8 @@ def initial_state(model, config: EngineConfig, pool_sizes: Sequence[int],
   slots = config.max_num_seqs + 1
   if config.layer_groups(cfg):
     cache = create_grouped_cache(cfg, config.kv_dtype, slots, list(pool_sizes),
-                                 config.page_size, model.dtype)
+                                 config.page_size, model.dtype,
+                                 with_mtp=config.speculative == "mtp")
   else:
     cache = create_paged_cache(
         cfg, config.kv_dtype, slots, config.num_pages, config.page_size, model.dtype,

@@ -6,7 +6,9 @@ group of layers that attend alike; an engine without groups has one.  The schedu
 every group at once: it is admitted, given pages, preempted and released in all groups
 together (a request short of pages in any group waits or preempts), while each group frees
 the pages its own layers no longer read by its release rule
-(kvjax/engine/sched/request_pages.py).
+(kvjax/engine/sched/request_pages.py).  After a verify step (speculation) each group rolls
+back the pages it reserved for rejected drafts and releases only what the window of the
+accepted position no longer sees (`settle`), since the next step's queries start there.
 
 The prefix cache, per group: every group caches the pages of its own layers in its own
 PrefixCache, all under the one hash chain of a request's full blocks (so a LoRA adapter's
