@@ -30,9 +30,6 @@ from pallas_kernels import paged_attention as rpa_lib
 from pallas_kernels import spec_verify
 from pallas_kernels.paged_attention_reference import ragged_paged_attention_reference
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/kernel_bench.py", "experiment config", lock_config=True)
-
 
 def _timeit(cfg, fn, *args):
   """Median seconds per call over cfg.repeats runs of cfg.inner back-to-back calls."""
@@ -425,4 +422,8 @@ def main(_):
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: tests import launchers side by side, and absl allows
+  # one --config per process.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/kernel_bench.py", "experiment config", lock_config=True)
   app.run(main)

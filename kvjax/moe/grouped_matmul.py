@@ -1,8 +1,9 @@
 """The grouped expert path's ragged matmul as capability records, chosen by name (as the
 attention backends are, kvjax/attention/backends.py).
 
-  ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N]: row block g
-      (the group_sizes[g] rows after the earlier groups' rows) of lhs times rhs[g].
+  ragged_dot(lhs [Ae, D], rhs [Ne, D, Fe], group_sizes [Ne] int32) -> [Ae, Fe]: row
+      block e (the group_sizes[e] rows after the earlier experts' rows) of lhs times
+      rhs[e] (the down projection alike, D and Fe swapped).
 
 Built-in names (ModelConfig.moe_grouped_matmul):
   xla      jax.lax.ragged_dot: grouped kernels on TPU; XLA:CPU, and XLA:GPU for some
