@@ -15,7 +15,7 @@ from kvjax.attention.backends import Backend, get_backend, invariant, on_mesh
 from kvjax.attention.variants import BUILT_IN_NAMES, parse_variant_name
 from kvjax.caches import KVLayout, check_cache_support, check_hybrid_engine, get_layout
 from kvjax.caches.groups import check_grouped_layout, layer_groups
-from kvjax.caches.layout import PageRelease
+from kvjax.caches.layout import PageRelease, with_layout_variant
 from kvjax.engine.sched.mask_release import mask_release
 from kvjax.engine.sched.ngram import DEFAULT_NGRAM_N, check_ngram
 from kvjax.engine.validation import check_int
@@ -153,6 +153,10 @@ class EngineConfig:
     config._check_layout(layout)
     config = config._resolve_drafts(model)
     draft = config.draft_model
+    if draft is not None and hasattr(draft, "config"):
+      # Its cache reads the same pages, so an alias kv_dtype's variant runs there too.
+      draft = with_layout_variant(draft, self.kv_dtype)
+      config = dataclasses.replace(config, speculative=draft)
     if draft is not None:
       if not (hasattr(draft, "config") and hasattr(draft, "params")):
         raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "

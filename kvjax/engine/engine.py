@@ -89,9 +89,6 @@ class Engine:
     config = dataclasses.replace(config or EngineConfig(), **options)
     # Its config carries the variant (attention=, or an alias kv_dtype's such as "streaming").
     model = with_layout_variant(with_attention(model, config.attention), config.kv_dtype)
-    if config.draft_model is not None:  # its cache reads the same pages: the alias's variant
-      config = dataclasses.replace(
-          config, speculative=with_layout_variant(config.draft_model, config.kv_dtype))
     config = config.resolve(model)
     cfg = model.config
     self.loras = Adapters(config.max_loras, config.max_lora_rank)
