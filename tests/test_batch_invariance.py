@@ -6,9 +6,10 @@ over a gathered copy, with EngineConfig(batch_invariant=True); on the default mo
 a wider float32 random model, where XLA:CPU picks GEMM kernels by row count.
 
 The oracle is the request run alone (no other request, the prompt in one chunk, a cold
-cache).  Without the flag the same comparison breaks on at least one path (the one
-the flag exists for); the paths already invariant without it are named in PLAIN_INVARIANT
-and checked as such.
+cache).  Without the flag the same comparison breaks on at least one path of the wide
+model (the one the flag exists for; the default model's narrow dots may be invariant
+without it, as on an AVX-512 CPU); the paths already invariant without it are named in
+PLAIN_INVARIANT and checked as such.
 """
 from __future__ import annotations
 
@@ -104,7 +105,10 @@ def test_without_the_flag_some_path_breaks_and_the_named_ones_hold(name):
   alone = _run(name, ALONE, False)
   same = {path for path, shape in PATHS.items() if _same(_run(name, shape, False), alone)}
   assert same >= set(PLAIN_INVARIANT), f"plain invariant paths: {sorted(same)}"
-  assert same != set(PATHS), "every path is invariant without the flag: it needs no flag"
+  # The wide model's dots make XLA:CPU choose GEMM kernels by row count on every CPU seen;
+  # the default model's narrow ones stayed invariant on an AVX-512 EPYC without the flag.
+  if name == "wide":
+    assert same != set(PATHS), "every path is invariant without the flag: it needs no flag"
 
 
 def test_what_batch_invariant_cannot_cover_is_refused_by_name():
