@@ -43,7 +43,7 @@ def _groups(seed: int, m: int = 24, g: int = 6):
 
 
 def test_the_config_names_the_records():
-  assert set(config_module.GROUPED_MATMULS) == set(GROUPED_MATMULS)
+  assert set(config_module.GROUPED_MATMUL_NAMES) == set(GROUPED_MATMULS)
   with pytest.raises(ValueError, match="moe_grouped_matmul 'cutlass'"):
     get_grouped_matmul("cutlass")
   with pytest.raises(ValueError, match="moe_grouped_matmul 'cutlass'"):

@@ -153,15 +153,14 @@ class EngineConfig:
     config._check_layout(layout)
     config = config._resolve_drafts(model)
     draft = config.draft_model
-    if draft is not None and hasattr(draft, "config"):
-      # Its cache reads the same pages, so an alias kv_dtype's variant runs there too.
-      draft = with_layout_variant(draft, self.kv_dtype)
-      config = dataclasses.replace(config, speculative=draft)
     if draft is not None:
       if not (hasattr(draft, "config") and hasattr(draft, "params")):
         raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
                          f"{type(draft).__name__}")
       spec.check_draft_model(cfg, draft.config, config.num_draft)
+      # Its cache reads the same pages, so an alias kv_dtype's variant runs there too.
+      config = dataclasses.replace(config,
+                                   speculative=with_layout_variant(draft, self.kv_dtype))
     elif self.speculative not in (None, "mtp", "ngram"):
       raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a kvjax.Model, got "
                        f"{self.speculative!r}")

@@ -28,7 +28,7 @@ DTYPE_SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU, GeGLU (tanh GELU)
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
-GROUPED_MATMULS = ("xla", "tokamax")  # kvjax/moe/grouped_matmul.py's records
+GROUPED_MATMUL_NAMES = ("xla", "tokamax")  # kvjax/moe/grouped_matmul.py's record names
 
 
 def short_dtype_name(name):
@@ -210,9 +210,9 @@ class ModelConfig:
     if self.expert_activation not in EXPERT_ACTIVATIONS:
       raise ValueError(f"unknown expert_activation {self.expert_activation!r}; use one of "
                        f"{EXPERT_ACTIVATIONS}")
-    if self.moe_grouped_matmul not in GROUPED_MATMULS:
+    if self.moe_grouped_matmul not in GROUPED_MATMUL_NAMES:
       raise ValueError(f"unknown moe_grouped_matmul {self.moe_grouped_matmul!r}; use one of "
-                       f"{GROUPED_MATMULS}")
+                       f"{GROUPED_MATMUL_NAMES}")
     if ne % groups or not self.moe_topk_groups <= groups or (groups > 1 and ne // groups < 2):
       raise ValueError(f"num_experts={ne} does not split into moe_num_groups={groups} groups "
                        f"of >= 2 experts with moe_topk_groups={self.moe_topk_groups} <= groups")
